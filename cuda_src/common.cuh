@@ -1,0 +1,59 @@
+// Types and helpers shared by every kernel of cupy_paged.
+//
+// Each specialization is compiled with -DSCALAR_T=__half or -DSCALAR_T=__nv_bfloat16
+// (see cupy_paged/_compiler.py); kernels are extern "C" so CuPy finds them by name.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+
+namespace cp {
+
+// NVRTC has no <stdint.h>; these are the fixed-width types the kernels use.
+using u32 = unsigned int;
+using u64 = unsigned long long;
+static_assert(sizeof(u32) == 4 && sizeof(u64) == 8, "unexpected integer widths");
+
+// One 16-byte vector: eight 2-byte elements, the unit of every global load and store.
+struct alignas(16) Vec8 {
+  uint4 raw;
+};
+constexpr int kVecElems = 8;
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two packed 2-byte values <-> two floats.
+__device__ __forceinline__ float2 to_float2(u32 packed, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+}
+__device__ __forceinline__ float2 to_float2(u32 packed, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+}
+__device__ __forceinline__ u32 from_float2(float a, float b, __half) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<u32*>(&h);
+}
+__device__ __forceinline__ u32 from_float2(float a, float b, __nv_bfloat16) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<u32*>(&h);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+}  // namespace cp

@@ -1,0 +1,46 @@
+"""Launch glue of ``cuda_src/kv_write.cu`` (``write_kv_cache`` on CUDA arrays)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import HEAD_DIMS
+from .._compiler import KernelKey, get_function, register_family
+
+SOURCE = "kv_write.cu"
+THREADS = 256
+
+
+def kernel_key(head_dim: int) -> KernelKey:
+    # The kernel moves raw 16-byte vectors: one specialization per head dim serves every 2-byte dtype.
+    return KernelKey(SOURCE, (("HEAD_DIM", head_dim),))
+
+
+def all_keys():
+    return [kernel_key(d) for d in HEAD_DIMS]
+
+
+register_family("kv_write", all_keys)
+
+
+def _vector_rows(array):
+    """``array`` [tokens, Hkv, D] with 16-byte aligned rows, and its strides in 16-byte vectors."""
+    import cupy
+
+    if array.data.ptr % 16 or any(s % 16 for s in array.strides[:2]):
+        array = cupy.ascontiguousarray(array)
+    return array, np.int64(array.strides[0] // 16), np.int64(array.strides[1] // 16)
+
+
+def run(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Scatter ``k``/``v`` [num_tokens, Hkv, D] into the caches at ``slot_mapping`` (checked)."""
+    num_tokens, num_kv_heads, head_dim = (int(s) for s in k.shape)
+    if num_tokens == 0:
+        return
+    function = get_function(kernel_key(head_dim), "write_kv_cache")
+    k, k_token, k_head = _vector_rows(k)
+    v, v_token, v_head = _vector_rows(v)
+    total = num_tokens * num_kv_heads * head_dim // 8
+    num_slots = np.int64(k_cache.shape[0] * k_cache.shape[1])
+    function(((total + THREADS - 1) // THREADS,), (THREADS,),
+             (k, v, k_cache, v_cache, slot_mapping, np.int32(num_tokens), np.int32(num_kv_heads),
+              num_slots, k_token, k_head, v_token, v_head))
