@@ -79,9 +79,10 @@ def built_keys() -> list[KernelKey]:
 def source_dir() -> pathlib.Path:
     """``cuda_src/``: inside the installed package, else beside the package in a checkout."""
     try:
-        packaged = importlib.resources.files("cupy_paged.cuda_src")
-        if packaged.is_dir():
-            return pathlib.Path(str(packaged))
+        # cuda_src is a namespace package in the wheel: ask for a file, then take its folder.
+        marker = importlib.resources.files("cupy_paged.cuda_src").joinpath("common.cuh")
+        if marker.is_file():
+            return pathlib.Path(str(marker)).parent
     except ModuleNotFoundError:
         pass
     tree = pathlib.Path(__file__).resolve().parent.parent / "cuda_src"

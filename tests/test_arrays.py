@@ -1,0 +1,71 @@
+"""The array boundary: NumPy stays on the CPU, CUDA arrays become zero-copy CuPy views."""
+import numpy as np
+import pytest
+
+from cupy_paged._arrays import as_array, backend_of
+
+
+def test_numpy_passes_through():
+    x = np.ones((2, 3), np.float16)
+    assert as_array(x, "q") is x
+    assert backend_of({"q": x, "k": None}) == "cpu"
+
+
+def test_host_dlpack_becomes_numpy_without_copy():
+    class HostTensor:  # a CPU tensor of another framework, seen only through DLPack
+        def __init__(self, array):
+            self.array = array
+
+        def __dlpack__(self, **kwargs):
+            return self.array.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+    x = np.arange(6, dtype=np.float32)
+    y = as_array(HostTensor(x), "q")
+    assert isinstance(y, np.ndarray) and np.shares_memory(x, y)
+
+
+def test_unknown_objects_are_refused_by_name():
+    with pytest.raises(TypeError, match="^block_table must be a NumPy array"):
+        as_array([[0, 1]], "block_table")
+
+
+@pytest.mark.gpu
+def test_cuda_arrays_are_zero_copy():
+    import cupy
+
+    x = cupy.arange(8, dtype=cupy.float32)
+    assert as_array(x, "q") is x
+    numba_cuda = pytest.importorskip("numba.cuda")
+    device = numba_cuda.to_device(np.arange(4, dtype=np.float32))
+    view = as_array(device, "q")  # through __cuda_array_interface__
+    view[0] = 42
+    assert device.copy_to_host()[0] == 42
+    assert backend_of({"q": view, "k": x}) == "cuda"
+
+
+@pytest.mark.gpu
+def test_torch_tensors_through_dlpack_share_memory():
+    torch = pytest.importorskip("torch")
+    import cupy_paged
+
+    t = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(t)
+    k_new = torch.randn(3, 2, 64, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([0, 17, 63], dtype=torch.int32, device="cuda")
+    cupy_paged.write_kv_cache(t, v, k_new, k_new, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(t[1, 1], k_new[1]) and torch.equal(v[3, 15], k_new[2])
+
+
+@pytest.mark.gpu
+def test_jax_arrays_through_dlpack():
+    jnp = pytest.importorskip("jax.numpy")
+    import cupy
+
+    x = jnp.arange(16, dtype=jnp.float32)
+    view = as_array(x, "q")
+    assert isinstance(view, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(view), np.arange(16, dtype=np.float32))

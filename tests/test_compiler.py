@@ -1,0 +1,45 @@
+"""The kernel compiler: source folding, keys, and every specialization through NVRTC offline."""
+import pytest
+
+from cupy_paged import _compiler
+
+KEYS = _compiler.all_keys()
+
+
+def test_headers_are_folded_into_the_source():
+    text = _compiler.load_source("kv_write.cu")
+    assert '#include "common.cuh"' not in text
+    assert "struct alignas(16) Vec8" in text  # from common.cuh
+    assert text.count("struct alignas(16) Vec8") == 1
+
+
+def test_keys_spell_every_parameter_and_are_unique():
+    texts = [str(k) for k in KEYS]
+    assert len(set(texts)) == len(texts)
+    for key in KEYS:
+        assert all(f"-D{name}={value}" in key.options() for name, value in key.params)
+    families = {k.source for k in KEYS}
+    assert "kv_write.cu" in families
+
+
+def test_ptxas_log_is_parsed():
+    report = _compiler.compile_offline(_compiler.KernelKey("kv_write.cu", (("HEAD_DIM", 128),)), "sm_90")
+    (kernel,) = report.kernels
+    assert kernel.kernel == "write_kv_cache" and kernel.registers > 0
+    assert kernel.spill_loads == kernel.spill_stores == 0 and report.cubin_bytes > 0
+
+
+def test_compile_error_is_reported():
+    broken = _compiler.KernelKey("kv_write.cu", (("HEAD_DIM", "not_a_number"),))
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        _compiler.compile_offline(broken, "sm_90")
+
+
+@pytest.mark.parametrize("arch", _compiler.ARCHS)
+@pytest.mark.parametrize("key", KEYS, ids=str)
+def test_every_specialization_compiles(key, arch):
+    """CI has no GPU: this is where every kernel is compiled, for sm_80 and sm_90."""
+    report = _compiler.compile_offline(key, arch)
+    assert report.kernels, f"{key}: no kernel in the cubin"
+    for kernel in report.kernels:
+        assert kernel.registers <= 255

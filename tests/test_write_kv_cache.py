@@ -1,0 +1,45 @@
+"""The write_kv_cache CUDA kernel against the CPU reference backend."""
+import numpy as np
+import pytest
+
+import cupy_paged
+from _util import BF16, randn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 256])
+def test_kernel_matches_reference(dtype, head_dim, block_size):
+    import cupy
+
+    rng = np.random.default_rng(head_dim * block_size)
+    num_blocks, kv_heads, tokens = 6, 4, 37
+    k_cache = randn(rng, (num_blocks, block_size, kv_heads, head_dim), dtype)
+    v_cache = randn(rng, (num_blocks, block_size, kv_heads, head_dim), dtype)
+    # Strided k/v (a slice of a fused qkv buffer) and padding slots (-1) mixed in.
+    fused = randn(rng, (tokens, 3 * kv_heads, head_dim), dtype)
+    k, v = fused[:, kv_heads:2 * kv_heads], fused[:, 2 * kv_heads:]
+    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
+    slots[::5] = -1
+    dk, dv = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    dfused = cupy.asarray(fused)
+    cupy_paged.write_kv_cache(dk, dv, dfused[:, kv_heads:2 * kv_heads], dfused[:, 2 * kv_heads:], cupy.asarray(slots))
+    cupy_paged.write_kv_cache(k_cache, v_cache, k, v, slots)
+    np.testing.assert_array_equal(cupy.asnumpy(dk).view(np.uint16), k_cache.view(np.uint16))
+    np.testing.assert_array_equal(cupy.asnumpy(dv).view(np.uint16), v_cache.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_kernel_runs_on_the_current_stream():
+    import cupy
+
+    rng = np.random.default_rng(5)
+    k_cache = cupy.zeros((2, 16, 1, 64), cupy.float16)
+    v_cache = cupy.zeros_like(k_cache)
+    k = cupy.asarray(randn(rng, (1, 1, 64), np.float16))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cupy_paged.write_kv_cache(k_cache, v_cache, k, k, cupy.asarray(np.array([20], np.int32)))
+    stream.synchronize()
+    assert bool((k_cache[1, 4] == k[0]).all())
