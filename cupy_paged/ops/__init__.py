@@ -5,3 +5,5 @@
 ``cupy_paged._checks`` and launches on CuPy's current stream.
 """
 from . import kv_write  # noqa: F401
+from . import varlen  # noqa: F401
+from . import decode  # noqa: F401

@@ -1,0 +1,148 @@
+"""Merge two partial attentions over the same queries (cascade attention, shared prefixes).
+
+When the keys of a query are split into two disjoint sets A and B (a shared prefix and each
+request's own suffix, say), attention over A and over B, each with its log-sum-exp, combine
+exactly into attention over A ∪ B.  The split-KV decode kernel does the same inside one call.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._arrays import CUDA, as_array, backend_of
+from ._checks import BF16, HEAD_DIMS
+
+_FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))
+_KERNEL_NAME = {np.dtype(np.float16): "merge_states_float16", BF16: "merge_states_bfloat16",
+                np.dtype(np.float32): "merge_states_float32"}
+THREADS = 256
+
+
+def _lse_layout(out_shape: tuple, lse_shape: tuple) -> tuple[int, int]:
+    """(tokens, seqlen) of the LSE layout matching ``out``; ValueError naming lse_a otherwise."""
+    if len(out_shape) == 3:  # varlen: out [tokens, H, D], lse [H, tokens]
+        tokens, heads, _ = out_shape
+        expected, seqlen = (heads, tokens), tokens
+    elif len(out_shape) == 4:  # decode: out [B, Sq, H, D], lse [B, H, Sq]
+        batch, seqlen, heads, _ = out_shape
+        expected, tokens = (batch, heads, seqlen), batch * seqlen
+    else:
+        raise ValueError(f"out_a must have shape [tokens, num_heads, head_dim] or "
+                         f"[batch, seqlen_q, num_heads, head_dim]; got {out_shape}")
+    if tuple(lse_shape) != expected:
+        raise ValueError(f"lse_a must have shape {list(expected)} for out_a of shape {list(out_shape)}; "
+                         f"got {tuple(lse_shape)}")
+    return tokens, seqlen
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
+    """Combine two attentions of the same queries over disjoint key sets.
+
+    With ``w_x = exp(lse_x - lse)`` and ``lse = log(exp(lse_a) + exp(lse_b))`` the result is
+    ``out = w_a * out_a + w_b * out_b``: exactly the attention over both key sets.  A side whose
+    LSE is ``-inf`` (it saw no key) contributes nothing, whatever its output holds; a row that
+    neither side saw gives zeros and LSE ``-inf``.
+
+    Parameters
+    ----------
+    out_a, out_b : array, ``[tokens, num_heads, head_dim]`` (varlen layout) or
+        ``[batch, seqlen_q, num_heads, head_dim]`` (decode layout); float16, bfloat16 or float32,
+        both the same shape and dtype.
+    lse_a, lse_b : array, float32, ``[num_heads, tokens]`` (varlen) or ``[batch, num_heads,
+        seqlen_q]`` (decode): the natural-log LSE that ``return_softmax_lse=True`` returns.
+    out : array, optional
+        Where to write the merged output (shape and dtype of ``out_a``, C-contiguous).  It may be
+        ``out_a`` or ``out_b`` itself.
+
+    Returns
+    -------
+    (out, lse) : the merged output and its float32 LSE in the layout of ``lse_a``.  NumPy inputs
+        run on the CPU (float64 arithmetic), CUDA inputs in one kernel on CuPy's current stream.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On mismatched shapes or dtypes, naming the argument.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> o = np.ones((2, 1, 4), np.float32); lse = np.zeros((1, 2), np.float32)
+    >>> merged, merged_lse = merge_attention_states(o, lse, 3 * o, lse)
+    >>> float(merged[0, 0, 0]), round(float(merged_lse[0, 0]), 4)
+    (2.0, 0.6931)
+    """
+    out_a, out_b = as_array(out_a, "out_a"), as_array(out_b, "out_b")
+    lse_a, lse_b = as_array(lse_a, "lse_a"), as_array(lse_b, "lse_b")
+    out = None if out is None else as_array(out, "out")
+    backend = backend_of(dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b, out=out))
+    if out_a.dtype not in _FLOAT_OUT:
+        raise TypeError(f"out_a must have dtype float16, bfloat16 or float32; got {out_a.dtype}")
+    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
+        raise ValueError(f"out_b must have the shape and dtype of out_a ({tuple(out_a.shape)}, "
+                         f"{out_a.dtype}); got {tuple(out_b.shape)}, {out_b.dtype}")
+    tokens, seqlen = _lse_layout(tuple(out_a.shape), tuple(lse_a.shape))
+    if lse_b.shape != lse_a.shape:
+        raise ValueError(f"lse_b must have the shape of lse_a {tuple(lse_a.shape)}; got {tuple(lse_b.shape)}")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if lse.dtype != np.float32:
+            raise TypeError(f"{name} must have dtype float32; got {lse.dtype}")
+    if out is not None:
+        if out.shape != out_a.shape or out.dtype != out_a.dtype:
+            raise ValueError(f"out must have the shape and dtype of out_a ({tuple(out_a.shape)}, "
+                             f"{out_a.dtype}); got {tuple(out.shape)}, {out.dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+    if backend == CUDA:
+        return _merge_cuda(out_a, lse_a, out_b, lse_b, out, tokens, seqlen)
+    return _merge_numpy(out_a, lse_a, out_b, lse_b, out)
+
+
+def _rows(lse, ndim: int):
+    """LSE as [..., H] rows aligned with out's leading axes (a view)."""
+    return lse.T if ndim == 3 else lse.transpose(0, 2, 1)
+
+
+def _merge_numpy(out_a, lse_a, out_b, lse_b, out):
+    la = _rows(lse_a, out_a.ndim).astype(np.float64)
+    lb = _rows(lse_b, out_a.ndim).astype(np.float64)
+    top = np.maximum(la, lb)
+    safe = np.where(np.isneginf(top), 0.0, top)
+    wa, wb = np.exp(la - safe), np.exp(lb - safe)
+    total = wa + wb
+    seen = total > 0
+    merged = np.zeros(out_a.shape, np.float64)
+    for weight, part in ((wa, out_a), (wb, out_b)):
+        contributes = weight > 0  # a side with weight 0 may hold anything (NaN): never read it
+        share = np.where(seen, weight / np.where(seen, total, 1.0), 0.0)[..., None]
+        merged += np.where(contributes[..., None], share * part.astype(np.float64), 0.0)
+    merged_lse = np.where(seen, safe + np.log(np.where(seen, total, 1.0)), -np.inf).astype(np.float32)
+    lse = np.ascontiguousarray(merged_lse.T if out_a.ndim == 3 else merged_lse.transpose(0, 2, 1))
+    if out is None:
+        out = np.empty(out_a.shape, out_a.dtype)
+    out[...] = merged.astype(out_a.dtype)
+    return out, lse
+
+
+def _merge_cuda(out_a, lse_a, out_b, lse_b, out, tokens: int, seqlen: int):
+    import cupy
+
+    from ._compiler import get_function
+    from .ops.decode import kernel_key
+
+    heads, dim = int(out_a.shape[-2]), int(out_a.shape[-1])
+    a, b = cupy.ascontiguousarray(out_a), cupy.ascontiguousarray(out_b)
+    lse_a, lse_b = cupy.ascontiguousarray(lse_a), cupy.ascontiguousarray(lse_b)
+    if out is None:
+        out = cupy.empty(out_a.shape, out_a.dtype)
+    lse = cupy.empty(lse_a.shape, np.float32)
+    # The merge kernels ride along in every decode specialization (head_dim is a run-time
+    # argument for them): reuse the one this dtype / head dim would launch anyway.
+    scalar = out_a.dtype if out_a.dtype != np.float32 else BF16
+    key = kernel_key(scalar, dim if dim in HEAD_DIMS else 128)
+    function = get_function(key, _KERNEL_NAME[np.dtype(out_a.dtype)])
+    total = tokens * heads * dim
+    if total:
+        function((-(-total // THREADS),), (THREADS,),
+                 (a, lse_a, b, lse_b, out, lse, np.int64(tokens), np.int32(max(seqlen, 1)),
+                  np.int32(heads), np.int32(dim)))
+    return out, lse

@@ -1,0 +1,235 @@
+"""Launch glue of ``cuda_src/decode.cu`` (``flash_attn_with_kvcache`` on CUDA arrays).
+
+One launch of ``paged_decode`` appends the new tokens (if any) and computes attention; with
+``num_splits > 1`` a second launch, ``combine_splits``, merges the per-split partial outputs.
+
+Split-KV and CUDA graphs
+------------------------
+The partial outputs of a split launch live in a float32 workspace that this module keeps per
+(device, stream) and only ever grows.  Growing allocates, which a CUDA graph capture must not
+do, so before capturing either make one eager call with the same shapes on the capturing stream
+(the usual warm-up) or call :func:`reserve_workspace`.  A call that would need to grow the
+workspace while its stream is capturing raises ``RuntimeError`` instead of allocating.  Retired
+workspaces are kept alive, so a graph captured earlier never points at freed memory.
+
+With ``num_splits=0`` the split count is chosen on the host from shapes alone (batch, heads,
+the block table's capacity ``max_blocks * block_size``), never from ``cache_seqlens`` values, so
+choosing it needs no device-to-host copy and a captured graph replays the same choice.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .._checks import BF16, HEAD_DIMS, KERNEL_DTYPES, DecodeProblem
+from .._compiler import KernelKey, get_function, register_family
+
+SOURCE = "decode.cu"
+THREADS = 128
+ROWS_PER_CTA = 4        # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA
+STAGES = 3              # cp.async pipeline depth
+TILE_ELEMS = 4096       # keys * head_dim per stage and tensor: 8 KiB of K and 8 KiB of V
+MAX_SPLITS = 128        # combine_splits keeps one weight per split in shared memory
+_SCALAR_T = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
+
+
+def tile_keys(head_dim: int) -> int:
+    """Keys per pipeline stage: the largest power of two with keys * head_dim <= TILE_ELEMS."""
+    keys = 16
+    while keys * 2 * head_dim <= TILE_ELEMS and keys < 128:
+        keys *= 2
+    return keys
+
+
+def smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of ``paged_decode``: K and V stages plus one flag per key."""
+    keys = tile_keys(head_dim)
+    return STAGES * keys * head_dim * 2 * 2 + STAGES * keys * 4
+
+
+def kernel_key(dtype, head_dim: int) -> KernelKey:
+    return KernelKey(SOURCE, (("SCALAR_T", _SCALAR_T[np.dtype(dtype)]), ("HEAD_DIM", head_dim),
+                              ("TILE_KEYS", tile_keys(head_dim)), ("STAGES", STAGES)))
+
+
+def all_keys():
+    return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
+
+
+register_family("decode", all_keys)
+
+
+# --------------------------------------------------------------------------- split heuristic
+
+@functools.cache
+def _num_sms(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def _ctas_per_sm(function, head_dim: int) -> int:
+    """Resident CTAs of ``paged_decode`` per SM, from its registers and shared memory (Hopper limits)."""
+    regs_per_warp = -(-int(function.num_regs) * 32 // 256) * 256
+    by_regs = 65536 // max(regs_per_warp * (THREADS // 32), 1)
+    by_smem = (228 * 1024) // (smem_bytes(head_dim) + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
+
+
+def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
+
+    ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be.
+    Enough CTAs already (>= 80% of one wave) means no split.  Otherwise take the smallest split
+    count whose wave efficiency (CTAs / slots of the waves they need) is within 10% of the best,
+    with at least two tiles of keys per split so each split amortises its fixed costs.
+    """
+    slots = num_sms * ctas_per_sm
+    tiles = -(-max_keys // tile_keys(head_dim))
+    if num_ctas >= 0.8 * slots or tiles < 4:
+        return 1
+    limit = max(1, min(MAX_SPLITS, tiles // 2))
+
+    def efficiency(n: int) -> float:
+        total = num_ctas * n
+        return total / (math.ceil(total / slots) * slots)
+
+    best = max(efficiency(n) for n in range(1, limit + 1))
+    return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.9 * best)
+
+
+# --------------------------------------------------------------------------- workspace
+
+_WORKSPACES: dict[tuple[int, int], object] = {}
+_RETIRED: list[object] = []  # outgrown workspaces: a captured graph may still write into them
+
+
+def _workspace(num_floats: int):
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, stream.ptr)
+    current = _WORKSPACES.get(key)
+    if current is None or current.size < num_floats:
+        if stream.is_capturing():
+            raise RuntimeError(
+                f"the split-KV workspace must hold {num_floats} floats but this stream's has "
+                f"{0 if current is None else current.size}: make one eager call with the same shapes "
+                "on this stream, or call cupy_paged.ops.decode.reserve_workspace(...), before capture")
+        if current is not None:
+            _RETIRED.append(current)
+        size = max(num_floats, 2 * (0 if current is None else current.size))
+        current = cupy.empty(size, dtype=np.float32)
+        _WORKSPACES[key] = current
+    return current
+
+
+def _workspace_floats(splits: int, rows_total: int, head_dim: int) -> int:
+    return splits * rows_total * (head_dim + 1)
+
+
+def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
+                      num_splits: int = MAX_SPLITS) -> None:
+    """Grow the current stream's split-KV workspace for calls up to these shapes.
+
+    Call it outside CUDA graph capture, on the stream that will capture, so that
+    ``flash_attn_with_kvcache`` allocates nothing while the graph is being captured.
+
+    Parameters
+    ----------
+    batch, seqlen_q, num_heads, head_dim : int
+        The largest ``q`` shape ``[batch, seqlen_q, num_heads, head_dim]`` to be captured.
+    num_splits : int
+        The largest split count (default: the most the kernel uses, 128).
+
+    >>> reserve_workspace(64, 1, 32, 128)            # doctest: +SKIP
+    """
+    splits = min(max(int(num_splits), 1), MAX_SPLITS)
+    _workspace(_workspace_floats(splits, batch * seqlen_q * num_heads, head_dim))
+
+
+# --------------------------------------------------------------------------- launch
+
+def _vectorised(array):
+    """``array`` with a 16-byte aligned base and strides (a copy only when it is not)."""
+    import cupy
+
+    if array.data.ptr % 16 or any(s % 16 for s in array.strides[:-1]):
+        array = cupy.ascontiguousarray(array)
+    return array
+
+
+def _element_strides(array, count: int):
+    return tuple(np.int64(s // array.itemsize) for s in array.strides[:count])
+
+
+def plan(p: DecodeProblem) -> int:
+    """The split count ``run`` will use for ``p`` (``p.num_splits``, or the heuristic for 0)."""
+    import cupy
+
+    rows = (p.num_heads // p.num_kv_heads) * p.seqlen_q
+    row_groups = -(-rows // ROWS_PER_CTA)
+    if p.num_splits:
+        return min(p.num_splits, MAX_SPLITS)
+    function = get_function(kernel_key(p.q.dtype, p.head_dim), "paged_decode", smem_bytes(p.head_dim))
+    max_keys = int(p.block_table.shape[1]) * p.block_size
+    device = cupy.cuda.Device().id
+    return choose_splits(p.batch * p.num_kv_heads * row_groups, max_keys, p.head_dim,
+                         _num_sms(device), _ctas_per_sm(function, p.head_dim))
+
+
+def run(p: DecodeProblem) -> None:
+    """Append ``p.k_new``/``p.v_new`` to the caches and fill ``p.out`` (and ``p.lse``) on the GPU.
+
+    Launches on CuPy's current stream with no host synchronisation; allocates only when an
+    input needs realignment or the split workspace must grow (see the module docstring).
+    """
+    batch, seqlen_q, num_heads, head_dim = p.batch, p.seqlen_q, p.num_heads, p.head_dim
+    if batch == 0:
+        return
+    num_kv_heads = p.num_kv_heads
+    rows = (num_heads // num_kv_heads) * seqlen_q
+    row_groups = -(-rows // ROWS_PER_CTA)
+    splits = plan(p)
+    key = kernel_key(p.q.dtype, head_dim)
+    smem = smem_bytes(head_dim)
+    decode = get_function(key, "paged_decode", smem)
+
+    q = _vectorised(p.q)
+    null = np.uint64(0)
+    if p.k_new is not None:
+        k_new, v_new = _vectorised(p.k_new), _vectorised(p.v_new)
+        k_strides, v_strides = _element_strides(k_new, 3), _element_strides(v_new, 3)
+    else:
+        k_new = v_new = null
+        k_strides = v_strides = (np.int64(0),) * 3
+    block_size = p.block_size
+    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    rows_total = batch * seqlen_q * num_heads
+    if splits > 1:
+        workspace = _workspace(_workspace_floats(splits, rows_total, head_dim))
+        part_out = workspace
+        part_lse = workspace[splits * rows_total * head_dim:]
+    else:
+        part_out = part_lse = null
+    lse = null if p.lse is None else p.lse
+    decode((row_groups * splits, num_kv_heads, batch), (THREADS,),
+           (q, *_element_strides(q, 3),
+            p.k_cache, p.v_cache, p.k_cache, p.v_cache,
+            k_new, v_new, *k_strides, *v_strides,
+            p.cache_seqlens, p.block_table, np.int32(p.block_table.shape[1]),
+            np.int32(p.k_cache.shape[0]), np.int32(block_size), np.int32(shift),
+            np.int32(seqlen_q), np.int32(p.seqlen_new), np.int32(num_heads), np.int32(num_kv_heads),
+            np.int32(rows), np.int32(row_groups),
+            np.float32(p.softmax_scale), np.float32(p.softcap),
+            null if p.alibi_slopes is None else p.alibi_slopes,
+            np.int32(p.window[0]), np.int32(p.window[1]), np.int32(splits),
+            p.out, lse, part_out, part_lse),
+           shared_mem=smem)
+    if splits > 1:
+        combine = get_function(key, "combine_splits")
+        combine((-(-rows_total // 4),), (THREADS,),
+                (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
+                 np.int32(num_heads), p.out, lse))

@@ -1,0 +1,235 @@
+"""flash_attn_with_kvcache on the GPU (cuda_src/decode.cu) against the CPU reference backend.
+
+Every case builds NumPy inputs, runs the reference on NumPy copies and the kernel on CuPy copies
+(output poisoned with NaN first), and compares the outputs, the LSE and the whole caches after the
+append.  Test ids containing ``sanitize`` form a small subset meant for compute-sanitizer:
+``compute-sanitizer --tool memcheck python -m pytest -m gpu -k sanitize tests/test_decode_gpu.py``.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import cupy_paged
+from _util import BF16, assert_close, poisoned, randn, to_numpy
+
+pytestmark = pytest.mark.gpu
+F16 = np.dtype(np.float16)
+LSE_RTOL = 2e-3
+
+
+def make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, cache_seqlens, seqlen_q,
+              seqlen_new, spare_blocks=3, extra_columns=1):
+    """NumPy inputs of one decode call with a shuffled block table padded with -1."""
+    batch = len(cache_seqlens)
+    lengths = np.asarray(cache_seqlens, np.int64) + seqlen_new
+    needed = [max(1, -(-int(n) // block_size)) for n in lengths]
+    num_blocks = sum(needed) + spare_blocks
+    ids = rng.permutation(num_blocks)
+    max_blocks = max(needed) + extra_columns
+    table = np.full((batch, max_blocks), -1, np.int32)
+    at = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = ids[at:at + n]
+        at += n
+    case = dict(
+        q=randn(rng, (batch, seqlen_q, num_heads, head_dim), dtype),
+        k_cache=randn(rng, (num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        v_cache=randn(rng, (num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        cache_seqlens=np.asarray(cache_seqlens, np.int32), block_table=table)
+    if seqlen_new:
+        case["k"] = randn(rng, (batch, seqlen_new, num_kv_heads, head_dim), dtype)
+        case["v"] = randn(rng, (batch, seqlen_new, num_kv_heads, head_dim), dtype)
+    return case
+
+
+def run_both(case, **options):
+    """(reference out, lse, k_cache, v_cache), (gpu out, lse, k_cache, v_cache) as NumPy."""
+    import cupy
+
+    host = {name: np.array(value) for name, value in case.items()}
+    ref_out, ref_lse = cupy_paged.flash_attn_with_kvcache(**host, return_softmax_lse=True, **options)
+    dev = {name: cupy.asarray(value) for name, value in case.items()}
+    out = poisoned(case["q"].shape, case["q"].dtype, xp=cupy)
+    got_out, got_lse = cupy_paged.flash_attn_with_kvcache(**dev, return_softmax_lse=True, out=out, **options)
+    assert got_out is out
+    reference = (ref_out, ref_lse, host["k_cache"], host["v_cache"])
+    return reference, tuple(to_numpy(x) for x in (got_out, got_lse, dev["k_cache"], dev["v_cache"]))
+
+
+def check(case, **options):
+    dtype = case["q"].dtype
+    (ref_out, ref_lse, ref_k, ref_v), (out, lse, k_cache, v_cache) = run_both(case, **options)
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, np.float32, what="lse", rtol=LSE_RTOL)
+    # The whole caches: old contents everywhere, new tokens at their slots (bitwise).
+    assert np.array_equal(k_cache.view(np.uint16), ref_k.view(np.uint16)), "k_cache differs after the append"
+    assert np.array_equal(v_cache.view(np.uint16), ref_v.view(np.uint16)), "v_cache differs after the append"
+    return out, lse
+
+
+# (id, dtype, head_dim, H, Hkv, block_size, cache_seqlens, seqlen_q, seqlen_new, options)
+GRID = [
+    ("sanitize-bf16-d128-gqa4-bs16", BF16, 128, 8, 2, 16, [0, 1, 15, 16, 17, 100], 1, 1, {}),
+    ("sanitize-f16-d64-mqa-sq4", F16, 64, 8, 1, 32, [31, 32, 33, 5], 4, 4, {"causal": True}),
+    ("f16-d32-mha-bs8", F16, 32, 4, 4, 8, [7, 8, 9, 0], 1, 0, {}),
+    ("bf16-d32-gqa8-bs256", BF16, 32, 16, 2, 256, [255, 256, 257], 4, 2, {"causal": True}),
+    ("f16-d64-gqa4-bs64-window", F16, 64, 8, 2, 64, [63, 64, 65, 300], 4, 1,
+     {"causal": True, "window_size": (37, 0)}),
+    ("bf16-d64-gqa8-bs128-alibi", BF16, 64, 16, 2, 128, [127, 128, 129, 1], 1, 1, {"alibi": True}),
+    ("f16-d96-gqa4-bs32-softcap", F16, 96, 8, 2, 32, [31, 32, 33, 200], 1, 1, {"softcap": 30.0}),
+    ("bf16-d96-mha-bs16-sq4", BF16, 96, 4, 4, 16, [15, 16, 17, 0], 4, 0, {"causal": True}),
+    ("sanitize-f16-d128-mha-bs64-all", F16, 128, 4, 4, 64, [1, 63, 64, 65], 4, 2,
+     {"causal": True, "window_size": (20, -1), "softcap": 15.0, "alibi": True}),
+    ("bf16-d128-gqa8-bs8-noncausal-sq4", BF16, 128, 16, 2, 8, [7, 8, 9, 40], 4, 3, {}),
+    ("f16-d256-gqa4-bs16", F16, 256, 8, 2, 16, [15, 16, 17, 90], 1, 1, {}),
+    ("bf16-d256-mqa-bs256-window-both", BF16, 256, 8, 1, 256, [255, 256, 257, 600], 4, 1,
+     {"window_size": (50, 2)}),
+    ("bf16-d128-gqa4-bs128-long", BF16, 128, 8, 2, 128, [3000, 4097], 1, 1, {"causal": True}),
+    ("f16-d128-gqa4-bs16-100k", F16, 128, 8, 2, 16, [100_003], 1, 1, {}),
+]
+
+
+@pytest.mark.parametrize("case_id,dtype,head_dim,num_heads,num_kv_heads,block_size,seqlens,seqlen_q,"
+                         "seqlen_new,options", GRID, ids=[g[0] for g in GRID])
+def test_decode_matches_reference(case_id, dtype, head_dim, num_heads, num_kv_heads, block_size, seqlens,
+                                  seqlen_q, seqlen_new, options):
+    rng = np.random.default_rng(zlib.crc32(case_id.encode()))
+    case = make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, seqlens, seqlen_q, seqlen_new)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = rng.uniform(0.01, 0.5, num_heads).astype(np.float32)
+    check(case, **options)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
+def test_every_block_size(block_size):
+    rng = np.random.default_rng(block_size)
+    seqlens = [block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+    check(make_case(rng, BF16, 128, 32, 8, block_size, seqlens, 1, 1), causal=True)
+
+
+def test_forced_splits_equal_no_split():
+    rng = np.random.default_rng(7)
+    case = make_case(rng, BF16, 128, 8, 2, 32, [5000, 777, 0, 64], 2, 1)
+    base_out, base_lse = check(case, num_splits=1, causal=True)
+    for splits in (2, 3, 7, 16, 33, 64):
+        out, lse = check(case, num_splits=splits, causal=True)
+        assert_close(out, base_out, BF16, what=f"out with {splits} splits")
+        assert_close(lse, base_lse, np.float32, what=f"lse with {splits} splits", rtol=1e-4)
+
+
+def test_sanitize_split_heuristic_long_context():
+    """Small batch, long context: num_splits=0 must split, and still match the reference."""
+    from cupy_paged.ops import decode
+
+    rng = np.random.default_rng(11)
+    case = make_case(rng, BF16, 128, 32, 8, 16, [20_000], 1, 1)
+    assert decode.choose_splits(8, case["block_table"].shape[1] * 16, 128, 132, 4) > 1
+    check(case, causal=True)
+
+
+def test_contiguous_cache_without_block_table():
+    import cupy
+
+    rng = np.random.default_rng(3)
+    batch, seqlen_cache = 3, 200  # any length, not a power of two
+    q = randn(rng, (batch, 1, 8, 64), F16)
+    k_cache = randn(rng, (batch, seqlen_cache, 2, 64), F16)
+    v_cache = randn(rng, (batch, seqlen_cache, 2, 64), F16)
+    k = randn(rng, (batch, 1, 2, 64), F16)
+    v = randn(rng, (batch, 1, 2, 64), F16)
+    seqlens = np.array([0, 150, 199], np.int32)
+    ref_k, ref_v = k_cache.copy(), v_cache.copy()
+    ref = cupy_paged.flash_attn_with_kvcache(q, ref_k, ref_v, k, v, cache_seqlens=seqlens, causal=True)
+    dk, dv = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    got = cupy_paged.flash_attn_with_kvcache(cupy.asarray(q), dk, dv, cupy.asarray(k), cupy.asarray(v),
+                                             cache_seqlens=cupy.asarray(seqlens), causal=True)
+    assert_close(got, ref, F16)
+    assert np.array_equal(to_numpy(dk), ref_k) and np.array_equal(to_numpy(dv), ref_v)
+
+
+def test_spec_worked_example():
+    """SPEC section 1: cache_seqlens [30, 32, 70], block size 32, the source's block table."""
+    rng = np.random.default_rng(30)
+    table = np.array([[2, -1, -1, -1], [0, 1, -1, -1], [3, 5, 6, -1]], np.int32)
+    case = dict(q=randn(rng, (3, 1, 8, 128), BF16),
+                k_cache=randn(rng, (8, 32, 2, 128), BF16), v_cache=randn(rng, (8, 32, 2, 128), BF16),
+                k=randn(rng, (3, 1, 2, 128), BF16), v=randn(rng, (3, 1, 2, 128), BF16),
+                cache_seqlens=np.array([30, 32, 70], np.int32), block_table=table)
+    before = case["k_cache"].copy()
+    _, _, k_cache, _ = run_both(case, causal=True)[1]
+    check(case, causal=True)
+    # The new tokens landed where the example says: block 2 slot 30, block 1 slot 0, block 6 slot 6.
+    for b, (block, slot) in enumerate(((2, 30), (1, 0), (6, 6))):
+        assert np.array_equal(k_cache[block, slot], case["k"][b, 0])
+    changed = np.argwhere((k_cache.view(np.uint16) != before.view(np.uint16)).any(axis=(2, 3)))
+    assert set(map(tuple, changed.tolist())) == {(1, 0), (2, 30), (6, 6)}
+
+
+def test_sanitize_holes_never_read_or_written():
+    """Block ids out of range, past the table or negative lengths: no fault, no NaN (check_values off)."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    case = make_case(rng, F16, 64, 8, 2, 16, [40, 40, 40, 10], 1, 2)
+    case["block_table"][0, 1] = 10_000
+    case["block_table"][1, 0] = -7
+    case["block_table"][2, :] = -1
+    case["cache_seqlens"][3] = 5_000  # past the table's columns
+    dev = {name: cupy.asarray(value) for name, value in case.items()}
+    out = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, check_values=False, num_splits=3)
+    assert not np.isnan(to_numpy(out)).any()
+
+
+def test_cuda_graph_replay_equals_eager():
+    """A captured decode step replayed for 20 steps (inputs, lengths and table updated in place)."""
+    import cupy
+
+    rng = np.random.default_rng(20)
+    batch, heads, kv_heads, dim, block_size, steps = 4, 8, 2, 128, 16, 20
+    start = np.array([30, 0, 95, 200], np.int32)
+    full = make_case(rng, BF16, dim, heads, kv_heads, block_size, (start + steps).tolist(), 1, 1,
+                     extra_columns=40)  # a long table: the heuristic splits, the combine is captured too
+    table_full = full["block_table"]
+
+    def table_at(step):
+        table = table_full.copy()
+        needed = -(-(start + step + 1) // block_size)
+        table[np.arange(table.shape[1])[None, :] >= needed[:, None]] = -1
+        return table
+
+    def inputs(step):
+        return (randn(rng, (batch, 1, heads, dim), BF16), randn(rng, (batch, 1, kv_heads, dim), BF16),
+                randn(rng, (batch, 1, kv_heads, dim), BF16), start + step, table_at(step))
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        eager_k, eager_v = cupy.asarray(full["k_cache"]), cupy.asarray(full["v_cache"])
+        graph_k, graph_v = eager_k.copy(), eager_v.copy()
+        scratch_k, scratch_v = eager_k.copy(), eager_v.copy()
+        q0, k0, v0, lens0, table0 = inputs(0)
+        static = [cupy.asarray(x) for x in (q0, k0, v0, lens0, table0)]
+        graph_out = cupy.empty((batch, 1, heads, dim), BF16)
+
+        def call(q, k, v, lens, table, k_cache, v_cache, out):
+            return cupy_paged.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                                     block_table=table, causal=True, out=out)
+
+        call(*static, scratch_k, scratch_v, cupy.empty_like(graph_out))  # warm-up sizes the workspace
+        stream.begin_capture()
+        call(*static, graph_k, graph_v, graph_out)
+        graph = stream.end_capture()
+        for step in range(steps):
+            host = inputs(step)
+            for buffer, value in zip(static, host):
+                buffer[...] = cupy.asarray(value)
+            graph.launch(stream=stream)
+            eager_out = poisoned((batch, 1, heads, dim), BF16, xp=cupy)
+            call(*(cupy.asarray(x) for x in host), eager_k, eager_v, eager_out)
+            stream.synchronize()
+            assert np.array_equal(to_numpy(graph_out).view(np.uint16), to_numpy(eager_out).view(np.uint16)), step
+        assert np.array_equal(to_numpy(graph_k).view(np.uint16), to_numpy(eager_k).view(np.uint16))
+        assert np.array_equal(to_numpy(graph_v).view(np.uint16), to_numpy(eager_v).view(np.uint16))
