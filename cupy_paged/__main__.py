@@ -89,8 +89,7 @@ def info() -> int:
 
         print(f"cupy         {cupy.__version__}")
         print(f"nvrtc        {'.'.join(map(str, nvrtc.getVersion()))}")
-        cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-        print(f"kernel cache {cache}")
+        print(f"kernel cache {_compiler.kernel_cache_dir()}")
     except ImportError:
         print("cupy         not installed (CPU reference backend only)")
     if gpu_available():
@@ -104,9 +103,9 @@ def info() -> int:
     print(f"cuda sources {_compiler.source_dir()}")
     keys = _compiler.all_keys()
     built = _compiler.built_keys()
-    print(f"kernels      {len(keys)} specializations; built in this process: {len(built)}")
-    for key in built:
-        print(f"  {key}")
+    print(f"kernels      {len(keys)} specializations; built so far (key, source hash): {len(built)}")
+    for line in built:
+        print(f"  {line}")
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import hashlib
 import importlib.resources
 import os
 import pathlib
@@ -53,6 +54,7 @@ class KernelKey:
 _FAMILIES: dict[str, Callable[[], Iterable[KernelKey]]] = {}
 # keys built into a RawModule in this process, for ``python -m cupy_paged info``
 _BUILT: list[KernelKey] = []
+_MANIFEST = "cupy_paged_built.txt"  # beside CuPy's kernel cache: what earlier processes built
 
 
 def register_family(name: str, keys: Callable[[], Iterable[KernelKey]]) -> None:
@@ -70,8 +72,23 @@ def all_keys() -> list[KernelKey]:
     return keys
 
 
-def built_keys() -> list[KernelKey]:
-    return list(_BUILT)
+def kernel_cache_dir() -> pathlib.Path:
+    """CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
+    return pathlib.Path(os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
+
+
+def built_keys() -> list[str]:
+    """Specializations built in this process and recorded by earlier ones, with a source hash."""
+    lines = [f"{key} {source_hash(key)}" for key in _BUILT]
+    try:
+        lines += (kernel_cache_dir() / _MANIFEST).read_text().splitlines()
+    except OSError:
+        pass
+    return sorted(set(lines))
+
+
+def source_hash(key: KernelKey) -> str:
+    return hashlib.sha256(load_source(key.source).encode()).hexdigest()[:12]
 
 
 # --------------------------------------------------------------------------- sources
@@ -120,6 +137,12 @@ def get_module(key: KernelKey):
     module = cupy.RawModule(code=load_source(key.source), options=key.options())
     module.compile()
     _BUILT.append(key)
+    try:  # best effort: a read-only cache folder only loses the record
+        kernel_cache_dir().mkdir(parents=True, exist_ok=True)
+        with open(kernel_cache_dir() / _MANIFEST, "a") as manifest:
+            manifest.write(f"{key} {source_hash(key)}\n")
+    except OSError:
+        pass
     return module
 
 
