@@ -1,0 +1,115 @@
+"""Launch glue of ``cuda_src/varlen.cu`` (``flash_attn_varlen_func`` on CUDA arrays).
+
+One specialization per (dtype, head dim); its tile shape comes from :data:`TILES`.
+Causal masking, sliding windows, softcap, ALiBi, the LSE output and paged K/V (any
+block size) are run-time arguments of the same kernel, so a fresh machine compiles
+at most ``2 x len(HEAD_DIMS)`` modules for this family.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .._checks import BF16, HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
+from .._compiler import KernelKey, get_function, register_family
+
+SOURCE = "varlen.cu"
+KERNEL = "varlen_fwd"
+_WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bounds never overflow
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile shape of one head dim: query rows per CTA, keys per tile, warps, K/V pipeline
+    stages, and the CTAs per SM that the register allocation must leave room for."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    min_blocks: int = 1
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
+        chunks = head_dim // 8
+        row_bytes = 16 * (chunks if chunks % 8 == 0 else chunks + 1)
+        return (row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
+                + self.stages * self.block_n)
+
+
+# Each warp owns block_m / warps query rows (a multiple of 16).
+TILES = {
+    32: Tiles(128, 64, 4, 3),
+    64: Tiles(128, 64, 4, 3),
+    96: Tiles(128, 64, 8, 2, 1),
+    128: Tiles(128, 64, 8, 2, 1),
+    256: Tiles(64, 32, 4, 2),
+}
+
+
+def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
+    """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
+    tiles = tiles or TILES[head_dim]
+    scalar = "__nv_bfloat16" if np.dtype(dtype) == BF16 else "__half"
+    return KernelKey(SOURCE, (("SCALAR_T", scalar), ("HEAD_DIM", head_dim),
+                              ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
+                              ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
+                              ("MIN_BLOCKS", tiles.min_blocks)))
+
+
+def all_keys():
+    return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
+
+
+register_family("varlen", all_keys)
+
+
+def _aligned(array) -> bool:
+    """16-byte loads need a 16-byte aligned base and strides that are multiples of 16 bytes."""
+    return array.data.ptr % 16 == 0 and all(s % 16 == 0 for s in array.strides[:-1])
+
+
+def _strides(array) -> list[np.int64]:
+    return [np.int64(s // array.itemsize) for s in array.strides]
+
+
+def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
+    """Launch ``varlen_fwd`` on a checked CUDA problem; writes ``p.out`` (and ``p.lse``)."""
+    import cupy
+
+    total_q = int(p.q.shape[0])
+    if p.batch == 0 or total_q == 0 or p.max_seqlen_q == 0:
+        return
+    head_dim, num_heads = p.head_dim, p.num_heads
+    tiles = tiles or TILES[head_dim]
+    smem = tiles.smem_bytes(head_dim)
+    function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
+
+    q, k, v = (a if _aligned(a) else cupy.ascontiguousarray(a) for a in (p.q, p.k, p.v))
+    out = p.out if _aligned(p.out) else cupy.empty_like(p.out)
+    null = np.uintp(0)
+    if p.block_table is None:
+        (k_row, k_head, _), (v_row, v_head, _) = _strides(k), _strides(v)
+        k_block = v_block = np.int64(0)
+        kv_rows, table, table_width, block_shift = int(k.shape[0]), null, 0, 0
+    else:
+        k_block, k_row, k_head, _ = _strides(k)
+        v_block, v_row, v_head, _ = _strides(v)
+        kv_rows, table, table_width = int(k.shape[0]), p.block_table, int(p.block_table.shape[1])
+        block_shift = int(p.block_size).bit_length() - 1
+    q_row, q_head, _ = _strides(q)
+    left, right = (min(w, _WINDOW_CAP) for w in p.window)
+
+    grid = ((p.max_seqlen_q + tiles.block_m - 1) // tiles.block_m, num_heads, p.batch)
+    function(grid, (32 * tiles.warps,),
+             (q, k, v, out, p.lse if p.lse is not None else null,
+              p.cu_seqlens_q, p.cu_seqlens_k, table,
+              p.alibi_slopes if p.alibi_slopes is not None else null,
+              q_row, q_head, k_row, k_head, k_block, v_row, v_head, v_block,
+              np.int32(total_q), np.int64(kv_rows), np.int32(num_heads),
+              np.int32(num_heads // p.num_kv_heads), np.int32(table_width), np.int32(block_shift),
+              np.float32(p.softmax_scale), np.float32(p.softcap), np.int32(left), np.int32(right)),
+             shared_mem=smem)
+    if out is not p.out:
+        p.out[...] = out

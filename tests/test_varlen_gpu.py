@@ -1,0 +1,230 @@
+"""flash_attn_varlen_func on the GPU (cuda_src/varlen.cu) against the CPU reference backend.
+
+Every case draws fresh random inputs, runs the public function once on NumPy copies (the
+reference) and once on CuPy arrays with a NaN-poisoned ``out``, and checks every element of
+``out`` (and of the LSE where asked).  Tests whose names contain ``sanitize`` are a small
+subset meant for ``compute-sanitizer --tool memcheck|racecheck``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_paged
+from cupy_paged.layout import cu_seqlens_from_lengths
+from tests._util import DTYPES, assert_close, poisoned, randn, to_numpy
+
+pytestmark = pytest.mark.gpu
+
+NUM_HEADS = 8
+LSE_RTOL = 1e-3  # the LSE is float32 from fp32 scores: only exp2/log2 rounding separates them
+
+
+def _paged(rng, k, v, lengths, block_size, spare_blocks=3):
+    """Scatter contiguous ``k``/``v`` ``[total_k, Hkv, D]`` into caches through one shuffled
+    block table.  Unused cache slots hold random values, so a kernel that reads the wrong
+    block fails.  Returns (k_cache, v_cache, block_table); the table is wider than needed
+    and padded with -1.
+    """
+    counts = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(counts) + spare_blocks
+    caches = [randn(rng, (num_blocks, block_size) + k.shape[1:], k.dtype) for _ in range(2)]
+    order = rng.permutation(num_blocks)
+    table = np.full((len(lengths), max(counts, default=0) + 2), -1, np.int32)
+    start, used = 0, 0
+    for b, n in enumerate(lengths):
+        blocks = order[used:used + counts[b]]
+        used += counts[b]
+        table[b, :counts[b]] = blocks
+        pos = np.arange(n)
+        for cache, keys in zip(caches, (k, v)):
+            cache[blocks[pos // block_size], pos % block_size] = keys[start:start + n]
+        start += n
+    return caches[0], caches[1], table
+
+
+def run_case(seed, dtype, head_dim, lens_q, lens_k, *, num_kv_heads=NUM_HEADS, num_heads=NUM_HEADS,
+             causal=False, window=(-1, -1), softcap=0.0, alibi=False, lse=False, block_size=None,
+             scale=None, check_values=True):
+    """One call on both backends; asserts closeness and returns the GPU outputs."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[dtype]
+    cu_q, max_q = cu_seqlens_from_lengths(lens_q)
+    cu_k, max_k = cu_seqlens_from_lengths(lens_k)
+    q = randn(rng, (int(cu_q[-1]), num_heads, head_dim), dtype)
+    k = randn(rng, (int(cu_k[-1]), num_kv_heads, head_dim), dtype)
+    v = randn(rng, (int(cu_k[-1]), num_kv_heads, head_dim), dtype)
+    table = None
+    if block_size is not None:
+        k, v, table = _paged(rng, k, v, lens_k, block_size)
+    slopes = (rng.uniform(0.01, 0.5, num_heads).astype(np.float32) if alibi else None)
+    kwargs = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                  return_softmax_lse=lse)
+
+    expected = cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                 alibi_slopes=slopes, block_table=table, **kwargs)
+    dev = cupy.asarray
+    out = poisoned(q.shape, dtype, cupy)
+    got = cupy_paged.flash_attn_varlen_func(
+        dev(q), dev(k), dev(v), dev(cu_q), dev(cu_k), max_q, max_k,
+        alibi_slopes=None if slopes is None else dev(slopes),
+        block_table=None if table is None else dev(table), out=out, check_values=check_values, **kwargs)
+    cupy.cuda.get_current_stream().synchronize()
+    if lse:
+        (expected, expected_lse), (got, got_lse) = expected, got
+        assert_close(got_lse, expected_lse, np.float32, "lse", rtol=LSE_RTOL)
+    assert got is out
+    assert_close(got, expected, dtype)
+    return got
+
+
+# Lengths that cross the tiles: 0, 1, the tile edges 64/128 +-1, and odd sizes.
+EDGE_Q = [1, 127, 128, 129, 0, 65, 300]
+EDGE_K = [1, 127, 128, 129, 5, 63, 300]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grid(dtype, head_dim, group, causal):
+    run_case(1, dtype, head_dim, EDGE_Q, EDGE_Q, num_kv_heads=NUM_HEADS // group, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("option", ["window", "window_causal", "left_only", "softcap", "alibi",
+                                    "alibi_causal", "lse", "everything"])
+def test_options(dtype, head_dim, option):
+    kwargs = {
+        "window": dict(window=(37, 11)),
+        "window_causal": dict(window=(70, 5), causal=True),
+        "left_only": dict(window=(130, -1)),
+        "softcap": dict(softcap=5.0, scale=0.5),
+        "alibi": dict(alibi=True),
+        "alibi_causal": dict(alibi=True, causal=True),
+        "lse": dict(lse=True, causal=True),
+        "everything": dict(window=(90, 0), softcap=8.0, alibi=True, lse=True),
+    }[option]
+    run_case(2, dtype, head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_prefill(dtype, head_dim, causal):
+    # q shorter than k (a chunk after a cached prefix), q longer than k (leading rows see no
+    # key under causal masking: zeros and LSE -inf), and an empty key side.
+    run_case(3, dtype, head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0],
+             num_kv_heads=2, causal=causal, lse=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
+def test_paged_block_sizes(dtype, block_size):
+    run_case(4, dtype, 128, [129, 1, 64, 300], [700, 257, 64, 300], num_kv_heads=2,
+             causal=True, block_size=block_size, lse=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_paged_options(head_dim, block_size):
+    run_case(5, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=block_size,
+             window=(100, 3), softcap=10.0, alibi=True, lse=True)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_equals_contiguous(block_size):
+    """The paged path reads the same keys in the same order: bit-identical to the contiguous one."""
+    lens_q, lens_k = [100, 3, 257], [900, 3, 300]
+    a = run_case(6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True)
+    b = run_case(6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True, block_size=block_size)
+    assert (to_numpy(a).view(np.uint16) == to_numpy(b).view(np.uint16)).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_long_sequence(dtype):
+    run_case(7, dtype, 128, [4200, 17], [4200, 4100], num_heads=2, num_kv_heads=1, causal=True, lse=True)
+
+
+def test_long_sequence_paged_window():
+    run_case(8, "bfloat16", 64, [300, 4099], [5000, 4099], num_heads=4, num_kv_heads=1,
+             window=(1000, 0), block_size=32)
+
+
+def test_worked_example_of_the_source():
+    """SPEC section 1: query lengths [10, 3, 1], key lengths [0, 1, 7]; r0 sees no key."""
+    out = run_case(9, "float16", 64, [10, 3, 1], [0, 1, 7], num_heads=4, num_kv_heads=2,
+                   causal=True, lse=True)
+    assert (to_numpy(out)[:10] == 0).all()
+
+
+def test_strided_inputs():
+    """q, k, v as views into packed [total, 3, H, D] projections (non-dense token strides)."""
+    import cupy
+
+    rng = np.random.default_rng(10)
+    lens = [33, 190]
+    cu, longest = cu_seqlens_from_lengths(lens)
+    qkv = randn(rng, (int(cu[-1]), 3, 4, 64), DTYPES["bfloat16"])
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    expected = cupy_paged.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+    dq = cupy.asarray(qkv)
+    got = cupy_paged.flash_attn_varlen_func(dq[:, 0], dq[:, 1], dq[:, 2], cupy.asarray(cu),
+                                            cupy.asarray(cu), longest, longest, causal=True)
+    assert_close(got, expected, DTYPES["bfloat16"])
+
+
+def _holes_case(head_dim, block_size, seed=11):
+    """Block ids -1 and past num_blocks (passed with check_values=False) are holes: their keys
+    contribute nothing.  The reference is the same attention over the remaining keys only
+    (non-causal, no ALiBi, so key positions do not matter)."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    bf16 = DTYPES["bfloat16"]
+    lens_q, lens_k = [5, 40], [4 * block_size, 3 * block_size + 3]
+    cu_q, max_q = cu_seqlens_from_lengths(lens_q)
+    cu_k, max_k = cu_seqlens_from_lengths(lens_k)
+    q = randn(rng, (int(cu_q[-1]), 4, head_dim), bf16)
+    k = randn(rng, (int(cu_k[-1]), 2, head_dim), bf16)
+    v = randn(rng, (int(cu_k[-1]), 2, head_dim), bf16)
+    k_cache, v_cache, table = _paged(rng, k, v, lens_k, block_size)
+    num_blocks = k_cache.shape[0]
+    table[0, 1], table[1, 2] = -1, num_blocks + 5  # holes
+    keep = np.ones(int(cu_k[-1]), bool)
+    keep[block_size:2 * block_size] = False
+    keep[lens_k[0] + 2 * block_size:lens_k[0] + 3 * block_size] = False
+    kept = [int(keep[:lens_k[0]].sum()), int(keep[lens_k[0]:].sum())]
+    cu_kept, max_kept = cu_seqlens_from_lengths(kept)
+    expected = cupy_paged.flash_attn_varlen_func(q, k[keep], v[keep], cu_q, cu_kept, max_q, max_kept)
+    out = poisoned(q.shape, bf16, cupy)
+    cupy_paged.flash_attn_varlen_func(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
+                                      cupy.asarray(cu_q), cupy.asarray(cu_k), max_q, max_k,
+                                      block_table=cupy.asarray(table), out=out, check_values=False)
+    assert_close(out, expected, bf16)
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_block_table_holes(block_size):
+    _holes_case(128, block_size)
+
+
+# ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sanitize_contiguous(head_dim):
+    run_case(12, "bfloat16", head_dim, [1, 129, 0, 70], [1, 129, 3, 200], num_kv_heads=2,
+             causal=True, lse=True)
+
+
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_sanitize_paged_options(head_dim):
+    run_case(13, "float16", head_dim, [1, 129, 0, 70], [1, 129, 3, 200], num_kv_heads=2,
+             block_size=16, window=(50, 2), softcap=6.0, alibi=True, lse=True)
+
+
+def test_sanitize_holes():
+    _holes_case(64, 16, seed=14)
