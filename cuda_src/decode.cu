@@ -50,6 +50,7 @@ __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 static_assert(kVecPerRow <= 32, "head_dim above 256 needs more than one vector per lane");
 static_assert(kSteps >= 1 && kKeysPerWarp % kKeysPerStep == 0, "tile must give every key group work");
 static_assert(kTileVecs % kThreads == 0, "each thread issues the same number of cp.async per tile");
+static_assert(kStages == 3, "the loaded-tile vote below keeps exactly one tile between issue and use");
 
 // Shared memory: [kStages][kTileKeys][kVecPerRow] vectors of K, the same of V, then one flag per key
 // (1 = the key was loaded).  The first bytes are reused for the cross-warp merge at the end.
@@ -117,9 +118,10 @@ struct RowInfo {
 };
 
 template <bool kNewTokens>
-__device__ __forceinline__ void issue_tile(const KeySource& src, int start, int end, int stage,
+__device__ __forceinline__ bool issue_tile(const KeySource& src, int start, int end, int stage,
                                            const int (&blocks)[kVecsPerThread], cp::Vec8* ks, cp::Vec8* vs,
                                            int* flags) {
+  bool all_ok = true;  // every key of this thread's share loaded (no hole, none past the range)
 #pragma unroll
   for (int v = 0; v < kVecsPerThread; ++v) {
     const int index = threadIdx.x + v * kThreads;
@@ -147,7 +149,9 @@ __device__ __forceinline__ void issue_tile(const KeySource& src, int start, int 
     cp_async16(ks + slot, kp, ok);
     cp_async16(vs + slot, vp, ok);
     if (vec == 0) flags[stage * kTileKeys + key] = ok;
+    all_ok &= ok;
   }
+  return all_ok;
 }
 
 __device__ __forceinline__ void load_blocks(const KeySource& src, int start, int (&blocks)[kVecsPerThread]) {
@@ -237,8 +241,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
     rows.token[r] = i;
     rows.lo[r] = win_left >= 0 ? max(pos - win_left, 0) : 0;
     rows.hi[r] = win_right >= 0 ? min(pos + win_right, num_keys - 1) : num_keys - 1;
-    rows.slope[r] = (real && alibi_slopes) ? alibi_slopes[rows.head[r]] : 0.f;
+    // Scores live in the log2 domain (Q is pre-scaled by scale * log2 e), so the slope is too.
+    rows.slope[r] = (real && alibi_slopes) ? alibi_slopes[rows.head[r]] * kLog2e : 0.f;
   }
+  // Keys every real row sees: a tile inside [lo_all, hi_all] with every key loaded needs no mask.
+  int lo_all = 0, hi_all = num_keys - 1;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (rows.head[r] < 0) continue;
+    lo_all = max(lo_all, rows.lo[r]);
+    hi_all = min(hi_all, rows.hi[r]);
+  }
+  // Softcap c on natural-log scores, rewritten for log2-domain scores x: c' tanh(x / c'), c' = c log2 e.
+  const bool plain = softcap <= 0.f && alibi_slopes == nullptr;
+  const float cap2 = softcap * kLog2e;
+  const float inv_cap2 = softcap > 0.f ? 1.f / cap2 : 0.f;
   // Keys any row of the sequence can see; the splits share them out in whole tiles.
   const int first_key = win_left >= 0 ? max(num_keys - seqlen_q - win_left, 0) : 0;
   const int span = max(num_keys - first_key, 0);
@@ -254,6 +271,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
     if (rows.head[r] >= 0 && lane_has_vec) {
       const T* qp = q + b * q_batch + rows.token[r] * q_token + rows.head[r] * q_head;
       unpack8(reinterpret_cast<const cp::Vec8*>(qp)[vec].raw, qf[r]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qf[r][e] *= softmax_scale * kLog2e;
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) qf[r][e] = 0.f;
@@ -269,27 +288,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
   }
-  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
 
   int blocks[kVecsPerThread];
   load_blocks(src, start, blocks);
+  bool issued_ok[kStages - 1] = {};
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) {
-      if (k_new) issue_tile<true>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags);
-      else issue_tile<false>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags);
+      issued_ok[s] = k_new ? issue_tile<true>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags)
+                           : issue_tile<false>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags);
       load_blocks(src, start + (s + 1) * kTileKeys, blocks);
     }
     cp_async_commit();
   }
+  // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
+  // iteration t votes on tile t + 1 (issued one iteration earlier), so one vote is kept in hand.
+  bool tile_loaded = __syncthreads_and(issued_ok[0]);
+  bool pending_ok = issued_ok[1];
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile landed for every thread; every warp is done with the stage refilled next
+    // Tile landed for every thread; every warp is done with the stage refilled next.
+    const bool next_loaded = __syncthreads_and(pending_ok);
     const int next = tile + kStages - 1;
     if (next < num_tiles) {
-      if (k_new) issue_tile<true>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
-      else issue_tile<false>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
+      pending_ok = k_new ? issue_tile<true>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags)
+                         : issue_tile<false>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
       load_blocks(src, start + (next + 1) * kTileKeys, blocks);
     }
     cp_async_commit();
@@ -318,10 +342,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
         s[st][r] = dot;
       }
     }
-    // Score transforms and masks, then the tile's row max across the warp.
+    // Score transforms and masks, then the tile's row max across the warp.  The common tile (every
+    // key loaded and visible to every row, no softcap, no ALiBi) skips them: a uniform branch.
+    const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
+    tile_loaded = next_loaded;
     float tile_max[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) tile_max[r] = -inf();
+    if (unmasked) {
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) tile_max[r] = fmaxf(tile_max[r], s[st][r]);
+    } else {
 #pragma unroll
     for (int st = 0; st < kSteps; ++st) {
       const int key = warp * kKeysPerWarp + st * kKeysPerStep + key_sub;
@@ -329,14 +362,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
       const bool loaded = flags[stage * kTileKeys + key] != 0;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        float x = s[st][r] * softmax_scale;
-        if (softcap > 0.f) x = softcap * tanhf(x * inv_softcap);
+        float x = s[st][r];
+        if (softcap > 0.f) x = cap2 * tanhf(x * inv_cap2);
         const int pos = rows.token[r] + num_keys - seqlen_q;
         x -= rows.slope[r] * fabsf(static_cast<float>(pos - j));
         const bool visible = loaded && rows.head[r] >= 0 && j >= rows.lo[r] && j <= rows.hi[r];
-        s[st][r] = visible ? x * kLog2e : -inf();
+        s[st][r] = visible ? x : -inf();
         tile_max[r] = fmaxf(tile_max[r], s[st][r]);
       }
+    }
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {

@@ -52,8 +52,10 @@ def run_both(case, **options):
     host = {name: np.array(value) for name, value in case.items()}
     ref_out, ref_lse = cupy_paged.flash_attn_with_kvcache(**host, return_softmax_lse=True, **options)
     dev = {name: cupy.asarray(value) for name, value in case.items()}
+    dev_options = {name: cupy.asarray(value) if isinstance(value, np.ndarray) else value
+                   for name, value in options.items()}
     out = poisoned(case["q"].shape, case["q"].dtype, xp=cupy)
-    got_out, got_lse = cupy_paged.flash_attn_with_kvcache(**dev, return_softmax_lse=True, out=out, **options)
+    got_out, got_lse = cupy_paged.flash_attn_with_kvcache(**dev, return_softmax_lse=True, out=out, **dev_options)
     assert got_out is out
     reference = (ref_out, ref_lse, host["k_cache"], host["v_cache"])
     return reference, tuple(to_numpy(x) for x in (got_out, got_lse, dev["k_cache"], dev["v_cache"]))

@@ -1,0 +1,243 @@
+"""Decode attention bandwidth: cupy_paged's paged kernel against cuDNN SDPA and torch FA2 varlen.
+
+bf16, 32 query heads / 8 kv heads, head_dim 128, one query token per sequence, no append.
+Metric: bytes of K and V that must be read (batch * context * kv_heads * head_dim * 2 B * 2)
+over the CUDA-event median time.  Peers run on contiguous K/V in the same process (torch is
+imported only here; a missing peer is skipped).  The launch-bound case (64 x 128) reports
+microseconds per call, eager and as a replayed CUDA graph, rotating 8 input sets past the L2.
+
+    python benchmarks/bench_decode.py [--quick] [--out benchmarks/results/decode.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import cupy  # noqa: E402
+
+import cupy_paged  # noqa: E402
+from cupy_paged._checks import BF16  # noqa: E402
+from cupy_paged.ops import decode as decode_ops  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+FA2, CUDNN = "torch FA2 varlen", "cuDNN SDPA"
+
+
+def median_ms(fn, warmup=3, reps=20):
+    """Median of per-call CUDA-event times (ms) after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def per_call_us(fn, calls=200, warmup=20):
+    """Microseconds per call of ``calls`` back-to-back calls (host launch cost included)."""
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls
+
+
+def kv_bytes(batch, context):
+    return batch * context * KV_HEADS * DIM * 2 * 2
+
+
+def randn_bf16(shape):
+    """Random bf16 on the GPU: the top 16 bits of float32 normals (truncation is fine for timing)."""
+    bits = cupy.random.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16
+    return bits.astype(np.uint16).view(BF16)
+
+
+def make_paged(rng, batch, context, block_size, copies=1):
+    """``copies`` independent (q, k_cache, v_cache, table, lens) sets, blocks shuffled."""
+    per_seq = -(-context // block_size)
+    sets = []
+    for _ in range(copies):
+        num_blocks = batch * per_seq
+        k = randn_bf16((num_blocks, block_size, KV_HEADS, DIM))
+        v = randn_bf16((num_blocks, block_size, KV_HEADS, DIM))
+        table = cupy.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(batch, per_seq))
+        q = randn_bf16((batch, 1, HEADS, DIM))
+        lens = cupy.full((batch,), context, np.int32)
+        sets.append((q, k, v, table, lens))
+    return sets
+
+
+def ours(sets, num_splits=0):
+    """A closure cycling through ``sets`` (out given, no host checks): one decode call each."""
+    outs = [cupy.empty_like(s[0]) for s in sets]
+    state = {"i": 0}
+
+    def call():
+        i = state["i"] % len(sets)
+        state["i"] += 1
+        q, k, v, table, lens = sets[i]
+        cupy_paged.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, out=outs[i],
+                                           num_splits=num_splits, check_values=False)
+    return call
+
+
+def peers(batch, context, copies=1):
+    """{name: closure} for the torch peers on contiguous K/V, or {} without torch."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception as error:  # noqa: BLE001 - any import failure means no peers
+        print(f"peers skipped: {error}")
+        return {}
+    sets = []
+    for _ in range(copies):
+        q = torch.randn(batch, 1, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, context, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(batch, context, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        sets.append((q, k, v))
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    cu_k = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * context
+    state = {"i": 0}
+
+    def pick():
+        state["i"] += 1
+        return sets[state["i"] % len(sets)]
+
+    def cudnn():
+        q, k, v = pick()
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+    def fa2():
+        q, k, v = pick()
+        torch.ops.aten._flash_attention_forward(
+            q.view(batch, HEADS, DIM), k.view(batch * context, KV_HEADS, DIM),
+            v.view(batch * context, KV_HEADS, DIM), cu_q, cu_k, 1, context, 0.0, False, False)
+
+    found = {}
+    for name, fn in ((CUDNN, cudnn), (FA2, fa2)):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            found[name] = fn
+        except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            print(f"{name} unavailable at {batch}x{context}: {str(error).splitlines()[0][:120]}")
+    return found
+
+
+def torch_stream_sync():
+    try:
+        import torch
+
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps):
+    sets = make_paged(rng, batch, context, block_size)
+    q, k, v, table, lens = sets[0]
+    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
+                                                0.0, None, 0, False, None, check_values=False)
+    splits = decode_ops.plan(problem)
+    tbps = kv_bytes(batch, context) / (median_ms(ours(sets), reps=reps) * 1e-3) / 1e12
+    result = {"name": f"{batch}x{context} bs{block_size}", "metric": "TB/s of K+V", "value": round(tbps, 3),
+              "num_splits": splits, "peers": {}}
+    del sets
+    if with_peers:
+        for name, fn in peers(batch, context).items():
+            result["peers"][name] = round(kv_bytes(batch, context) / (median_ms(fn, reps=reps) * 1e-3) / 1e12, 3)
+        torch_stream_sync()
+    cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
+def launch_bound_case(rng, batch=64, context=128, block_size=16):
+    sets = make_paged(rng, batch, context, block_size, copies=8)
+    result = {"name": f"{batch}x{context} bs{block_size} eager", "metric": "us per call",
+              "value": round(per_call_us(ours(sets)), 2), "peers": {}}
+    # The same call captured once per input set and replayed: launch gaps shrink to graph nodes.
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphs = []
+    with stream:
+        call = ours(sets)
+        for _ in sets:  # warm-up on the capturing stream sizes the workspace
+            call()
+        for _ in sets:
+            stream.begin_capture()
+            call()
+            graphs.append(stream.end_capture())
+        state = {"i": 0}
+
+        def replay():
+            state["i"] += 1
+            graphs[state["i"] % len(graphs)].launch(stream=stream)
+        graph_us = per_call_us(replay)
+    graph = {"name": f"{batch}x{context} bs{block_size} graph", "metric": "us per call",
+             "value": round(graph_us, 2), "peers": {}}
+    for name, fn in peers(batch, context, copies=8).items():
+        result["peers"][name] = round(per_call_us(fn), 2)
+    torch_stream_sync()
+    return [result, graph]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "decode.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args(argv)
+    reps = 10 if args.quick else 30
+    rng = np.random.default_rng(0)
+    # Bring the clocks up before the first timed case (an idle H200 sits at a low SM clock).
+    warm = make_paged(rng, 64, 4096, 16)
+    median_ms(ours(warm), warmup=50, reps=50)
+    del warm
+    cases = []
+    shapes = [(64, 4096), (256, 2048), (8, 32768), (1, 131072)]
+    for batch, context in shapes:
+        for block_size in (16, 32):
+            cases.append(bandwidth_case(rng, batch, context, block_size, block_size == 16, reps))
+            print(cases[-1], flush=True)
+    for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
+        cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
+        print(cases[-1], flush=True)
+    cases.extend(launch_bound_case(rng))
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    device = device.decode() if isinstance(device, bytes) else device
+    versions = {"cupy": cupy.__version__, "numpy": np.__version__, "cupy_paged": cupy_paged.__version__}
+    try:
+        import torch
+
+        versions["torch"] = torch.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    report = {"device": device, "date": datetime.date.today().isoformat(), "versions": versions, "cases": cases}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{'case':28} {'metric':14} {'ours':>8} " + " ".join(f"{p:>17}" for p in (CUDNN, FA2)))
+    for c in cases:
+        row = " ".join(f"{c['peers'].get(p, float('nan')):17.3f}" for p in (CUDNN, FA2))
+        print(f"{c['name']:28} {c['metric']:14} {c['value']:8.3f} {row}  splits={c.get('num_splits', '-')}")
+
+
+if __name__ == "__main__":
+    main()
