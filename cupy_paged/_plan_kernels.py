@@ -1,14 +1,17 @@
 """numba loops behind the cache's block tables and the step plan.
 
-Each function is one pass over the batch with no per-token Python: a plan for a
-thousand decodes is built in a few microseconds.  ``table`` is always the cache's
-``[max_seqs, max_blocks_per_seq]`` int32 array of block ids (-1 past a sequence's
-last block) and ``rows`` the batch's rows of it.
+Each function is one pass over the batch with no per-token Python.  ``table`` is
+always the cache's ``[max_seqs, max_blocks_per_seq]`` int32 array of block ids (-1
+past a sequence's last block) and ``rows`` the batch's rows of it.
 """
 from __future__ import annotations
 
 import numba
-import numpy as np
+
+# memo_rows value meaning "this output row holds nothing known": it is always rewritten.
+UNKNOWN_ROW = -2
+# memo_rows value of a padding row (all -1).
+PADDING_ROW = -1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -36,51 +39,71 @@ def gather_slots(table, rows, starts, counts, block_size, out):
     return t
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _copy_row(src, dst):
+    # An explicit loop: numba compiles it to a tighter copy than slice assignment.
+    for j in range(dst.shape[0]):
+        dst[j] = src[j]
+
+
 @numba.njit(cache=True, nogil=True)
-def copy_table(table, rows, widths, out):
-    """``out[i] = table[rows[i]]`` up to ``widths[i]`` columns, -1 after."""
-    for i in range(rows.shape[0]):
+def copy_rows(table, rows, out):
+    """``out[i] = table[rows[i], :width]`` (all -1 where ``rows[i]`` is ``PADDING_ROW``)."""
+    width = out.shape[1]
+    for i in range(out.shape[0]):
         row = rows[i]
-        for j in range(widths[i]):
-            out[i, j] = table[row, j]
-        for j in range(widths[i], out.shape[1]):
-            out[i, j] = -1
+        if row == PADDING_ROW:
+            out[i, :] = -1
+        else:
+            _copy_row(table[row, :width], out[i])
 
 
 @numba.njit(cache=True, nogil=True)
-def build_plan(table, rows, context_lens, query_lens, block_size):
-    """Positions, slot mapping, cu_seqlens and block table of one step.
+def fill_plan(table, versions, rows, context_lens, query_lens, block_size,
+              positions, slots, cu_q, cu_k, query_out, cache_seqlens, seqlens_k,
+              block_table, memo_rows, memo_versions):
+    """Write one step's index arrays; returns ``(max_seqlen_q, max_seqlen_k)``.
 
-    Returns ``(positions, slot_mapping, cu_seqlens_q, cu_seqlens_k, block_table,
-    max_seqlen_q, max_seqlen_k)``; the table is as wide as the longest sequence needs.
+    Outputs may be longer than the batch (CUDA-graph padding): extra tokens get
+    position 0 and slot -1, extra sequences length 0 and an all -1 block table row.
+    A block table row is copied only when ``memo_rows`` / ``memo_versions`` say it
+    holds another row or an older version of it: in a steady decode batch only
+    the rows that gained a block are rewritten.
     """
     batch = rows.shape[0]
-    cu_q = np.empty(batch + 1, np.int32)
-    cu_k = np.empty(batch + 1, np.int32)
-    widths = np.empty(batch, np.int64)
     cu_q[0] = 0
     cu_k[0] = 0
     max_q = 0
     max_k = 0
-    for i in range(batch):
-        seqlen_k = context_lens[i] + query_lens[i]
-        cu_q[i + 1] = cu_q[i] + query_lens[i]
-        cu_k[i + 1] = cu_k[i] + seqlen_k
-        widths[i] = (seqlen_k + block_size - 1) // block_size
-        max_q = max(max_q, query_lens[i])
-        max_k = max(max_k, seqlen_k)
-    total = cu_q[batch]
-    positions = np.empty(total, np.int32)
     t = 0
     for i in range(batch):
-        for position in range(context_lens[i], context_lens[i] + query_lens[i]):
+        row = rows[i]
+        seqlen_k = context_lens[i] + query_lens[i]
+        for position in range(context_lens[i], seqlen_k):
             positions[t] = position
+            slots[t] = table[row, position // block_size] * block_size + position % block_size
             t += 1
-    slots = np.empty(total, np.int32)
-    gather_slots(table, rows, context_lens, query_lens, block_size, slots)
-    width = 0
-    for i in range(batch):
-        width = max(width, widths[i])
-    block_table = np.empty((batch, width), np.int32)
-    copy_table(table, rows, widths, block_table)
-    return positions, slots, cu_q, cu_k, block_table, max_q, max_k
+        cu_q[i + 1] = t
+        cu_k[i + 1] = cu_k[i] + seqlen_k
+        query_out[i] = query_lens[i]
+        cache_seqlens[i] = context_lens[i]
+        seqlens_k[i] = seqlen_k
+        max_q = max(max_q, query_lens[i])
+        max_k = max(max_k, seqlen_k)
+        if memo_rows[i] != row or memo_versions[i] != versions[row]:
+            _copy_row(table[row, :block_table.shape[1]], block_table[i])
+            memo_rows[i] = row
+            memo_versions[i] = versions[row]
+    for j in range(t, positions.shape[0]):
+        positions[j] = 0
+        slots[j] = -1
+    for i in range(batch, block_table.shape[0]):
+        cu_q[i + 1] = t
+        cu_k[i + 1] = cu_k[batch]
+        query_out[i] = 0
+        cache_seqlens[i] = 0
+        seqlens_k[i] = 0
+        if memo_rows[i] != PADDING_ROW:
+            block_table[i, :] = -1
+            memo_rows[i] = PADDING_ROW
+    return max_q, max_k

@@ -186,7 +186,8 @@ class BlockPool:
         Parameters
         ----------
         blocks : array_like of int
-            Distinct owned block ids.  Pass a sequence's blocks **last block first**:
+            Owned block ids; one listed twice loses two owners.  Pass a sequence's blocks
+            **last block first**:
             cached blocks freed together are then evicted tail first, which keeps
             the shared beginnings of prompts around longest.
 
@@ -200,11 +201,13 @@ class BlockPool:
         blocks = np.asarray(blocks, dtype=np.int64)
         if blocks.size == 0:
             return
-        if (self.ref_counts[blocks] <= 0).any():
-            bad = int(blocks[self.ref_counts[blocks] <= 0][0])
-            raise ValueError(f"block {bad} is not owned: it cannot be released")
-        self.ref_counts[blocks] -= 1
-        for block in blocks[self.ref_counts[blocks] == 0].tolist():
+        unique, counts = np.unique(blocks, return_counts=True)
+        short = self.ref_counts[unique] < counts
+        if short.any():
+            raise ValueError(f"block {int(unique[short][0])} is not owned {int(counts[short][0])} times: "
+                             "it cannot be released that often")
+        self.ref_counts[unique] -= counts.astype(np.int32)
+        for block in dict.fromkeys(blocks[self.ref_counts[blocks] == 0].tolist()):
             if self._key_of_block[block] is None:
                 self._free.append(block)
             else:

@@ -149,6 +149,8 @@ class PagedAttentionCache:
         self._num_slots = np.empty(0, np.int64)
         self._num_computed = np.empty(0, np.int64)
         self._num_hashed = np.empty(0, np.int64)
+        # Bumped on every change of a row of `tables`, so plan buffers re-copy only changed rows.
+        self.table_versions = np.empty(0, np.int64)
         self._add_rows(int(max_seqs))
 
     # ------------------------------------------------------------------ storage
@@ -431,6 +433,7 @@ class PagedAttentionCache:
         self._row_of[seq_id] = row
         self.tables[row, :blocks.size] = blocks
         self._num_blocks[row] = blocks.size
+        self.table_versions[row] += 1
         self._num_slots[row] = cached + new
         self._num_computed[row] = cached
         self._num_hashed[row] = len(hits)
@@ -461,6 +464,11 @@ class PagedAttentionCache:
         need = -(-(slots + new) // self.block_size) - have
         last = self.tables[rows, np.maximum(have - 1, 0)]
         cow = (new > 0) & (slots % self.block_size != 0) & (self.pool.ref_counts[last] > 1)
+        if cow.any():
+            # When every owner of a shared block writes into it in this call, the first keeps it.
+            shared, first, writers = np.unique(last[cow], return_index=True, return_counts=True)
+            keeps = writers == self.pool.ref_counts[shared]
+            cow[np.flatnonzero(cow)[first[keeps]]] = False
         return need + cow, cow, new
 
     def grow(self, seq_ids, num_new_tokens, reserve: int = 0) -> None:
@@ -509,6 +517,7 @@ class PagedAttentionCache:
             self.pool.release(shared)
         _plan_kernels.append_blocks(self.tables, rows, self._num_blocks, need - cow, fresh[num_cow:])
         self._num_slots[rows] += new
+        self.table_versions[rows[need > 0]] += 1
 
     def fork(self, parent_id, child_id, token_ids=None) -> None:
         """Start ``child_id`` sharing all of ``parent_id``'s blocks (no copy, no allocation).
@@ -549,6 +558,7 @@ class PagedAttentionCache:
         self._row_of[child_id] = child
         for array in (self.tables, self._num_blocks, self._num_slots, self._num_computed, self._num_hashed):
             array[child] = array[parent]
+        self.table_versions[child] += 1
         self._tokens[child] = tokens
         self._last_hash[child] = self._last_hash[parent]
 
@@ -611,6 +621,7 @@ class PagedAttentionCache:
         self.pool.release(self.tables[row, :self._num_blocks[row]][::-1])
         del self._row_of[seq_id]
         self.tables[row] = -1
+        self.table_versions[row] += 1
         self._num_blocks[row] = self._num_slots[row] = self._num_computed[row] = self._num_hashed[row] = 0
         self._tokens[row] = self._last_hash[row] = None
         self._free_rows.append(row)
@@ -636,12 +647,13 @@ class PagedAttentionCache:
         [[0, -1, -1], [1, 2, 3]]
         """
         rows = self.rows(seq_ids)
-        widths = self._num_blocks[rows]
-        width = int(widths.max(initial=0)) if width is None else int(width)
-        if width < int(widths.max(initial=0)):
-            raise ValueError(f"width must be >= {int(widths.max())}, the most blocks a sequence holds")
+        longest = int(self._num_blocks[rows].max(initial=0))
+        width = longest if width is None else int(width)
+        if not longest <= width <= self.max_blocks_per_seq:
+            raise ValueError(f"width must be in [{longest}, {self.max_blocks_per_seq}]: at least the most "
+                             "blocks a sequence holds, at most max_blocks_per_seq")
         out = np.empty((rows.size, width), np.int32)
-        _plan_kernels.copy_table(self.tables, rows, widths, out)
+        _plan_kernels.copy_rows(self.tables, rows, out)
         return out
 
     def cache_seqlens(self, seq_ids) -> np.ndarray:
@@ -696,7 +708,7 @@ class PagedAttentionCache:
     def _add_rows(self, count: int) -> None:
         start = len(self._num_slots)
         self.tables = np.concatenate([self.tables, np.full((count, self.max_blocks_per_seq), -1, np.int32)])
-        for name in ("_num_blocks", "_num_slots", "_num_computed", "_num_hashed"):
+        for name in ("_num_blocks", "_num_slots", "_num_computed", "_num_hashed", "table_versions"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(count, np.int64)]))
         self._tokens.extend([None] * count)
         self._last_hash.extend([None] * count)

@@ -141,7 +141,22 @@ def _to_host(array):
     return array if isinstance(array, np.ndarray) else array.get()
 
 
-def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None) -> StepPlan:
+_INDEX_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "query_lens",
+                 "cache_seqlens", "seqlens_k", "logits_indices", "block_table")
+
+
+def _index_arrays(batch: int, tokens: int, width: int, alloc) -> dict:
+    """The plan's int32 index arrays, each made by ``alloc(name, shape)``."""
+    shapes = dict(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
+                  cu_seqlens_q=(batch + 1,), cu_seqlens_k=(batch + 1,), query_lens=(batch,),
+                  cache_seqlens=(batch,), seqlens_k=(batch,), logits_indices=(batch,),
+                  block_table=(batch, width))
+    return {name: alloc(name, shapes[name]) for name in _INDEX_FIELDS}
+
+
+def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None,
+               buffers: "PlanBuffers | None" = None, batch_size: int | None = None,
+               num_tokens: int | None = None) -> StepPlan:
     """Build the step plan for sequences whose new tokens already have reserved slots.
 
     Each sequence ``s`` contributes ``query_lens[i]`` tokens at positions
@@ -161,16 +176,23 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         ``[batch]`` which sequences sample a token this step (default all).
     rows : numpy.ndarray, optional
         ``cache.rows(seq_ids)`` when the caller already has them.
+    buffers : PlanBuffers, optional
+        Write into these fixed buffers (one upload to the device) instead of new arrays.
+    batch_size, num_tokens : int, optional
+        With ``buffers``: pad the plan to this many sequences and tokens (CUDA-graph
+        replay at a captured size).  Padding sequences have no tokens and no blocks;
+        padding tokens have slot -1, which cache writes skip.
 
     Returns
     -------
     StepPlan
-        NumPy arrays; see ``PlanBuffers.load`` to place them on a device.
+        NumPy arrays, or views of ``buffers``' device arrays.
 
     Raises
     ------
     ValueError
-        When a query length is < 1 or runs past the slots reserved for the sequence.
+        When a query length is < 1 or runs past the slots reserved for the sequence,
+        or the plan does not fit ``buffers``.
 
     Examples
     --------
@@ -186,40 +208,74 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     """
     seq_ids = list(seq_ids)
     rows = cache.rows(seq_ids) if rows is None else rows
-    query = np.broadcast_to(np.asarray(query_lens, np.int64), rows.shape)
+    batch = rows.size
+    if np.ndim(query_lens) == 0:
+        query = np.full(batch, query_lens, np.int64)
+    else:
+        query = np.asarray(query_lens, np.int64)
+        if query.shape != rows.shape:
+            raise ValueError(f"query_lens must have shape [batch = {batch}]; got {query.shape}")
     context = cache.context_lens(rows)
-    if rows.size and (query.min() < 1 or ((context + query) > cache.reserved_lens(rows)).any()):
-        bad = int(np.argmax((query < 1) | (context + query > cache.reserved_lens(rows))))
+    reserved = cache.reserved_lens(rows)
+    if batch and (((context + query) > reserved).any() or query.min() < 1):
+        bad = int(np.argmax((query < 1) | (context + query > reserved)))
         raise ValueError(f"query_lens[{bad}] = {int(query[bad])} must be >= 1 and fit the "
-                         f"{int(cache.reserved_lens(rows)[bad] - context[bad])} slots reserved past "
+                         f"{int(reserved[bad] - context[bad])} slots reserved past "
                          f"the {int(context[bad])} cached tokens of {seq_ids[bad]!r}")
-    positions, slots, cu_q, cu_k, table, max_q, max_k = _plan_kernels.build_plan(
-        cache.tables, rows, context, query, cache.block_size)
+    tokens = int(query.sum())
+    if buffers is None:
+        if batch_size is not None or num_tokens is not None:
+            raise ValueError("batch_size and num_tokens pad a plan into buffers; pass buffers too")
+        width = -(-int((context + query).max(initial=0)) // cache.block_size)
+        out = _index_arrays(batch, tokens, width, lambda name, shape: np.empty(shape, np.int32))
+        memo_rows = np.full(batch, _plan_kernels.UNKNOWN_ROW, np.int64)
+        memo_versions = np.zeros(batch, np.int64)
+    else:
+        batch_size = batch if batch_size is None else int(batch_size)
+        num_tokens = tokens if num_tokens is None else int(num_tokens)
+        out, memo_rows, memo_versions = buffers.host_views(batch, tokens, batch_size, num_tokens,
+                                                           cache.max_blocks_per_seq)
+    max_q, max_k = _plan_kernels.fill_plan(
+        cache.tables, cache.table_versions, rows, context, query, cache.block_size,
+        out["positions"], out["slot_mapping"], out["cu_seqlens_q"], out["cu_seqlens_k"],
+        out["query_lens"], out["cache_seqlens"], out["seqlens_k"], out["block_table"],
+        memo_rows, memo_versions)
     if input_ids is not None:
-        input_ids = np.asarray(input_ids, np.int32)
-        if input_ids.shape != positions.shape:
-            raise ValueError(f"input_ids must have shape [num_tokens = {positions.size}]; "
-                             f"got {input_ids.shape}")
+        input_ids = np.asarray(input_ids)
+        if input_ids.shape != (tokens,):
+            raise ValueError(f"input_ids must have shape [num_tokens = {tokens}]; got {input_ids.shape}")
+        out["input_ids"][:tokens] = input_ids
+        out["input_ids"][tokens:] = 0
+    ends = out["cu_seqlens_q"][1:batch + 1]
     if sample_mask is None:
-        sample_mask = np.ones(rows.size, bool)
-        logits_indices = cu_q[1:] - 1
+        sample_mask = np.ones(batch, bool)
+        num_sampled = batch
+        np.subtract(ends, 1, out=out["logits_indices"][:batch])
     else:
         sample_mask = np.asarray(sample_mask, bool)
-        logits_indices = cu_q[1:][sample_mask] - 1
-    query32 = query.astype(np.int32)
-    return StepPlan(seq_ids=seq_ids, input_ids=input_ids, positions=positions, query_lens=query32,
-                    cache_seqlens=context.astype(np.int32), seqlens_k=np.diff(cu_k),
-                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
-                    max_seqlen_k=int(max_k), slot_mapping=slots, block_table=table,
-                    logits_indices=logits_indices, sample_mask=sample_mask,
-                    path=DECODE if max_q == 1 else VARLEN, block_size=cache.block_size)
+        num_sampled = int(np.count_nonzero(sample_mask))
+        out["logits_indices"][:num_sampled] = ends[sample_mask] - 1
+    out["logits_indices"][num_sampled:] = 0
+    if buffers is not None:
+        out = buffers.upload(batch_size, num_tokens)
+        if batch_size > batch:
+            sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
+            seq_ids = seq_ids + [None] * (batch_size - batch)
+    out["logits_indices"] = out["logits_indices"][:num_sampled]
+    if input_ids is None:
+        out["input_ids"] = None
+    return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
+                    sample_mask=sample_mask, path=DECODE if max_q == 1 else VARLEN,
+                    block_size=cache.block_size, **out)
 
 
 class PlanBuffers:
-    """Fixed buffers a plan is copied into, one host-to-device transfer per step.
+    """Fixed buffers a plan is built into, uploaded to the device in one transfer.
 
     Sized for the largest step, so the arrays' addresses and shapes never change
-    and a CUDA graph captured over them replays with each new plan.
+    and a CUDA graph captured over them replays with each new plan.  The block
+    table keeps its full width, and rows unchanged since the previous step (same
+    sequence, no new block) are not rewritten.
 
     Parameters
     ----------
@@ -230,29 +286,33 @@ class PlanBuffers:
     max_blocks_per_seq : int
         Block table width (``PagedAttentionCache.max_blocks_per_seq``).
     device : {"cpu", "cuda"}
-        Where the buffers live.
+        Where the buffers live.  On the CPU the host buffer is the device buffer.
 
     Examples
     --------
     >>> from cupy_paged.cache import PagedAttentionCache
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
     >>> _ = cache.allocate("a", list(range(3)))
-    >>> buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=8)
-    >>> fixed = buffers.load(build_plan(cache, ["a"], [3]), batch_size=2, num_tokens=4)
-    >>> fixed.cu_seqlens_q.tolist(), fixed.slot_mapping.tolist(), fixed.block_table.shape
+    >>> buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=cache.max_blocks_per_seq)
+    >>> plan = build_plan(cache, ["a"], [3], buffers=buffers, batch_size=2, num_tokens=4)
+    >>> plan.cu_seqlens_q.tolist(), plan.slot_mapping.tolist(), plan.block_table.shape
     ([0, 3, 3], [0, 1, 2, -1], (2, 8))
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_blocks_per_seq: int, device: str = "cpu"):
         self.max_batch, self.max_tokens = int(max_batch), int(max_tokens)
         self.max_blocks_per_seq = int(max_blocks_per_seq)
-        b, t = self.max_batch, self.max_tokens
-        sizes = dict(input_ids=t, positions=t, slot_mapping=t, cu_seqlens_q=b + 1, cu_seqlens_k=b + 1,
-                     query_lens=b, cache_seqlens=b, seqlens_k=b, logits_indices=b,
-                     block_table=b * self.max_blocks_per_seq)
-        total = sum(sizes.values())
         self.device = device
         self._done = None
+        offsets = {}
+        total = 0
+
+        def place(name, shape):
+            nonlocal total
+            offsets[name] = (total, shape)
+            total += int(np.prod(shape))
+
+        _index_arrays(self.max_batch, self.max_tokens, self.max_blocks_per_seq, place)
         if device == CUDA:
             import cupy
 
@@ -261,65 +321,45 @@ class PlanBuffers:
             self._host = np.frombuffer(pinned, np.int32, total)
             self._device = cupy.empty(total, np.int32)
         else:
-            self._host = np.empty(total, np.int32)
-            self._device = np.empty(total, np.int32)
-        self._host_views, self._device_views, offset = {}, {}, 0
-        for name, size in sizes.items():
-            shape = (b, self.max_blocks_per_seq) if name == "block_table" else (size,)
-            self._host_views[name] = self._host[offset:offset + size].reshape(shape)
-            self._device_views[name] = self._device[offset:offset + size].reshape(shape)
-            offset += size
+            self._host = self._device = np.empty(total, np.int32)
+        self._host_views = {name: self._host[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in offsets.items()}
+        self._device_views = {name: self._device[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in offsets.items()}
+        self._memo_rows = np.full(self.max_batch, _plan_kernels.UNKNOWN_ROW, np.int64)
+        self._memo_versions = np.zeros(self.max_batch, np.int64)
+        self._slices: dict = {}  # (side, batch_size, num_tokens) -> views; steady steps reuse one
 
-    def load(self, plan: StepPlan, batch_size: int | None = None, num_tokens: int | None = None) -> StepPlan:
-        """Copy ``plan`` into the buffers, padded to ``batch_size`` sequences and ``num_tokens`` tokens.
+    def host_views(self, batch: int, tokens: int, batch_size: int, num_tokens: int, max_blocks_per_seq: int):
+        """Host arrays to build a plan of ``batch``/``tokens`` padded to ``batch_size``/``num_tokens``.
 
-        Padding sequences have no tokens, no cached keys and no blocks; padding tokens
-        have slot -1 (cache writes skip them).  The block table keeps its full width.
-
-        Returns
-        -------
-        StepPlan
-            The same plan whose arrays are views of the (device) buffers.
+        Returns the views and the row memo (which block table rows hold what).
         """
-        batch_size = plan.batch_size if batch_size is None else int(batch_size)
-        num_tokens = plan.num_tokens if num_tokens is None else int(num_tokens)
-        b, t = plan.batch_size, plan.num_tokens
-        if not (b <= batch_size <= self.max_batch and t <= num_tokens <= self.max_tokens):
-            raise ValueError(f"the plan ({b} sequences, {t} tokens) padded to ({batch_size}, {num_tokens}) "
-                             f"must fit the buffers ({self.max_batch}, {self.max_tokens})")
-        width = plan.block_table.shape[1]
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"the plan's block table has {width} columns, more than {self.max_blocks_per_seq}")
+        if not (batch <= batch_size <= self.max_batch and tokens <= num_tokens <= self.max_tokens):
+            raise ValueError(f"the plan ({batch} sequences, {tokens} tokens) padded to ({batch_size}, "
+                             f"{num_tokens}) must fit the buffers ({self.max_batch}, {self.max_tokens})")
+        if max_blocks_per_seq != self.max_blocks_per_seq:
+            raise ValueError(f"the buffers' block tables have {self.max_blocks_per_seq} columns but the "
+                             f"cache's max_blocks_per_seq is {max_blocks_per_seq}")
         if self._done is not None:
             self._done.synchronize()  # the previous upload must have read the host buffer
-        host = self._host_views
-        fills = dict(input_ids=0, positions=0, slot_mapping=-1, query_lens=0, cache_seqlens=0,
-                     seqlens_k=0, logits_indices=0)
-        for name, fill in fills.items():
-            value = getattr(plan, name)
-            value = np.zeros(t, np.int32) if value is None else value
-            host[name][:len(value)] = value
-            host[name][len(value):] = fill
-        for name in ("cu_seqlens_q", "cu_seqlens_k"):
-            host[name][:b + 1] = getattr(plan, name)
-            host[name][b + 1:] = getattr(plan, name)[-1]
-        host["block_table"][:b, :width] = plan.block_table
-        host["block_table"][:b, width:] = -1
-        host["block_table"][b:] = -1
-        if self.device == CUDA:
+        return (self._sliced("host", batch_size, num_tokens),
+                self._memo_rows[:batch_size], self._memo_versions[:batch_size])
+
+    def upload(self, batch_size: int, num_tokens: int) -> dict:
+        """Copy the host buffer to the device (one transfer); the device views, sliced."""
+        if self._device is not self._host:
             import cupy
 
             self._device.set(self._host)
             self._done = cupy.cuda.get_current_stream().record()
-        else:
-            np.copyto(self._device, self._host)
-        dev = self._device_views
-        return dataclasses.replace(
-            plan, input_ids=None if plan.input_ids is None else dev["input_ids"][:num_tokens],
-            positions=dev["positions"][:num_tokens], slot_mapping=dev["slot_mapping"][:num_tokens],
-            query_lens=dev["query_lens"][:batch_size], cache_seqlens=dev["cache_seqlens"][:batch_size],
-            seqlens_k=dev["seqlens_k"][:batch_size], cu_seqlens_q=dev["cu_seqlens_q"][:batch_size + 1],
-            cu_seqlens_k=dev["cu_seqlens_k"][:batch_size + 1], block_table=dev["block_table"][:batch_size],
-            logits_indices=dev["logits_indices"][:len(plan.logits_indices)],
-            seq_ids=plan.seq_ids + [None] * (batch_size - b),
-            sample_mask=np.concatenate([plan.sample_mask, np.zeros(batch_size - b, bool)]))
+        return dict(self._sliced("device", batch_size, num_tokens))
+
+    def _sliced(self, side: str, batch_size: int, num_tokens: int) -> dict:
+        key = (side, batch_size, num_tokens)
+        if key not in self._slices:
+            if len(self._slices) > 64:
+                self._slices.clear()
+            views = self._host_views if side == "host" else self._device_views
+            lengths = dict(input_ids=num_tokens, positions=num_tokens, slot_mapping=num_tokens,
+                           cu_seqlens_q=batch_size + 1, cu_seqlens_k=batch_size + 1)
+            self._slices[key] = {name: view[:lengths.get(name, batch_size)] for name, view in views.items()}
+        return self._slices[key]

@@ -1,0 +1,162 @@
+"""BlockPool: reference counts, all-or-nothing allocation, the LRU prefix cache."""
+import doctest
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupy_paged.block_pool
+from cupy_paged.block_pool import BlockPool, CacheFull, chain_hash
+
+
+def snapshot(pool: BlockPool):
+    return (pool.ref_counts.copy(), pool.num_free, pool.num_cached_free, pool.num_cached,
+            list(pool._free), list(pool._cached_free))
+
+
+def register_full(pool: BlockPool, block: int, tokens: tuple, parent=None) -> int:
+    block_hash = chain_hash(parent, tokens)
+    assert pool.register(block, block_hash, tokens)
+    return block_hash
+
+
+def test_docstring_examples():
+    result = doctest.testmod(cupy_paged.block_pool)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_allocate_hands_out_distinct_blocks_with_one_owner():
+    pool = BlockPool(10)
+    a, b = pool.allocate(4), pool.allocate(6)
+    assert sorted(a.tolist() + b.tolist()) == list(range(10))
+    assert (pool.ref_counts == 1).all() and pool.num_free == 0
+    assert pool.allocate(0).size == 0
+
+
+def test_allocate_is_all_or_nothing():
+    pool = BlockPool(5)
+    pool.allocate(3)
+    before = snapshot(pool)
+    with pytest.raises(CacheFull, match="need 3 free blocks but only 2 of 5"):
+        pool.allocate(3)
+    after = snapshot(pool)
+    assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(before, after))
+
+
+def test_share_and_release_count_owners():
+    pool = BlockPool(3)
+    blocks = pool.allocate(2)
+    pool.share(blocks)
+    assert pool.ref_counts.tolist() == [2, 2, 0]
+    pool.release(blocks)
+    assert pool.ref_counts.tolist() == [1, 1, 0] and pool.num_free == 1
+    pool.release(blocks[::-1])
+    assert pool.num_free == 3
+
+
+def test_release_of_a_free_block_raises():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="block 1 is not owned"):
+        pool.release([1])
+
+
+def test_share_of_a_plain_free_block_raises():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="block 0 is free and not cached"):
+        pool.share([0])
+
+
+def test_register_requires_an_owned_block():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="not owned"):
+        pool.register(0, chain_hash(None, (1,)), (1,))
+
+
+def test_freed_cached_block_is_taken_back_by_share():
+    pool = BlockPool(2)
+    block = int(pool.allocate(1)[0])
+    block_hash = register_full(pool, block, (4, 5))
+    pool.release([block])
+    assert pool.num_free == 2 and pool.num_cached_free == 1
+    assert pool.lookup(block_hash, (4, 5)) == block
+    pool.share([block])
+    assert pool.ref_counts[block] == 1 and pool.num_free == 1 and pool.num_cached_free == 0
+
+
+def test_plain_free_blocks_go_before_cached_ones():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3).tolist()
+    register_full(pool, blocks[0], (1,))
+    pool.release(blocks)
+    assert sorted(pool.allocate(2).tolist()) == blocks[1:] and pool.num_cached == 1  # no eviction
+    assert int(pool.allocate(1)[0]) == blocks[0] and pool.num_cached == 0
+
+
+def test_eviction_takes_the_least_recently_freed_block():
+    """Hugging Face reclaims the most recently freed block; we keep the hottest prefixes longest."""
+    pool = BlockPool(3)
+    blocks = pool.allocate(3).tolist()
+    hashes = [register_full(pool, b, (b,)) for b in blocks]
+    for block in blocks:  # freed oldest first: 0, then 1, then 2
+        pool.release([block])
+    evicted = int(pool.allocate(1)[0])
+    assert evicted == blocks[0]
+    assert pool.lookup(hashes[0], (blocks[0],)) == -1
+    assert pool.lookup(hashes[2], (blocks[2],)) == blocks[2]
+    assert int(pool.allocate(1)[0]) == blocks[1]
+
+
+def test_a_cache_hit_refreshes_recency():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2).tolist()
+    hash_a = register_full(pool, a, (1,))
+    register_full(pool, b, (2,))
+    pool.release([a])
+    pool.release([b])
+    pool.share([a])  # a prefix hit on a: it is now the most recently used
+    pool.release([a])
+    assert int(pool.allocate(1)[0]) == b
+    assert pool.lookup(hash_a, (1,)) == a
+
+
+def test_lookup_compares_tokens_so_a_collision_is_a_miss():
+    pool = BlockPool(1)
+    block = int(pool.allocate(1)[0])
+    pool.register(block, 12345, (1, 2))
+    assert pool.lookup(12345, (1, 2)) == block
+    assert pool.lookup(12345, (1, 3)) == -1
+
+
+def test_second_copy_of_a_prefix_is_not_registered():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2).tolist()
+    block_hash = chain_hash(None, (9,))
+    assert pool.register(a, block_hash, (9,))
+    assert not pool.register(b, block_hash, (9,))
+    assert not pool.register(a, chain_hash(None, (8,)), (8,))  # already holds a prefix
+    pool.release([b])
+    assert pool.num_cached_free == 0  # b goes back as a plain free block
+
+
+def test_chain_hash_depends_on_the_whole_prefix():
+    first = chain_hash(None, (1, 2))
+    assert chain_hash(first, (3, 4)) != chain_hash(chain_hash(None, (1, 5)), (3, 4))
+    assert chain_hash(first, (3, 4)) == chain_hash(chain_hash(None, (1, 2)), (3, 4))
+
+
+def test_chain_hash_is_the_same_in_every_process():
+    code = "from cupy_paged.block_pool import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
+    values = set()
+    for seed in ("0", "1"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        values.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                  check=True).stdout.strip())
+    assert values == {str(chain_hash(chain_hash(None, (1, 2)), (3, 4)))}
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_bad_pool_size(bad):
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        BlockPool(bad)
