@@ -513,5 +513,32 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None,
+TestCacheMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+def test_cuda_cache_update_copy_on_write_and_plan_buffers():
+    import cupy
+
+    cache = PagedAttentionCache(2, 1, 64, block_size=16, num_blocks=8, dtype="float16", device="cuda")
+    assert isinstance(cache.kv, cupy.ndarray)
+    tokens = list(range(20))
+    cache.allocate("p", tokens)
+    slots = cupy.asarray(cache.slot_mapping(["p"]))
+    keys = cupy.arange(20 * 64, dtype=cupy.float16).reshape(20, 1, 64)
+    k, v = cache.update(keys, -keys, 1, slots, slots)
+    assert bool((k == keys).all()) and bool((v == -keys).all())
+    cache.mark_computed(["p"], [20])
+    cache.fork("p", "c")
+    cache.grow(["c"], 1)  # copy-on-write of the partial block, on the device
+    child_block, parent_block = int(cache.blocks("c")[1]), int(cache.blocks("p")[1])
+    assert child_block != parent_block
+    assert bool((cache.kv[:, :, child_block] == cache.kv[:, :, parent_block]).all())
+    buffers = PlanBuffers(4, 8, cache.max_blocks_per_seq, device="cuda")
+    plan = build_plan(cache, ["c"], 1, buffers=buffers, batch_size=2, num_tokens=2)
+    assert isinstance(plan.block_table, cupy.ndarray)
+    assert plan.block_table[0, :2].get().tolist() == cache.blocks("c").tolist()
+    assert plan.slot_mapping.get().tolist() == [child_block * 16 + 4, -1]

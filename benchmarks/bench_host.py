@@ -1,0 +1,161 @@
+"""Host cost of one continuous-batching step: is the CPU ever what a decode step waits for?
+
+For 64, 256 and 1024 running requests with about 4k tokens of context each (block
+size 16, so ~256 blocks a request), measures the median microseconds of
+
+* ``plan``: ``build_plan`` into ``PlanBuffers`` (the path an engine on a GPU takes)
+  for a mostly-decode step: every request decodes, plus one 512-token prefill
+  chunk, so the varlen path; one request in 16 has gained a block since the last
+  step.  The targets are <= 50 us at 256 and <= 200 us at 1024;
+* ``plan_decode``: the same for an all-decode step (the decode kernel's path);
+* ``plan_new_arrays``: ``build_plan`` of the mixed step into freshly allocated
+  arrays with every block table row copied (no buffers);
+* ``schedule``: a whole ``Scheduler.schedule()`` of an all-decode step (choosing
+  requests, reserving slots, gathering input ids, building the plan);
+* ``update``: ``Scheduler.update()`` taking the sampled tokens back.
+
+Writes ``benchmarks/results/host.json`` and prints a markdown table.
+Run: ``python benchmarks/bench_host.py [--repeats N]``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import numba
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import cupy_paged  # noqa: E402
+from cupy_paged.cache import PagedAttentionCache  # noqa: E402
+from cupy_paged.plan import PlanBuffers, build_plan  # noqa: E402
+from cupy_paged.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+
+BLOCK_SIZE = 16
+CONTEXT = 4096
+PREFILL_CHUNK = 512
+TARGETS_US = {256: 50.0, 1024: 200.0}
+
+
+def median_us(fn, repeats: int, before=lambda step: None) -> float:
+    """Median wall time of ``fn()`` in microseconds, after warm-up; ``before(step)`` runs untimed."""
+    times = []
+    for step in range(repeats + 5):
+        before(step)
+        start = time.perf_counter_ns()
+        fn()
+        if step >= 5:
+            times.append(time.perf_counter_ns() - start)
+    return float(np.median(times)) / 1e3
+
+
+def running_scheduler(num_requests: int, rng: np.random.Generator) -> Scheduler:
+    """A scheduler whose ``num_requests`` requests are all decoding with ~4k tokens cached."""
+    blocks_per_seq = (CONTEXT + 1024) // BLOCK_SIZE
+    cache = PagedAttentionCache(1, 1, 32, block_size=BLOCK_SIZE, num_blocks=(num_requests + 1) * blocks_per_seq,
+                                dtype="float16", device="cpu", max_seqs=num_requests + 1,
+                                max_blocks_per_seq=blocks_per_seq, enable_prefix_caching=False)
+    # A large budget gets the prompts in within a few dozen steps; decode steps use one token a request.
+    config = SchedulerConfig(max_batch_tokens=64 * 1024, max_num_seqs=num_requests + 1,
+                             admission_margin=0.0)
+    scheduler = Scheduler(cache, config)
+    for i in range(num_requests):
+        prompt = rng.integers(0, 32000, int(rng.integers(CONTEXT - 512, CONTEXT - 64))).tolist()
+        scheduler.add_request(Request(i, prompt, max_new_tokens=512))
+    # Run the prompts through until every request has sampled its first token.
+    while any(r.num_computed < len(r.prompt_token_ids) for r in scheduler._live.values()):
+        plan = scheduler.schedule()
+        scheduler.update(plan, rng.integers(0, 32000, len(plan.logits_indices)))
+    return scheduler
+
+
+def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[dict]:
+    scheduler = running_scheduler(num_requests, rng)
+    cache = scheduler.cache
+    ids = [r.request_id for r in scheduler.running]
+    cache.grow(ids, 1)  # the decode slots a step reserves
+    rows = cache.rows(ids)
+    decode_inputs = rng.integers(0, 32000, len(ids))
+
+    def new_blocks(step):
+        # In a real decode step one request in BLOCK_SIZE starts a new block: its table row changed.
+        cache.table_versions[rows[step % BLOCK_SIZE::BLOCK_SIZE]] += 1
+
+    buffers = PlanBuffers(num_requests + 1, num_requests + PREFILL_CHUNK, cache.max_blocks_per_seq)
+    # One more request mid-prefill makes the mostly-decode step take the varlen path.
+    prompt = rng.integers(0, 32000, CONTEXT).tolist()
+    cache.allocate("prefill", prompt, PREFILL_CHUNK)
+    mixed_ids = ids + ["prefill"]
+    mixed_rows = cache.rows(mixed_ids)
+    mixed_lens = np.ones(len(mixed_ids), np.int64)
+    mixed_lens[-1] = PREFILL_CHUNK
+    mixed_inputs = rng.integers(0, 32000, len(ids) + PREFILL_CHUNK)
+    mixed_sample = np.ones(len(mixed_ids), bool)
+    mixed_sample[-1] = False
+    results = {
+        "plan": median_us(lambda: build_plan(cache, mixed_ids, mixed_lens, mixed_inputs, mixed_sample,
+                                             rows=mixed_rows, buffers=buffers), repeats, new_blocks),
+        "plan_decode": median_us(lambda: build_plan(cache, ids, 1, decode_inputs, rows=rows, buffers=buffers),
+                                 repeats, new_blocks),
+        "plan_new_arrays": median_us(lambda: build_plan(cache, mixed_ids, mixed_lens, mixed_inputs,
+                                                        mixed_sample, rows=mixed_rows), repeats),
+    }
+    cache.free("prefill")
+    cache.mark_computed(ids, [cache.num_computed(i) + 1 for i in ids])
+    for request in scheduler.running:  # the slots reserved above are computed now
+        request.num_computed += 1
+        request.token_ids.append(int(rng.integers(0, 32000)))
+
+    schedule_times, update_times = [], []
+    for step in range(min(repeats, 60) + 5):
+        start = time.perf_counter_ns()
+        plan = scheduler.schedule()
+        middle = time.perf_counter_ns()
+        scheduler.update(plan, decode_inputs)
+        end = time.perf_counter_ns()
+        assert plan.path == "decode" and plan.batch_size == num_requests
+        if step >= 5:
+            schedule_times.append(middle - start)
+            update_times.append(end - middle)
+    results["schedule"] = float(np.median(schedule_times)) / 1e3
+    results["update"] = float(np.median(update_times)) / 1e3
+    return [{"name": f"{name}_{num_requests}", "metric": "median_us", "value": round(value, 2), "peers": {}}
+            for name, value in results.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "host.json"))
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    cases = []
+    for num_requests in (64, 256, 1024):
+        cases.extend(measure(num_requests, args.repeats, rng))
+    report = {
+        "device": f"CPU: {platform.processor() or platform.machine()} ({platform.system()})",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "versions": {"python": platform.python_version(), "numpy": np.__version__,
+                     "numba": numba.__version__, "cupy_paged": cupy_paged.__version__},
+        "cases": cases,
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print("| case | requests | median us | target us |")
+    print("| --- | ---: | ---: | ---: |")
+    for case in cases:
+        name, count = case["name"].rsplit("_", 1)
+        target = TARGETS_US.get(int(count), "") if name == "plan" else ""
+        print(f"| {name} | {count} | {case['value']:.1f} | {target} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

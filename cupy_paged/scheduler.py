@@ -1,0 +1,375 @@
+"""Continuous batching: which requests run each step, and with how many tokens.
+
+Each ``schedule()`` call makes one step: running decodes first, then running
+prefills and then waiting requests, long prompts cut into chunks, all under a
+token budget (``max_batch_tokens``) and the cache's free blocks.  When a running
+request cannot get a block, the newest running request is preempted: its blocks
+are freed and it is recomputed from its tokens later (vLLM's policy; the prefix
+cache usually gives most of them back).  The step comes out as a
+:class:`~cupy_paged.plan.StepPlan`; ``update()`` takes the sampled tokens back.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+
+import numpy as np
+
+from .block_pool import CacheFull
+from .plan import StepPlan, build_plan
+
+__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting for (re)admission, running, or finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt and a generation limit, plus its progress.
+
+    Parameters
+    ----------
+    request_id : hashable
+        Unique among live requests.
+    prompt_token_ids : list of int
+        At least one token.
+    max_new_tokens : int
+        Stop after this many generated tokens (>= 1).
+    eos_token_id : int, optional
+        Stop early after generating this token.
+
+    Attributes
+    ----------
+    token_ids : list of int
+        Prompt then generated tokens (the cache hashes blocks from this list).
+    num_computed : int
+        Leading tokens whose K/V is in the cache.
+    num_preemptions : int
+        Times the request was preempted and recomputed.
+
+    Examples
+    --------
+    >>> r = Request("a", [1, 2, 3], max_new_tokens=2)
+    >>> r.num_tokens, r.output_token_ids, r.status.value
+    (3, [], 'waiting')
+    """
+
+    request_id: object
+    prompt_token_ids: list
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    token_ids: list = dataclasses.field(init=False)
+    num_computed: int = dataclasses.field(init=False, default=0)
+    num_preemptions: int = dataclasses.field(init=False, default=0)
+    status: RequestStatus = dataclasses.field(init=False, default=RequestStatus.WAITING)
+
+    def __post_init__(self):
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must hold at least one token")
+        if int(self.max_new_tokens) < 1:
+            raise ValueError(f"request {self.request_id!r}: max_new_tokens must be >= 1; got {self.max_new_tokens}")
+        self.max_new_tokens = int(self.max_new_tokens)
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens so far."""
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list:
+        """The generated tokens."""
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest this request can get: prompt plus ``max_new_tokens``."""
+        return len(self.prompt_token_ids) + self.max_new_tokens
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Limits of one step.
+
+    Parameters
+    ----------
+    max_batch_tokens : int
+        Token budget of a step (decodes count one each).
+    max_num_seqs : int
+        Most running requests; must not exceed ``max_batch_tokens``.
+    max_prefill_chunk : int, optional
+        Most tokens of one prompt in one step (default: the whole budget).
+    admission_margin : float
+        Fraction of the cache's blocks that must stay free after admitting a waiting
+        request while others run, so running decodes do not preempt it at once.
+
+    Examples
+    --------
+    >>> SchedulerConfig(max_batch_tokens=512, max_num_seqs=64).max_prefill_chunk
+    512
+    """
+
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_prefill_chunk: int | None = None
+    admission_margin: float = 0.02
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_batch_tokens < self.max_num_seqs:
+            raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_batch_tokens "
+                             f"({self.max_batch_tokens}): every running decode must fit one step")
+        if self.max_prefill_chunk is None:
+            self.max_prefill_chunk = self.max_batch_tokens
+        if self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1; got {self.max_prefill_chunk}")
+        if not 0.0 <= self.admission_margin < 1.0:
+            raise ValueError(f"admission_margin must be in [0, 1); got {self.admission_margin}")
+
+
+class Scheduler:
+    """Turns a stream of requests into steps over a :class:`~cupy_paged.cache.PagedAttentionCache`.
+
+    Parameters
+    ----------
+    cache : PagedAttentionCache
+        Owns the blocks; the scheduler is its only user while it runs.
+    config : SchedulerConfig, optional
+
+    Examples
+    --------
+    >>> from cupy_paged.cache import PagedAttentionCache
+    >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, device="cpu")
+    >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
+    >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))
+    >>> plan = scheduler.schedule()
+    >>> plan.query_lens.tolist(), plan.logits_indices.tolist()
+    ([16], [])
+    >>> _ = scheduler.update(plan, [])
+    >>> plan = scheduler.schedule()
+    >>> plan.query_lens.tolist(), plan.positions.tolist()
+    ([4], [16, 17, 18, 19])
+    >>> [r.output_token_ids for r in scheduler.update(plan, [7])]
+    []
+    >>> plan = scheduler.schedule()
+    >>> plan.path, plan.input_ids.tolist()
+    ('decode', [7])
+    >>> [r.output_token_ids for r in scheduler.update(plan, [9])]
+    [[7, 9]]
+    """
+
+    def __init__(self, cache, config: SchedulerConfig | None = None):
+        self.cache = cache
+        self.config = SchedulerConfig() if config is None else config
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order: the newest is last
+        self._live: dict = {}
+        self._step: tuple[list, list] | None = None
+        self.num_preemptions = 0
+        # Blocks kept free when admitting; at least one so a decode can always take a block.
+        self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises
+        ------
+        ValueError
+            When its id is live already, or prompt plus ``max_new_tokens`` could never fit
+            the cache (a single sequence's length limit, or all blocks).
+        """
+        if request.request_id in self._live:
+            raise ValueError(f"request {request.request_id!r} is already queued or running")
+        cache = self.cache
+        if request.max_tokens > cache.max_seq_len or -(-request.max_tokens // cache.block_size) > cache.num_blocks:
+            raise ValueError(f"request {request.request_id!r} may grow to {request.max_tokens} tokens, "
+                             f"more than the cache can hold for one sequence "
+                             f"({min(cache.max_seq_len, cache.num_blocks * cache.block_size)})")
+        request.status = RequestStatus.WAITING
+        self._live[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self._live)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> StepPlan | None:
+        """Choose this step's requests and token counts, reserve their slots, build the plan.
+
+        Returns
+        -------
+        StepPlan or None
+            ``None`` when nothing can run.  Pass the plan and the sampled tokens to
+            :meth:`update` before the next call.
+
+        Examples
+        --------
+        >>> from cupy_paged.cache import PagedAttentionCache
+        >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
+        >>> scheduler = Scheduler(cache)
+        >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))
+        >>> plan = scheduler.schedule()
+        >>> plan.path, plan.slot_mapping.tolist()
+        ('varlen', [0, 1, 2])
+        """
+        if self._step is not None:
+            raise RuntimeError("update() must take the previous step's tokens before the next schedule()")
+        budget = self.config.max_batch_tokens
+        scheduled: dict[Request, int] = {}
+        decodes = self._schedule_decodes()
+        for request in decodes:
+            scheduled[request] = 1
+        budget -= len(decodes)
+        budget = self._schedule_running_prefills(scheduled, budget)
+        self._admit_waiting(scheduled, budget)
+        if not scheduled:
+            return None
+        requests, counts = list(scheduled), list(scheduled.values())
+        self._step = (requests, counts)
+        return self._plan(requests, counts)
+
+    def _schedule_decodes(self) -> list[Request]:
+        """All running requests with one token left get a slot, preempting the newest as needed."""
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        while decodes:
+            try:
+                self.cache.grow([r.request_id for r in decodes], 1)
+                return decodes
+            except CacheFull:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim in decodes:  # the newest is usually a decode itself
+                    decodes.remove(victim)
+        return decodes
+
+    def _schedule_running_prefills(self, scheduled: dict, budget: int) -> int:
+        """Next chunk of each running, partly prefilled request, oldest first."""
+        chunk_limit = self.config.max_prefill_chunk
+        for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for an older request earlier in this loop
+            count = min(request.num_tokens - request.num_computed, budget, chunk_limit)
+            count = self._grow_or_preempt(request, count, scheduled)
+            if count:
+                scheduled[request] = count
+            # Recounted: a preempted victim may have been scheduled, and its tokens are back.
+            budget = self.config.max_batch_tokens - sum(scheduled.values())
+        return budget
+
+    def _grow_or_preempt(self, request: Request, count: int, scheduled: dict) -> int:
+        """Reserve ``count`` slots for ``request``, shrinking the chunk or preempting newer requests."""
+        cache = self.cache
+        while True:
+            try:
+                cache.grow([request.request_id], count)
+                return count
+            except CacheFull:
+                pass
+            # A smaller chunk that fits now beats preempting anyone.
+            room = -cache.num_slots(request.request_id) % cache.block_size
+            fits = room + cache.num_free_blocks * cache.block_size
+            if 0 < fits < count:
+                count = fits
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return 0
+            if victim in scheduled:
+                del scheduled[victim]  # its reserved slots went with its blocks
+
+    def _admit_waiting(self, scheduled: dict, budget: int) -> None:
+        """Admit waiting requests first come first served while budget, seats and blocks last."""
+        cache, config = self.cache, self.config
+        while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
+            request = self.waiting[0]
+            cached = cache.num_cached_tokens(request.token_ids)
+            count = min(request.num_tokens - cached, budget, config.max_prefill_chunk)
+            margin = self._margin if self.running else 0
+            try:
+                cache.allocate(request.request_id, request.token_ids, count, reserve=margin)
+            except CacheFull:
+                break
+            self.waiting.popleft()
+            request.num_computed = cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request] = count
+            budget -= count
+
+    def _preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and queue it first for recomputation."""
+        self.cache.free(request.request_id)
+        self.running.remove(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _plan(self, requests: list, counts: list) -> StepPlan:
+        ids = [r.request_id for r in requests]
+        if max(counts) == 1:  # all decodes: one input token each, no slicing
+            input_ids = [r.token_ids[r.num_computed] for r in requests]
+            sample = None
+        else:
+            input_ids = list(itertools.chain.from_iterable(
+                r.token_ids[r.num_computed:r.num_computed + n] for r, n in zip(requests, counts)))
+            sample = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
+        return build_plan(self.cache, ids, counts, input_ids, sample)
+
+    def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
+        """Take the step's sampled tokens; finish requests that hit their limit or EOS.
+
+        Parameters
+        ----------
+        plan : StepPlan
+            The plan the last ``schedule()`` returned.
+        sampled_token_ids : array_like of int
+            ``[len(plan.logits_indices)]`` one token per sampling request, in batch order.
+
+        Returns
+        -------
+        list of Request
+            Requests finished this step (their blocks are freed).
+        """
+        if self._step is None:
+            raise RuntimeError("update() needs a plan from schedule()")
+        requests, counts = self._step
+        if [r.request_id for r in requests] != plan.seq_ids[:len(requests)]:
+            raise ValueError("plan is not the one the last schedule() returned")
+        sampled = np.asarray(sampled_token_ids).reshape(-1).tolist()
+        sampling = [r for r, s in zip(requests, plan.sample_mask.tolist()) if s]
+        if len(sampled) != len(sampling):
+            raise ValueError(f"sampled_token_ids must hold {len(sampling)} tokens, one per sampling "
+                             f"request; got {len(sampled)}")
+        self._step = None
+        for request, count in zip(requests, counts):
+            request.num_computed += count
+        self.cache.mark_computed([r.request_id for r in requests], [r.num_computed for r in requests])
+        finished = []
+        for request, token in zip(sampling, sampled):
+            request.token_ids.append(int(token))
+            if len(request.token_ids) >= request.max_tokens or token == request.eos_token_id:
+                finished.append(request)
+        for request in finished:
+            request.status = RequestStatus.FINISHED
+            self.cache.free(request.request_id)
+            del self._live[request.request_id]
+        if finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return finished

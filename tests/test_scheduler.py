@@ -1,0 +1,336 @@
+"""Scheduler and step plan: budgets, chunking, preemption, the plan arrays, a soak, determinism."""
+import doctest
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import cupy_paged.scheduler
+from cupy_paged import flash_attn_varlen_func
+from cupy_paged.cache import PagedAttentionCache
+from cupy_paged.plan import PlanBuffers, build_plan
+from cupy_paged.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=32, block_size=8, dtype="float32", **config):
+    cache = PagedAttentionCache(1, 1, 32, block_size=block_size, num_blocks=num_blocks, dtype=dtype, device="cpu")
+    return Scheduler(cache, SchedulerConfig(**config))
+
+
+def check_plan(plan, cache):
+    """The plan's arrays agree with each other and with the cache."""
+    lens = plan.query_lens
+    assert plan.cu_seqlens_q.tolist() == [0] + np.cumsum(lens).tolist()
+    assert plan.cu_seqlens_k.tolist() == [0] + np.cumsum(plan.cache_seqlens + lens).tolist()
+    assert plan.max_seqlen_q == lens.max() and plan.max_seqlen_k == (plan.cache_seqlens + lens).max()
+    owner = np.repeat(np.arange(plan.batch_size), lens)
+    starts = np.repeat(plan.cache_seqlens, lens)
+    assert (plan.positions - starts == np.arange(plan.num_tokens) - np.repeat(plan.cu_seqlens_q[:-1], lens)).all()
+    bs = cache.block_size
+    blocks = plan.block_table[owner, plan.positions // bs]
+    assert (blocks >= 0).all()
+    assert (plan.slot_mapping == blocks * bs + plan.positions % bs).all()
+    assert np.unique(plan.slot_mapping).size == plan.num_tokens, "two new tokens share a slot"
+    assert plan.path == ("decode" if (lens == 1).all() else "varlen")
+    for b, seq in enumerate(plan.seq_ids):
+        assert plan.block_table[b, :cache.blocks(seq).size].tolist() == cache.blocks(seq).tolist()
+
+
+def run_to_completion(scheduler, sample, max_steps=100_000, on_plan=None):
+    """Drive the scheduler; ``sample(plan)`` returns the sampled tokens of a step."""
+    finished = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finished
+        plan = scheduler.schedule()
+        assert plan is not None, "requests are left but nothing could be scheduled"
+        if on_plan is not None:
+            on_plan(plan)
+        finished.extend(scheduler.update(plan, sample(plan)))
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_docstring_examples():
+    result = doctest.testmod(cupy_paged.scheduler)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# --------------------------------------------------------------------------- config and requests
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_batch_tokens=8, max_num_seqs=16), "max_num_seqs"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_prefill_chunk=0), "max_prefill_chunk must be >= 1"),
+    (dict(admission_margin=1.0), r"admission_margin must be in \[0, 1\)"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**kwargs)
+
+
+def test_bad_requests():
+    with pytest.raises(ValueError, match="at least one token"):
+        Request(0, [], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        Request(0, [1], 0)
+    scheduler = make_scheduler(num_blocks=4)
+    scheduler.add_request(Request("a", [1], 4))
+    with pytest.raises(ValueError, match="already queued"):
+        scheduler.add_request(Request("a", [1], 4))
+    with pytest.raises(ValueError, match="may grow to 33 tokens, more than the cache can hold"):
+        scheduler.add_request(Request("b", list(range(30)), 3))
+
+
+def test_update_must_follow_schedule():
+    scheduler = make_scheduler()
+    with pytest.raises(RuntimeError, match="needs a plan"):
+        scheduler.update(None, [])
+    scheduler.add_request(Request("a", [1, 2], 2))
+    plan = scheduler.schedule()
+    with pytest.raises(RuntimeError, match="must take the previous step"):
+        scheduler.schedule()
+    with pytest.raises(ValueError, match="must hold 1 tokens"):
+        scheduler.update(plan, [1, 2])
+    scheduler.update(plan, [3])
+    assert scheduler.schedule().input_ids.tolist() == [3]
+
+
+# --------------------------------------------------------------------------- one step
+
+def test_decodes_go_first_then_prefills_under_the_budget():
+    scheduler = make_scheduler(max_batch_tokens=12, max_num_seqs=4)
+    for name in ("a", "b"):
+        scheduler.add_request(Request(name, [1, 2, 3], 5))
+    plan = scheduler.schedule()
+    scheduler.update(plan, [7, 7])  # both prompts done: a and b now decode
+    scheduler.add_request(Request("long", list(range(40)), 2))
+    plan = scheduler.schedule()
+    check_plan(plan, scheduler.cache)
+    assert plan.seq_ids == ["a", "b", "long"] and plan.query_lens.tolist() == [1, 1, 10]
+    assert plan.path == "varlen" and plan.sample_mask.tolist() == [True, True, False]
+    assert plan.logits_indices.tolist() == [0, 1]
+    assert plan.input_ids.tolist() == [7, 7] + list(range(10))
+    scheduler.update(plan, [8, 8])
+    plan = scheduler.schedule()
+    assert plan.query_lens.tolist() == [1, 1, 10] and plan.positions[2:].tolist() == list(range(10, 20))
+
+
+def test_chunk_limit_and_path_selection():
+    scheduler = make_scheduler(max_batch_tokens=64, max_num_seqs=4, max_prefill_chunk=16)
+    scheduler.add_request(Request("p", list(range(33)), 1))
+    lens = []
+    run_to_completion(scheduler, lambda plan: np.zeros(len(plan.logits_indices), int),
+                      on_plan=lambda plan: lens.append(plan.query_lens.tolist()))
+    assert lens == [[16], [16], [1]]
+
+
+def test_prefix_cache_shortens_a_second_prompt():
+    scheduler = make_scheduler()
+    prompt = list(range(30))
+    scheduler.add_request(Request("a", prompt, 4))
+    run_to_completion(scheduler, lambda plan: np.ones(len(plan.logits_indices), int))
+    scheduler.add_request(Request("b", prompt + [5], 1))
+    plan = scheduler.schedule()
+    assert plan.cache_seqlens.tolist() == [24] and plan.query_lens.tolist() == [7]
+
+
+def test_preempts_the_newest_and_recomputes_it():
+    scheduler = make_scheduler(num_blocks=6, max_batch_tokens=64, max_num_seqs=4, admission_margin=0.0)
+    scheduler.add_request(Request("old", list(range(15)), 12))  # grows to 4 blocks
+    scheduler.add_request(Request("new", list(range(100, 115)), 12))
+    finished = run_to_completion(scheduler, lambda plan: np.full(len(plan.logits_indices), 3))
+    old, new = sorted(finished, key=lambda r: r.request_id == "new")
+    assert old.num_preemptions == 0 and new.num_preemptions >= 1
+    assert old.output_token_ids == new.output_token_ids == [3] * 12
+    assert scheduler.num_preemptions == new.num_preemptions
+    assert len(scheduler.cache) == 0 and scheduler.cache.num_free_blocks == 6
+
+
+def test_admission_keeps_a_margin_of_free_blocks():
+    scheduler = make_scheduler(num_blocks=10, max_batch_tokens=128, max_num_seqs=8, admission_margin=0.2)  # margin: 2
+    scheduler.add_request(Request("a", list(range(40)), 4))  # 5 blocks
+    scheduler.add_request(Request("b", list(range(100, 124)), 4))  # 3 blocks would leave 2: allowed
+    scheduler.add_request(Request("c", list(range(200, 208)), 4))  # 1 more would leave 1: waits
+    plan = scheduler.schedule()
+    assert plan.seq_ids == ["a", "b"] and scheduler.waiting[0].request_id == "c"
+    assert scheduler.cache.num_free_blocks == 2
+
+
+def test_eos_finishes_a_request_early():
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", [1, 2], 10, eos_token_id=0))
+    tokens = iter([5, 6, 0, 9])
+    finished = run_to_completion(scheduler, lambda plan: [next(tokens)])
+    assert finished[0].output_token_ids == [5, 6, 0] and finished[0].status is RequestStatus.FINISHED
+
+
+def test_nothing_to_schedule_returns_none():
+    assert make_scheduler().schedule() is None
+
+
+# --------------------------------------------------------------------------- plan buffers
+
+def test_plan_buffers_track_changed_rows_and_pad():
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, dtype="float32", device="cpu",
+                                max_blocks_per_seq=6)
+    buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=6)
+    for seq, n in (("a", 5), ("b", 8)):
+        cache.allocate(seq, list(range(30)), num_new_tokens=n)
+        cache.mark_computed([seq], [n])
+    steps = [("grow", ["a", "b"]), ("fork", None), ("grow", ["a", "b", "a2"]), ("free", "b"), ("grow", ["a", "a2"])]
+    for action, arg in steps:
+        if action == "fork":
+            cache.fork("a", "a2")  # shares a's partial block: the next grow copies it
+            continue
+        if action == "free":
+            cache.free(arg)
+            continue
+        cache.grow(arg, 1)
+        fresh = build_plan(cache, arg, 1)
+        fixed = build_plan(cache, arg, 1, buffers=buffers, batch_size=4, num_tokens=8)
+        width = fresh.block_table.shape[1]
+        assert np.array_equal(fixed.block_table[:len(arg), :width], fresh.block_table)
+        assert (fixed.block_table[:len(arg), width:] == -1).all() and (fixed.block_table[len(arg):] == -1).all()
+        assert np.array_equal(fixed.slot_mapping[:len(arg)], fresh.slot_mapping)
+        assert (fixed.slot_mapping[len(arg):] == -1).all() and (fixed.positions[len(arg):] == 0).all()
+        assert fixed.cu_seqlens_q.tolist() == fresh.cu_seqlens_q.tolist() + [len(arg)] * (4 - len(arg))
+        assert fixed.cache_seqlens[len(arg):].tolist() == [0] * (4 - len(arg))
+        assert fixed.batch_size == 4 and fixed.sample_mask.tolist() == [True] * len(arg) + [False] * (4 - len(arg))
+        cache.mark_computed(arg, [cache.num_slots(s) for s in arg])
+
+
+def test_plan_rejects_unreserved_tokens_and_oversized_padding():
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
+    cache.allocate("a", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"query_lens\[0\] = 4 must be >= 1 and fit the 3 slots"):
+        build_plan(cache, ["a"], [4])
+    with pytest.raises(ValueError, match="must fit the buffers"):
+        build_plan(cache, ["a"], [3], buffers=PlanBuffers(1, 2, cache.max_blocks_per_seq))
+    with pytest.raises(ValueError, match="pass buffers too"):
+        build_plan(cache, ["a"], [3], batch_size=2)
+
+
+# --------------------------------------------------------------------------- soak
+
+def test_soak_ten_thousand_requests_through_a_small_cache():
+    """Far more work than fits at once: preemption happens, yet every request finishes whole."""
+    rng = np.random.default_rng(1)
+    scheduler = make_scheduler(num_blocks=48, max_batch_tokens=96, max_num_seqs=16, max_prefill_chunk=40)
+    stems = [rng.integers(0, 100, 40).tolist() for _ in range(8)]
+    wanted = {}
+    for i in range(10_000):
+        prompt = stems[i % 8][:int(rng.integers(0, 24))] + rng.integers(0, 100, int(rng.integers(1, 24))).tolist()
+        wanted[i] = int(rng.integers(1, 17))
+        scheduler.add_request(Request(i, prompt, wanted[i]))
+    budget = scheduler.config.max_batch_tokens
+    checked = []
+
+    def on_plan(plan):
+        assert plan.num_tokens <= budget and plan.batch_size <= 16
+        if len(checked) % 50 == 0:
+            check_plan(plan, scheduler.cache)
+        checked.append(plan.path)
+
+    finished = run_to_completion(scheduler, lambda plan: rng.integers(0, 100, len(plan.logits_indices)),
+                                 on_plan=on_plan)
+    assert len(finished) == 10_000
+    assert all(len(r.output_token_ids) == wanted[r.request_id] for r in finished)
+    assert scheduler.num_preemptions > 0 and "decode" in checked and "varlen" in checked
+    cache = scheduler.cache
+    assert len(cache) == 0 and cache.num_free_blocks == cache.num_blocks and (cache.pool.ref_counts == 0).all()
+
+
+# --------------------------------------------------------------------------- a tiny model
+
+class TinyModel:
+    """Fixed random embeddings, one attention layer through the public API, greedy argmax."""
+
+    def __init__(self, vocab=64, heads=2, kv_heads=1, head_dim=32, max_positions=128, seed=0):
+        rng = np.random.default_rng(seed)
+        width = heads * head_dim
+        self.shape = (heads, kv_heads, head_dim)
+        self.embed = rng.standard_normal((vocab, width))
+        self.position = rng.standard_normal((max_positions, width))
+        self.wq, self.wk, self.wv = (rng.standard_normal((width, n * head_dim)) / np.sqrt(width)
+                                     for n in (heads, kv_heads, kv_heads))
+        self.wo = rng.standard_normal((width, vocab))
+
+    def qkv(self, plan):
+        heads, kv_heads, head_dim = self.shape
+        x = self.embed[plan.input_ids] + self.position[plan.positions]
+        return ((x @ self.wq).reshape(-1, heads, head_dim), (x @ self.wk).reshape(-1, kv_heads, head_dim),
+                (x @ self.wv).reshape(-1, kv_heads, head_dim))
+
+    def sample(self, out, plan):
+        return (out.reshape(plan.num_tokens, -1)[plan.logits_indices] @ self.wo).argmax(-1)
+
+    def step(self, plan, cache):
+        out = plan.attention(*self.qkv(plan), *cache.layer(0))
+        return self.sample(out, plan)
+
+
+def generate(model, prompts, max_new_tokens, num_blocks, **config):
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=num_blocks, dtype="float64", device="cpu")
+    scheduler = Scheduler(cache, SchedulerConfig(**config))
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(i, prompt, max_new_tokens))
+    paths = set()
+    finished = run_to_completion(scheduler, lambda plan: model.step(plan, cache),
+                                 on_plan=lambda plan: paths.add(plan.path))
+    return {r.request_id: r.output_token_ids for r in finished}, paths, scheduler.num_preemptions
+
+
+def test_greedy_tokens_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(3)
+    model = TinyModel()
+    shared = rng.integers(0, 64, 16).tolist()
+    prompts = [shared + rng.integers(0, 64, int(n)).tolist() for n in rng.integers(1, 20, 6)]
+    alone = {}
+    for i, prompt in enumerate(prompts):
+        tokens, _, _ = generate(model, [prompt], 8, num_blocks=16, max_batch_tokens=64, max_num_seqs=1)
+        alone[i] = tokens[0]
+    together, paths, preemptions = generate(model, prompts, 8, num_blocks=14, max_batch_tokens=24,
+                                            max_num_seqs=6, max_prefill_chunk=10)
+    assert together == alone
+    assert paths == {"decode", "varlen"} and preemptions > 0  # chunked, mixed and recomputed
+    assert len({tuple(t) for t in alone.values()}) > 1  # the stand-in is not constant
+
+
+def test_manual_update_path_matches_the_paged_path():
+    """The source document's path: update() gathers K/V, then the non-paged varlen kernel."""
+    model = TinyModel(seed=5)
+    results = []
+    for manual in (False, True):
+        cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, dtype="float64", device="cpu")
+        scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
+        for i, n in enumerate((21, 5, 12)):
+            scheduler.add_request(Request(i, list(range(i, i + n)), 4))
+
+        def step(plan):
+            q, k, v = model.qkv(plan)
+            if not manual:
+                return model.sample(plan.attention(q, k, v, *cache.layer(0)), plan)
+            keys, values = cache.update(k, v, 0, plan.read_index, plan.slot_mapping)
+            out = flash_attn_varlen_func(q, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k,
+                                         plan.max_seqlen_q, plan.max_seqlen_k, causal=True)
+            return model.sample(out, plan)
+
+        finished = run_to_completion(scheduler, step)
+        results.append({r.request_id: r.output_token_ids for r in finished})
+    assert results[0] == results[1]
+
+
+# --------------------------------------------------------------------------- the host benchmark runs
+
+def test_bench_host_writes_its_schema(tmp_path):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cases = bench.measure(64, repeats=3, rng=np.random.default_rng(0))
+    assert {c["name"] for c in cases} == {f"{n}_64" for n in ("plan", "plan_decode", "plan_new_arrays",
+                                                                "schedule", "update")}
+    assert all(c["metric"] == "median_us" and c["value"] > 0 and c["peers"] == {} for c in cases)
+    json.dumps(cases)
