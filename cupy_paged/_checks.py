@@ -126,6 +126,13 @@ def check_out(out, name: str, shape: tuple, dtype, like):
     return out
 
 
+def check_lse(lse_out, shape: tuple, like, wanted: bool):
+    """The LSE buffer: ``lse_out`` checked (float32, ``shape``), a new one if wanted, else None."""
+    if lse_out is None and not wanted:
+        return None
+    return check_out(lse_out, "lse_out", shape, np.dtype(np.float32), like)
+
+
 def check_contiguous_last(array, name: str) -> None:
     """Kernels read rows of head_dim elements with vector loads: the last axis must be dense."""
     if array.strides[-1] != array.itemsize:
@@ -216,9 +223,9 @@ def _drop_unit_batch(array, name: str):
 
 def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, block_table,
-                   return_softmax_lse, out, check_values=True) -> VarlenProblem:
+                   return_softmax_lse, out, check_values=True, lse_out=None) -> VarlenProblem:
     backend = backend_of(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              alibi_slopes=alibi_slopes, block_table=block_table, out=out))
+                              alibi_slopes=alibi_slopes, block_table=block_table, out=out, lse_out=lse_out))
     paged = block_table is not None
     unbatched = q.ndim == 4
     q = _drop_unit_batch(q, "q")
@@ -289,7 +296,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if out is not None and unbatched and out.ndim == 4 and out.shape[0] == 1:
         out = out[0]
     out = check_out(out, "out", (total_q, num_heads, head_dim), q.dtype, q)
-    lse = xp_of(q).empty((num_heads, total_q), np.float32) if return_softmax_lse else None
+    lse = check_lse(lse_out, (num_heads, total_q), q, return_softmax_lse)
     return VarlenProblem(backend, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, block_table,
                          scale, bool(causal), (left, right), softcap, slopes, out, lse)
 
@@ -354,11 +361,11 @@ class DecodeProblem:
 
 def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, num_splits, return_softmax_lse, out,
-                   check_values=True) -> DecodeProblem:
+                   check_values=True, lse_out=None) -> DecodeProblem:
     seqlens_array = None if cache_seqlens is None or np.isscalar(cache_seqlens) else cache_seqlens
     backend = backend_of(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                               cache_seqlens=seqlens_array, block_table=block_table,
-                              alibi_slopes=alibi_slopes, out=out))
+                              alibi_slopes=alibi_slopes, out=out, lse_out=lse_out))
     xp = xp_of(q)
     check_rank(q, "q", (4,), "[batch_size, seqlen_q, num_heads, head_dim]")
     cache_layout = ("[num_blocks, block_size, num_kv_heads, head_dim]" if block_table is not None
@@ -441,7 +448,7 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
     scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
     slopes = check_alibi(alibi_slopes, num_heads, backend)
     out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, q)
-    lse = xp.empty((batch, num_heads, seqlen_q), np.float32) if return_softmax_lse else None
+    lse = check_lse(lse_out, (batch, num_heads, seqlen_q), q, return_softmax_lse)
     return DecodeProblem(backend, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                          bool(causal), (left, right), softcap, slopes, num_splits, out, lse)
 

@@ -30,7 +30,7 @@ def _cuda_op(family: str):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, block_table=None, return_softmax_lse=False, out=None,
-                           *, check_values=True):
+                           *, check_values=True, lse_out=None):
     """Attention over a batch of variable-length sequences packed along one token axis.
 
     Sequence ``b`` owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
@@ -56,6 +56,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out : array like ``q``, optional; written in place and returned
     check_values : bool, copy GPU index arrays to the host to check them (skipped anyway
         while a CUDA graph is being captured)
+    lse_out : float32 array ``[num_heads, total_q]``, optional; the LSE is written there
+        (and returned) instead of into a new array
 
     Returns
     -------
@@ -77,23 +79,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (14, 4, 64)
     """
     a = _arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                alibi_slopes=alibi_slopes, block_table=block_table, out=out)
+                alibi_slopes=alibi_slopes, block_table=block_table, out=out, lse_out=lse_out)
     p = _checks.prepare_varlen(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
                                max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
                                softcap, a["alibi_slopes"], a["block_table"], return_softmax_lse,
-                               a["out"], check_values)
+                               a["out"], check_values, a["lse_out"])
     if p.backend == CUDA:
         _cuda_op("varlen").run(p)
     else:
         reference.varlen(p)
     result = p.out.reshape(a["q"].shape) if a["q"].ndim == 4 else p.out
-    return (result, p.lse) if return_softmax_lse else result
+    return (result, p.lse) if return_softmax_lse or lse_out is not None else result
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, out=None, *, check_values=True):
+                            return_softmax_lse=False, out=None, *, check_values=True, lse_out=None):
     """Decode attention over a KV cache, appending new tokens to it in place first.
 
     Every sequence has ``seqlen_q`` query tokens (1 for plain decoding, more for
@@ -116,6 +118,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return_softmax_lse : bool, also return the LSE ``[batch_size, num_heads, seqlen_q]`` (float32)
     out : array like ``q``, optional; with it a CUDA call allocates nothing and never syncs
     check_values : bool, as in :func:`flash_attn_varlen_func`
+    lse_out : float32 array ``[batch_size, num_heads, seqlen_q]``, optional; a preallocated LSE
+        buffer, so that a call asking for the LSE allocates nothing (CUDA graph capture)
 
     Returns
     -------
@@ -139,18 +143,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     (3, 1, 4, 64)
     """
     a = _arrays(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                alibi_slopes=alibi_slopes, out=out)
+                alibi_slopes=alibi_slopes, out=out, lse_out=lse_out)
     if cache_seqlens is not None and not np.isscalar(cache_seqlens):
         cache_seqlens = as_array(cache_seqlens, "cache_seqlens")
     p = _checks.prepare_decode(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], cache_seqlens,
                                a["block_table"], softmax_scale, causal, window_size, softcap,
                                a["alibi_slopes"], num_splits, return_softmax_lse, a["out"],
-                               check_values)
+                               check_values, a["lse_out"])
     if p.backend == CUDA:
         _cuda_op("decode").run(p)
     else:
         reference.decode(p)
-    return (p.out, p.lse) if return_softmax_lse else p.out
+    return (p.out, p.lse) if return_softmax_lse or lse_out is not None else p.out
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):

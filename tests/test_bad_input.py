@@ -159,3 +159,14 @@ def test_mixed_host_and_device_arrays_raise():
     args["k"] = cupy.asarray(args["k"])
     with pytest.raises(TypeError, match="^k is on a CUDA device but q is a NumPy array"):
         VARLEN(**args)
+
+
+def test_lse_out_is_filled_in_place():
+    args = decode_args()
+    lse = np.full((2, 8, 1), np.nan, np.float32)
+    out, returned = DECODE(**args, lse_out=lse)
+    assert returned is lse and np.isfinite(lse).all()
+    with pytest.raises(ValueError, match="^lse_out must have shape"):
+        DECODE(**decode_args(), lse_out=np.empty((2, 8), np.float32))
+    with pytest.raises(TypeError, match="^lse_out must have dtype float32"):
+        VARLEN(**varlen_args(), lse_out=np.empty((8, 5), np.float16))
