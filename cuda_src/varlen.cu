@@ -53,37 +53,19 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
-// Where the keys of one (sequence, kv head) live: contiguous rows or a block table.
+// Where the keys of one (sequence, kv head) live: rows of a contiguous k/v, or slots
+// (block * block_size + offset) of a paged cache whose blocks are block_size rows apart.
 struct KvSource {
   const T* k;  // already offset to the kv head
   const T* v;
-  const int* table;  // block_table row of the sequence, or nullptr (contiguous)
-  long long k_row, v_row;      // element stride between consecutive keys (tokens)
-  long long k_block, v_block;  // element stride between cache blocks (paged)
-  long long first_row;         // contiguous: row of key 0; paged: unused
-  long long num_rows;          // contiguous: rows in k/v; paged: num_blocks
-  int length;                  // keys of the sequence
+  const int* table;         // block_table row of the sequence, or nullptr (contiguous)
+  int k_row, v_row;         // element stride between consecutive rows (slots)
+  int first_row;            // contiguous: row of key 0
+  int num_rows;             // contiguous: rows in k/v; paged: num_blocks
+  int length;               // keys of the sequence
+  int loadable;             // contiguous: keys [0, loadable) lie inside k/v (all, unless
+                            // cu_seqlens_k disagrees with k's size)
   int table_width, block_shift;
-
-  // Element offsets of key j in k and v; false for keys past the end or in a hole.
-  __device__ __forceinline__ bool locate(int j, long long& k_off, long long& v_off) const {
-    if (j >= length) return false;
-    if (table != nullptr) {
-      const int column = j >> block_shift;
-      if (column >= table_width) return false;
-      const long long block = table[column];
-      if (block < 0 || block >= num_rows) return false;
-      const long long in_block = j & ((1 << block_shift) - 1);
-      k_off = block * k_block + in_block * k_row;
-      v_off = block * v_block + in_block * v_row;
-      return true;
-    }
-    const long long row = first_row + j;
-    if (row < 0 || row >= num_rows) return false;
-    k_off = row * k_row;
-    v_off = row * v_row;
-    return true;
-  }
 };
 
 // Per-warp softmax state and output accumulator (registers).
@@ -95,30 +77,66 @@ struct WarpState {
 
 // ---------------------------------------------------------------------------- loads
 
+// A tile of kRows rows is loaded in passes of kThreads 16-byte chunks; the shapes of TILES
+// divide evenly, so every pass is full and the loops unroll without bounds checks.
+template <int kRows>
+struct TilePasses {
+  static constexpr int kTotal = kRows * Tr::kChunks;
+  static constexpr int kCount = kTotal / Tr::kThreads;
+  static_assert(kTotal % Tr::kThreads == 0, "tile chunks must divide evenly among the threads");
+  __device__ static __forceinline__ int row(int pass) { return (threadIdx.x + pass * Tr::kThreads) / Tr::kChunks; }
+  __device__ static __forceinline__ int chunk(int pass) { return (threadIdx.x + pass * Tr::kThreads) % Tr::kChunks; }
+};
+
 // Q tile -> shared memory (rows past the sequence or outside q are zero-filled).
 __device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row, int first_row,
                                             int rows, int total_q) {
-  for (int index = threadIdx.x; index < Tr::kBlockM * Tr::kChunks; index += Tr::kThreads) {
-    const int r = index / Tr::kChunks, c = index % Tr::kChunks;
+  using P = TilePasses<Tr::kBlockM>;
+#pragma unroll
+  for (int pass = 0; pass < P::kCount; ++pass) {
+    const int r = P::row(pass), c = P::chunk(pass);
     const long long row = (long long)first_row + r;
     const bool ok = r < rows && row >= 0 && row < total_q;
-    cp::cp_async_16(s_q + Tr::Tile::offset(r, c), ok ? q + row * q_row + c * 8 : q, ok);
+    cp::cp_async_16(s_q + Tr::Tile::offset(r, c), q + (ok ? row * q_row + c * 8 : 0), ok);
   }
 }
 
 // K and V tile of keys [n0, n0 + BLOCK_N) -> one pipeline stage.  Also records which keys are
 // loadable, and returns whether this thread met a hole (an in-range key it could not load).
+// This runs for every tile, so the per-row work is kept to a few integer instructions: the
+// paged/contiguous choice is made once per tile, contiguous rows are consecutive, and a
+// paged row costs one block-table load (an L1 hit for all but the first row of a block).
 __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_loadable,
                                             const KvSource& src, int n0) {
+  using P = TilePasses<Tr::kBlockN>;
   int hole = 0;
-  for (int index = threadIdx.x; index < Tr::kBlockN * Tr::kChunks; index += Tr::kThreads) {
-    const int r = index / Tr::kChunks, c = index % Tr::kChunks;
-    long long k_off = 0, v_off = 0;
-    const bool ok = src.locate(n0 + r, k_off, v_off);
-    cp::cp_async_16(s_k + Tr::Tile::offset(r, c), ok ? src.k + k_off + c * 8 : src.k, ok);
-    cp::cp_async_16(s_v + Tr::Tile::offset(r, c), ok ? src.v + v_off + c * 8 : src.v, ok);
-    if (c == 0) s_loadable[r] = ok;
-    hole |= !ok && n0 + r < src.length;
+  if (src.table != nullptr) {
+    const int offset_mask = (1 << src.block_shift) - 1;
+#pragma unroll
+    for (int pass = 0; pass < P::kCount; ++pass) {
+      const int r = P::row(pass), c = P::chunk(pass), j = n0 + r;
+      const int column = j >> src.block_shift;
+      const bool listed = j < src.length && column < src.table_width;
+      const int block = listed ? __ldg(src.table + column) : -1;
+      const bool ok = listed && static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
+      const int slot = ok ? (block << src.block_shift) | (j & offset_mask) : 0;
+      cp::cp_async_16(s_k + Tr::Tile::offset(r, c), src.k + (long long)slot * src.k_row + c * 8, ok);
+      cp::cp_async_16(s_v + Tr::Tile::offset(r, c), src.v + (long long)slot * src.v_row + c * 8, ok);
+      if (c == 0) s_loadable[r] = ok;
+      hole |= !ok && j < src.length;
+    }
+  } else {
+    const long long k_tile = (long long)(src.first_row + n0) * src.k_row;
+    const long long v_tile = (long long)(src.first_row + n0) * src.v_row;
+#pragma unroll
+    for (int pass = 0; pass < P::kCount; ++pass) {
+      const int r = P::row(pass), c = P::chunk(pass);
+      const bool ok = n0 + r < src.loadable;
+      cp::cp_async_16(s_k + Tr::Tile::offset(r, c), src.k + (ok ? k_tile + r * src.k_row + c * 8 : 0ll), ok);
+      cp::cp_async_16(s_v + Tr::Tile::offset(r, c), src.v + (ok ? v_tile + r * src.v_row + c * 8 : 0ll), ok);
+      if (c == 0) s_loadable[r] = ok;
+      hole |= !ok && n0 + r < src.length;
+    }
   }
   return hole;
 }
@@ -306,9 +324,8 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
     const int* __restrict__ block_table,                             // [B, table_width] or null
     const float* __restrict__ alibi_slopes,                          // [H] or null
     long long q_row, long long q_head,                               // strides in elements
-    long long k_row, long long k_head, long long k_block,
-    long long v_row, long long v_head, long long v_block,
-    int total_q, long long kv_rows,                                  // total_k, or num_blocks when paged
+    int k_row, long long k_head, int v_row, long long v_head,         // paged: per slot
+    int total_q, int kv_rows,                                        // total_k, or num_blocks when paged
     int num_heads, int group_size, int table_width, int block_shift,
     float softmax_scale, float softcap, int window_left, int window_right) {
   using namespace varlen;
@@ -347,8 +364,9 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
   src.k = k + kv_head * k_head;
   src.v = v + kv_head * v_head;
   src.table = block_table == nullptr ? nullptr : block_table + (long long)seq * table_width;
-  src.k_row = k_row; src.v_row = v_row; src.k_block = k_block; src.v_block = v_block;
+  src.k_row = k_row; src.v_row = v_row;
   src.first_row = k_start; src.num_rows = kv_rows; src.length = length_k;
+  src.loadable = k_start < 0 ? 0 : max(0, min(length_k, kv_rows - k_start));
   src.table_width = table_width; src.block_shift = block_shift;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

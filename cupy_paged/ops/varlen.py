@@ -70,6 +70,12 @@ def _aligned(array) -> bool:
     return array.data.ptr % 16 == 0 and all(s % 16 == 0 for s in array.strides[:-1])
 
 
+def _slot_addressable(cache) -> bool:
+    """The kernel addresses a paged cache by slot (block * block_size + offset) with one stride:
+    its blocks must be block_size rows apart, as in any C-contiguous cache."""
+    return _aligned(cache) and cache.strides[0] == cache.shape[1] * cache.strides[1]
+
+
 def _strides(array) -> list[np.int64]:
     return [np.int64(s // array.itemsize) for s in array.strides]
 
@@ -86,18 +92,23 @@ def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
     smem = tiles.smem_bytes(head_dim)
     function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
 
-    q, k, v = (a if _aligned(a) else cupy.ascontiguousarray(a) for a in (p.q, p.k, p.v))
+    paged = p.block_table is not None
+    usable = _slot_addressable if paged else _aligned
+    q = p.q if _aligned(p.q) else cupy.ascontiguousarray(p.q)
+    k, v = (a if usable(a) else cupy.ascontiguousarray(a) for a in (p.k, p.v))
     out = p.out if _aligned(p.out) else cupy.empty_like(p.out)
     null = np.uintp(0)
-    if p.block_table is None:
+    if not paged:
         (k_row, k_head, _), (v_row, v_head, _) = _strides(k), _strides(v)
-        k_block = v_block = np.int64(0)
-        kv_rows, table, table_width, block_shift = int(k.shape[0]), null, 0, 0
+        table, table_width, block_shift = null, 0, 0
     else:
-        k_block, k_row, k_head, _ = _strides(k)
-        v_block, v_row, v_head, _ = _strides(v)
-        kv_rows, table, table_width = int(k.shape[0]), p.block_table, int(p.block_table.shape[1])
+        _, k_row, k_head, _ = _strides(k)
+        _, v_row, v_head, _ = _strides(v)
+        table, table_width = p.block_table, int(p.block_table.shape[1])
         block_shift = int(p.block_size).bit_length() - 1
+    kv_rows = int(k.shape[0])  # rows, or blocks when paged
+    if kv_rows * (p.block_size or 1) >= 2 ** 31 or max(k_row, v_row) >= 2 ** 31:
+        raise ValueError(f"k has {kv_rows} rows/blocks: the kernel indexes rows (slots) with int32")
     q_row, q_head, _ = _strides(q)
     left, right = (min(w, _WINDOW_CAP) for w in p.window)
 
@@ -106,8 +117,8 @@ def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
              (q, k, v, out, p.lse if p.lse is not None else null,
               p.cu_seqlens_q, p.cu_seqlens_k, table,
               p.alibi_slopes if p.alibi_slopes is not None else null,
-              q_row, q_head, k_row, k_head, k_block, v_row, v_head, v_block,
-              np.int32(total_q), np.int64(kv_rows), np.int32(num_heads),
+              q_row, q_head, np.int32(k_row), k_head, np.int32(v_row), v_head,
+              np.int32(total_q), np.int32(kv_rows), np.int32(num_heads),
               np.int32(num_heads // p.num_kv_heads), np.int32(table_width), np.int32(block_shift),
               np.float32(p.softmax_scale), np.float32(p.softcap), np.int32(left), np.int32(right)),
              shared_mem=smem)
