@@ -11,7 +11,7 @@ size 16, so ~256 blocks a request), measures the median microseconds of
 * ``plan_new_arrays``: ``build_plan`` of the mixed step into freshly allocated
   arrays with every block table row copied (no buffers);
 * ``schedule``: a whole ``Scheduler.schedule()`` of an all-decode step (choosing
-  requests, reserving slots, gathering input ids, building the plan);
+  requests, reserving slots, gathering input ids, building the plan into buffers);
 * ``update``: ``Scheduler.update()`` taking the sampled tokens back.
 
 Writes ``benchmarks/results/host.json`` and prints a markdown table.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -64,7 +65,7 @@ def running_scheduler(num_requests: int, rng: np.random.Generator) -> Scheduler:
     # A large budget gets the prompts in within a few dozen steps; decode steps use one token a request.
     config = SchedulerConfig(max_batch_tokens=64 * 1024, max_num_seqs=num_requests + 1,
                              admission_margin=0.0)
-    scheduler = Scheduler(cache, config)
+    scheduler = Scheduler(cache, config, buffers=PlanBuffers(num_requests + 1, 64 * 1024, blocks_per_seq))
     for i in range(num_requests):
         prompt = rng.integers(0, 32000, int(rng.integers(CONTEXT - 512, CONTEXT - 64))).tolist()
         scheduler.add_request(Request(i, prompt, max_new_tokens=512))
@@ -129,6 +130,17 @@ def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[d
             for name, value in results.items()]
 
 
+def cpu_name() -> str:
+    """The CPU model and core count, e.g. ``CPU: Intel(R) Xeon(R) Processor, 2 cores``."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {model}, {os.cpu_count()} cores"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=300)
@@ -139,7 +151,7 @@ def main(argv=None) -> int:
     for num_requests in (64, 256, 1024):
         cases.extend(measure(num_requests, args.repeats, rng))
     report = {
-        "device": f"CPU: {platform.processor() or platform.machine()} ({platform.system()})",
+        "device": cpu_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "versions": {"python": platform.python_version(), "numpy": np.__version__,
                      "numba": numba.__version__, "cupy_paged": cupy_paged.__version__},

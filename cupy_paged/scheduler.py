@@ -143,6 +143,10 @@ class Scheduler:
     cache : PagedAttentionCache
         Owns the blocks; the scheduler is its only user while it runs.
     config : SchedulerConfig, optional
+    buffers : PlanBuffers, optional
+        Build every plan into these fixed (device) buffers: one upload a step, and
+        the addresses a captured CUDA graph needs.  Each plan is then valid until
+        the next ``schedule()``.
 
     Examples
     --------
@@ -166,8 +170,9 @@ class Scheduler:
     [[7, 9]]
     """
 
-    def __init__(self, cache, config: SchedulerConfig | None = None):
+    def __init__(self, cache, config: SchedulerConfig | None = None, buffers=None):
         self.cache = cache
+        self.buffers = buffers
         self.config = SchedulerConfig() if config is None else config
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the newest is last
@@ -226,13 +231,12 @@ class Scheduler:
         """
         if self._step is not None:
             raise RuntimeError("update() must take the previous step's tokens before the next schedule()")
-        budget = self.config.max_batch_tokens
-        scheduled: dict[Request, int] = {}
-        decodes = self._schedule_decodes()
-        for request in decodes:
-            scheduled[request] = 1
-        budget -= len(decodes)
-        budget = self._schedule_running_prefills(scheduled, budget)
+        decodes, prefills = [], []
+        for request in self.running:  # one pass: this runs over every running request each step
+            (decodes if len(request.token_ids) - request.num_computed == 1 else prefills).append(request)
+        decodes = self._schedule_decodes(decodes)
+        scheduled: dict[Request, int] = dict.fromkeys(decodes, 1)
+        budget = self._schedule_running_prefills(prefills, scheduled, self.config.max_batch_tokens - len(decodes))
         self._admit_waiting(scheduled, budget)
         if not scheduled:
             return None
@@ -240,9 +244,8 @@ class Scheduler:
         self._step = (requests, counts)
         return self._plan(requests, counts)
 
-    def _schedule_decodes(self) -> list[Request]:
+    def _schedule_decodes(self, decodes: list) -> list[Request]:
         """All running requests with one token left get a slot, preempting the newest as needed."""
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         while decodes:
             try:
                 self.cache.grow([r.request_id for r in decodes], 1)
@@ -254,10 +257,10 @@ class Scheduler:
                     decodes.remove(victim)
         return decodes
 
-    def _schedule_running_prefills(self, scheduled: dict, budget: int) -> int:
+    def _schedule_running_prefills(self, prefills: list, scheduled: dict, budget: int) -> int:
         """Next chunk of each running, partly prefilled request, oldest first."""
         chunk_limit = self.config.max_prefill_chunk
-        for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
+        for request in prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -330,7 +333,7 @@ class Scheduler:
             input_ids = list(itertools.chain.from_iterable(
                 r.token_ids[r.num_computed:r.num_computed + n] for r, n in zip(requests, counts)))
             sample = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
-        return build_plan(self.cache, ids, counts, input_ids, sample)
+        return build_plan(self.cache, ids, counts, input_ids, sample, buffers=self.buffers)
 
     def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
         """Take the step's sampled tokens; finish requests that hit their limit or EOS.
@@ -358,13 +361,16 @@ class Scheduler:
             raise ValueError(f"sampled_token_ids must hold {len(sampling)} tokens, one per sampling "
                              f"request; got {len(sampled)}")
         self._step = None
+        computed = []
         for request, count in zip(requests, counts):
             request.num_computed += count
-        self.cache.mark_computed([r.request_id for r in requests], [r.num_computed for r in requests])
+            computed.append(request.num_computed)
+        self.cache.mark_computed([r.request_id for r in requests], computed)
         finished = []
         for request, token in zip(sampling, sampled):
-            request.token_ids.append(int(token))
-            if len(request.token_ids) >= request.max_tokens or token == request.eos_token_id:
+            tokens = request.token_ids
+            tokens.append(token)
+            if len(tokens) - len(request.prompt_token_ids) >= request.max_new_tokens or token == request.eos_token_id:
                 finished.append(request)
         for request in finished:
             request.status = RequestStatus.FINISHED

@@ -119,6 +119,7 @@ def test_decodes_go_first_then_prefills_under_the_budget():
 
 def test_chunk_limit_and_path_selection():
     scheduler = make_scheduler(max_batch_tokens=64, max_num_seqs=4, max_prefill_chunk=16)
+    scheduler.buffers = PlanBuffers(4, 64, scheduler.cache.max_blocks_per_seq)  # plans into fixed buffers
     scheduler.add_request(Request("p", list(range(33)), 1))
     lens = []
     run_to_completion(scheduler, lambda plan: np.zeros(len(plan.logits_indices), int),
