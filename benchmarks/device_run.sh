@@ -12,7 +12,7 @@ summary=()
 run_step() {  # name, command...
   local name=$1; shift
   local start=$SECONDS
-  "$@" >"$LOGS/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-420}" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$(tail -n 1 "$LOGS/$name.log")")")
 }

@@ -109,30 +109,6 @@ def info() -> int:
     return 0
 
 
-def _build_one(key_text: str) -> str:
-    from cupy_paged import _compiler
-
-    key = next(k for k in _compiler.all_keys() if str(k) == key_text)
-    _compiler.get_module(key)
-    return key_text
-
-
-def warm(jobs: int, filter_text: str) -> int:
-    """Fill CuPy's disk cache with every specialization, one process per compile."""
-    import multiprocessing
-    import time
-
-    from cupy_paged import _compiler
-
-    keys = [str(k) for k in _compiler.all_keys() if filter_text in str(k)]
-    start = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        for done in pool.imap_unordered(_build_one, keys):
-            print(f"  built {done}", flush=True)
-    print(f"{len(keys)} specializations in {time.perf_counter() - start:.1f} s")
-    return 0
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_paged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,7 +127,9 @@ def main(argv=None) -> int:
     warm_parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     warm_parser.add_argument("--filter", default="")
     warm_args = warm_parser.parse_args(args.rest)
-    return warm(warm_args.jobs, warm_args.filter)
+    from cupy_paged import _compiler
+
+    return _compiler.warm(warm_args.jobs, warm_args.filter)
 
 
 if __name__ == "__main__":

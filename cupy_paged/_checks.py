@@ -455,7 +455,7 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
 
 # --------------------------------------------------------------------------- cache writes
 
-def prepare_write(k_cache, v_cache, k, v, slot_mapping):
+def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=True):
     """Checks for ``write_kv_cache``; returns (backend, k, v, slot_mapping as int32)."""
     backend = backend_of(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping))
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -482,7 +482,7 @@ def prepare_write(k_cache, v_cache, k, v, slot_mapping):
         raise ValueError(f"slot_mapping must have shape [num_tokens = {int(k.shape[0])}]; "
                          f"got {tuple(slots.shape)}")
     capacity = int(k_cache.shape[0]) * int(k_cache.shape[1])
-    if values_checkable(slots) and slots.size:
+    if check_values and values_checkable(slots) and slots.size:
         top = int(to_host(slots).max())
         if top >= capacity:
             raise ValueError(f"slot_mapping holds slot {top}, past the cache's {capacity} slots "

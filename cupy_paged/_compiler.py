@@ -155,6 +155,27 @@ def get_function(key: KernelKey, kernel: str, dynamic_smem: int = 0):
     return function
 
 
+def _build_key(key_text: str) -> str:
+    """Worker of :func:`warm` (module level, so spawned processes can import it)."""
+    key = next(k for k in all_keys() if str(k) == key_text)
+    get_module(key)
+    return key_text
+
+
+def warm(jobs: int, filter_text: str = "") -> int:
+    """Fill CuPy's disk cache with every specialization, one process per compile (needs a GPU)."""
+    import multiprocessing
+    import time
+
+    keys = [str(k) for k in all_keys() if filter_text in str(k)]
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for done in pool.imap_unordered(_build_key, keys):
+            print(f"  built {done}", flush=True)
+    print(f"{len(keys)} specializations built in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 # --------------------------------------------------------------------------- offline build
 
 @dataclasses.dataclass

@@ -157,7 +157,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return (p.out, p.lse) if return_softmax_lse or lse_out is not None else p.out
 
 
-def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, check_values=True):
     """Scatter new key/value tokens into paged caches, in place.
 
     Token ``t`` goes to slot ``slot_mapping[t] = block * block_size + offset``, that is
@@ -169,6 +169,8 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
     k_cache, v_cache : array ``[num_blocks, block_size, num_kv_heads, head_dim]``, C-contiguous
     k, v : array ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype
     slot_mapping : int32 array ``[num_tokens]``
+    check_values : bool, copy a GPU ``slot_mapping`` to the host to check its range (one
+        sync); the kernel skips slots past the cache either way
 
     Raises
     ------
@@ -185,7 +187,8 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
     (128.0, 128.0)
     """
     a = _arrays(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
-    backend, slots = _checks.prepare_write(a["k_cache"], a["v_cache"], a["k"], a["v"], a["slot_mapping"])
+    backend, slots = _checks.prepare_write(a["k_cache"], a["v_cache"], a["k"], a["v"], a["slot_mapping"],
+                                           check_values)
     if backend == CUDA:
         _cuda_op("kv_write").run(a["k_cache"], a["v_cache"], a["k"], a["v"], slots)
     else:

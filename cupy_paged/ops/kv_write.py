@@ -7,7 +7,7 @@ from .._checks import HEAD_DIMS
 from .._compiler import KernelKey, get_function, register_family
 
 SOURCE = "kv_write.cu"
-THREADS = 256
+THREADS = 128  # kThreads of cuda_src/kv_write.cu
 
 
 def kernel_key(head_dim: int) -> KernelKey:
@@ -39,8 +39,7 @@ def run(k_cache, v_cache, k, v, slot_mapping) -> None:
     function = get_function(kernel_key(head_dim), "write_kv_cache")
     k, k_token, k_head = _vector_rows(k)
     v, v_token, v_head = _vector_rows(v)
-    total = num_tokens * num_kv_heads * head_dim // 8
     num_slots = np.int64(k_cache.shape[0] * k_cache.shape[1])
-    function(((total + THREADS - 1) // THREADS,), (THREADS,),
-             (k, v, k_cache, v_cache, slot_mapping, np.int32(num_tokens), np.int32(num_kv_heads),
-              num_slots, k_token, k_head, v_token, v_head))
+    function((num_tokens,), (THREADS,),
+             (k, v, k_cache, v_cache, slot_mapping, np.int32(num_kv_heads), num_slots,
+              k_token, np.int32(k_head), v_token, np.int32(v_head)))
