@@ -3,18 +3,22 @@
 // Compile-time parameters (cupy_paged/ops/decode.py spells them in the kernel key):
 //   SCALAR_T   __half or __nv_bfloat16 (q, caches, new k/v, out)
 //   HEAD_DIM   32, 64, 96, 128 or 256
-//   TILE_KEYS  keys per pipeline stage (TILE_KEYS * HEAD_DIM * 2 bytes of K, as much of V)
+//   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
 //   STAGES     depth of the cp.async pipeline
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
 // paged_decode: one CTA of 4 warps per (row group, split, kv head, sequence).  A "row" is one
-// (query head of the GQA group, query token) pair; the CTA holds kRows of them, so every K/V byte
-// a CTA streams serves all the query heads that share its kv head (GQA packing).  K/V tiles go
-// global -> shared memory through cp.async, STAGES - 1 tiles in flight while one is computed; the
-// block ids of the tile after next are loaded one iteration ahead so that no cp.async waits on a
-// block-table read.  Within a tile each warp takes a quarter of the keys; lanes split head_dim in
-// 16-byte vectors.  Each warp keeps its own online-softmax state; the four are merged at the end.
+// (query head of the GQA group, query token) pair; a row group is the 16 rows of an mma A operand
+// (padding rows are zero), so with group * seqlen_q <= 16 every K/V byte is read once.  K/V tiles
+// go global -> shared memory through cp.async (swizzled rows, see cp::SmemTile), STAGES - 1 tiles in
+// flight while one is computed; the block ids of the tile after next are loaded one iteration
+// ahead so that no cp.async waits on a block-table read.  Each warp takes TILE_KEYS / 4 keys of a
+// tile in groups of 16 and runs them on tensor cores:
+//   S[16 x 16] = Q K^T      mma m16n8k16, Q fragments by ldmatrix, K fragments by ldmatrix
+//   online softmax          on the accumulator fragments, log2 domain (S scaled by scale * log2 e)
+//   O[16 x D] += P V        P re-packed from the accumulators, V fragments by ldmatrix.trans
+// Each warp keeps its own (m, l, O); the four are merged through shared memory at the end.
 // With num_splits > 1 each split covers a contiguous key range and writes a normalised partial
 // output and its LSE to a float32 workspace; combine_splits merges them (flash-decoding).
 //
@@ -25,61 +29,52 @@
 // Safety: a block id outside [0, num_blocks), a block-table column past max_blocks and a negative
 // cache_seqlens are treated as holes: no read, no write, the keys count as masked.
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace decode {
 
 using T = SCALAR_T;
+using cp::u32;
 constexpr int kHeadDim = HEAD_DIM;
 constexpr int kTileKeys = TILE_KEYS;
 constexpr int kStages = STAGES;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRows = 4;  // query rows per CTA; more rows -> more row groups in the grid
-constexpr int kVecPerRow = kHeadDim / cp::kVecElems;
-// Lanes that share one key: a power of two covering the row's vectors (D=96 leaves 4 of 16 idle).
-constexpr int kLanesPerKey = kVecPerRow <= 4 ? 4 : kVecPerRow <= 8 ? 8 : kVecPerRow <= 16 ? 16 : 32;
-constexpr int kKeysPerStep = 32 / kLanesPerKey;
+constexpr int kRows = 16;  // query rows per CTA: the M of mma.m16n8k16
+constexpr int kChunks = kHeadDim / cp::kVecElems;  // 16-byte chunks per key row
+using Tile = cp::SmemTile<kChunks>;
+constexpr int kKSteps = kHeadDim / 16;                // k-steps of S = Q K^T
 constexpr int kKeysPerWarp = kTileKeys / kWarps;
-constexpr int kSteps = kKeysPerWarp / kKeysPerStep;
-constexpr int kTileVecs = kTileKeys * kVecPerRow;
-constexpr int kVecsPerThread = kTileVecs / kThreads;
+constexpr int kGroups = kKeysPerWarp / 16;            // 16-key groups per warp per tile
+// Q fragments stay in registers up to D = 128; at D = 256 they are re-read from shared memory
+// so that O (128 floats per thread) fits without spills.
+constexpr bool kQInRegs = kHeadDim <= 128;
+// Tile loads: kChunkLanes consecutive lanes cover one key's row (coalesced 64-128 byte runs), each
+// lane kChunksPerThread chunks of it; a pass covers kKeysPerPass keys.
+constexpr int kChunkLanes = kChunks % 8 == 0 ? 8 : 4;
+constexpr int kChunksPerThread = kChunks / kChunkLanes;
+constexpr int kKeysPerPass = kThreads / kChunkLanes;
+constexpr int kPasses = kTileKeys / kKeysPerPass;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 // +infinity (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
-static_assert(kVecPerRow <= 32, "head_dim above 256 needs more than one vector per lane");
-static_assert(kSteps >= 1 && kKeysPerWarp % kKeysPerStep == 0, "tile must give every key group work");
-static_assert(kTileVecs % kThreads == 0, "each thread issues the same number of cp.async per tile");
+static_assert(kHeadDim % 16 == 0 && kChunks % kChunkLanes == 0, "head_dim must be a multiple of 16");
+static_assert(kGroups >= 1 && kKeysPerWarp % 16 == 0, "each warp takes whole groups of 16 keys");
+static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues the same cp.async count");
 static_assert(kStages == 3, "the loaded-tile vote below keeps exactly one tile between issue and use");
 
-// Shared memory: [kStages][kTileKeys][kVecPerRow] vectors of K, the same of V, then one flag per key
-// (1 = the key was loaded).  The first bytes are reused for the cross-warp merge at the end.
+// Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile.
+// The first bytes are reused for the cross-warp merge at the end.
 struct Smem {
-  static constexpr int kTensorVecs = kStages * kTileVecs;
-  static constexpr int kBytes = 2 * kTensorVecs * 16 + kStages * kTileKeys * 4;
+  static constexpr int kStageBytes = Tile::bytes(kTileKeys);
+  static constexpr int kV = kStages * kStageBytes;
+  static constexpr int kFlags = 2 * kStages * kStageBytes;
+  static constexpr int kQ = kFlags + kStages * kTileKeys * 4;
+  static constexpr int kBytes = kQ + Tile::bytes(kRows);
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
-  static_assert(kMergeBytes <= kBytes, "merge scratch must fit in the pipeline buffers");
+  static_assert(kMergeBytes <= kFlags, "merge scratch must fit in the pipeline buffers");
 };
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
-  const cp::u32 dst = static_cast<cp::u32>(__cvta_generic_to_shared(smem));
-  const int bytes = ok ? 16 : 0;  // 0 source bytes -> the 16 destination bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&x)[8]) {
-  const cp::u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = cp::to_float2(w[i], T());
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
-}
 
 // Where the keys of one sequence live: the cache through the block table, the new tokens in k_new.
 struct KeySource {
@@ -105,68 +100,64 @@ struct KeySource {
     return (id >= 0 && id < num_blocks) ? id : -1;
   }
   __device__ __forceinline__ long long cache_vec(int block, int j, int vec) const {
-    return (((long long)block * block_size + offset(j)) * num_kv_heads + kv_head) * kVecPerRow + vec;
+    return (((long long)block * block_size + offset(j)) * num_kv_heads + kv_head) * kChunks + vec;
   }
 };
 
-// Rows of a CTA: row r of row group g is (group head, query token) = divmod(g*kRows + r, seqlen_q).
-struct RowInfo {
-  int head[kRows];   // query head, -1 for a padding row
-  int token[kRows];  // query token i
-  int lo[kRows], hi[kRows];  // visible keys lo <= j <= hi
-  float slope[kRows];        // ALiBi slope, 0 without ALiBi
-};
+// The key of pass p that this thread loads, relative to the tile start.
+__device__ __forceinline__ int pass_key(int p) { return p * kKeysPerPass + threadIdx.x / kChunkLanes; }
 
 template <bool kNewTokens>
 __device__ __forceinline__ bool issue_tile(const KeySource& src, int start, int end, int stage,
-                                           const int (&blocks)[kVecsPerThread], cp::Vec8* ks, cp::Vec8* vs,
-                                           int* flags) {
+                                           const int (&blocks)[kPasses], u32 ks, u32 vs, int* flags) {
   bool all_ok = true;  // every key of this thread's share loaded (no hole, none past the range)
+  const int lane_chunk = threadIdx.x % kChunkLanes;
 #pragma unroll
-  for (int v = 0; v < kVecsPerThread; ++v) {
-    const int index = threadIdx.x + v * kThreads;
-    const int key = index / kVecPerRow, vec = index % kVecPerRow;
+  for (int p = 0; p < kPasses; ++p) {
+    const int key = pass_key(p);
     const int j = start + key;
     const cp::Vec8* kp = src.k_cache;
     const cp::Vec8* vp = src.v_cache;
     bool ok = false;
     if (j < end) {
       if (j < src.cached) {
-        if (blocks[v] >= 0) {
-          const long long at = src.cache_vec(blocks[v], j, vec);
+        if (blocks[p] >= 0) {
+          const long long at = src.cache_vec(blocks[p], j, 0);
           kp = src.k_cache + at;
           vp = src.v_cache + at;
           ok = true;
         }
       } else if (kNewTokens) {
         const long long t = j - src.cached;
-        kp = reinterpret_cast<const cp::Vec8*>(src.k_new + t * src.kn_token) + vec;
-        vp = reinterpret_cast<const cp::Vec8*>(src.v_new + t * src.vn_token) + vec;
+        kp = reinterpret_cast<const cp::Vec8*>(src.k_new + t * src.kn_token);
+        vp = reinterpret_cast<const cp::Vec8*>(src.v_new + t * src.vn_token);
         ok = true;
       }
     }
-    const int slot = stage * kTileVecs + index;
-    cp_async16(ks + slot, kp, ok);
-    cp_async16(vs + slot, vp, ok);
-    if (vec == 0) flags[stage * kTileKeys + key] = ok;
+    const u32 row = stage * Smem::kStageBytes;
+#pragma unroll
+    for (int c = 0; c < kChunksPerThread; ++c) {
+      const int chunk = lane_chunk + c * kChunkLanes;
+      const u32 at = row + Tile::offset(key, chunk);
+      cp::cp_async_16(ks + at, kp + (ok ? chunk : 0), ok);
+      cp::cp_async_16(vs + at, vp + (ok ? chunk : 0), ok);
+    }
+    if (lane_chunk == 0) flags[stage * kTileKeys + key] = ok;
     all_ok &= ok;
   }
   return all_ok;
 }
 
-__device__ __forceinline__ void load_blocks(const KeySource& src, int start, int (&blocks)[kVecsPerThread]) {
+__device__ __forceinline__ void load_blocks(const KeySource& src, int start, int (&blocks)[kPasses]) {
 #pragma unroll
-  for (int v = 0; v < kVecsPerThread; ++v) {
-    const int key = (threadIdx.x + v * kThreads) / kVecPerRow;
-    blocks[v] = src.block_of(start + key);
-  }
+  for (int p = 0; p < kPasses; ++p) blocks[p] = src.block_of(start + pass_key(p));
 }
 
 }  // namespace decode
 
 using namespace decode;
 
-extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
+extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     const T* __restrict__ q, long long q_batch, long long q_token, long long q_head,  // element strides
     const cp::Vec8* k_cache, const cp::Vec8* v_cache,  // [num_blocks, block_size, Hkv, D]
     cp::Vec8* k_cache_w, cp::Vec8* v_cache_w,  // the same caches, written by the append (no restrict: aliases)
@@ -182,18 +173,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
     float* __restrict__ lse,              // [B, H, Sq] or null
     float* __restrict__ part_out,         // [num_splits, B*Sq*H, D] when num_splits > 1
     float* __restrict__ part_lse) {       // [num_splits, B*Sq*H]
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  cp::Vec8* ks = reinterpret_cast<cp::Vec8*>(smem_raw);
-  cp::Vec8* vs = ks + Smem::kTensorVecs;
-  int* flags = reinterpret_cast<int*>(vs + Smem::kTensorVecs);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const u32 ks = cp::smem_address(smem_raw);
+  const u32 vs = ks + Smem::kV;
+  const u32 qs = ks + Smem::kQ;
+  int* flags = reinterpret_cast<int*>(smem_raw + Smem::kFlags);
 
   const int row_group = blockIdx.x % row_groups;
   const int split = blockIdx.x / row_groups;
   const int kv_head = blockIdx.y;
   const int b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int key_sub = lane / kLanesPerKey, vec = lane % kLanesPerKey;
-  const bool lane_has_vec = vec < kVecPerRow;
+  const int g = lane / 4, t = lane % 4;  // fragment row and column pair (mma.cuh)
   const int group = num_heads / num_kv_heads;
   const int batch = gridDim.z;
 
@@ -216,44 +207,48 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
 
   // Fused append: split 0 / row group 0 writes this kv head's new tokens into the cache.
   if (seqlen_new > 0 && split == 0 && row_group == 0) {
-    for (int index = threadIdx.x; index < seqlen_new * kVecPerRow; index += kThreads) {
-      const int t = index / kVecPerRow, v = index % kVecPerRow;
-      const int j = src.cached + t;
+    for (int index = threadIdx.x; index < seqlen_new * kChunks; index += kThreads) {
+      const int tok = index / kChunks, v = index % kChunks;
+      const int j = src.cached + tok;
       const int col = src.column(j);
       if (col >= max_blocks) continue;
       const int id = __ldg(src.table_row + col);
       if (id < 0 || id >= num_blocks) continue;
       const long long at = src.cache_vec(id, j, v);
-      k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + t * kn_token)[v];
-      v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + t * vn_token)[v];
+      k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];
+      v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + tok * vn_token)[v];
     }
   }
 
-  // Rows and their visible key ranges (bottom-right aligned: query i sits at key i + Lk - Sq).
-  RowInfo rows;
+  // Rows of the CTA: row r is (group head, query token) = divmod(row_group * 16 + r, seqlen_q),
+  // bottom-right aligned (query i sits at key i + Lk - Sq).  The keys every real row sees bound the
+  // tiles that need no mask; this thread's own rows are g and g + 8 of the fragments.
+  int lo_all = 0, hi_all = num_keys - 1;
+  int my_lo[2], my_hi[2], my_pos[2];
+  float my_slope[2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = row_group * kRows + r;
     const bool real = row < num_rows;
-    const int i = row % seqlen_q;
-    const int pos = i + num_keys - seqlen_q;
-    rows.head[r] = real ? kv_head * group + row / seqlen_q : -1;
-    rows.token[r] = i;
-    rows.lo[r] = win_left >= 0 ? max(pos - win_left, 0) : 0;
-    rows.hi[r] = win_right >= 0 ? min(pos + win_right, num_keys - 1) : num_keys - 1;
-    // Scores live in the log2 domain (Q is pre-scaled by scale * log2 e), so the slope is too.
-    rows.slope[r] = (real && alibi_slopes) ? alibi_slopes[rows.head[r]] * kLog2e : 0.f;
-  }
-  // Keys every real row sees: a tile inside [lo_all, hi_all] with every key loaded needs no mask.
-  int lo_all = 0, hi_all = num_keys - 1;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (rows.head[r] < 0) continue;
-    lo_all = max(lo_all, rows.lo[r]);
-    hi_all = min(hi_all, rows.hi[r]);
+    const int pos = row % seqlen_q + num_keys - seqlen_q;
+    const int lo = win_left >= 0 ? max(pos - win_left, 0) : 0;
+    const int hi = win_right >= 0 ? min(pos + win_right, num_keys - 1) : num_keys - 1;
+    if (real) {
+      lo_all = max(lo_all, lo);
+      hi_all = min(hi_all, hi);
+    }
+    if (r % 8 == g) {
+      const int hr = r / 8;
+      my_lo[hr] = real ? lo : num_keys;  // a padding row sees nothing
+      my_hi[hr] = hi;
+      my_pos[hr] = pos;
+      // Scores live in the log2 domain, so the slope does too.
+      my_slope[hr] = (real && alibi_slopes) ? alibi_slopes[kv_head * group + row / seqlen_q] * kLog2e : 0.f;
+    }
   }
   // Softcap c on natural-log scores, rewritten for log2-domain scores x: c' tanh(x / c'), c' = c log2 e.
   const bool plain = softcap <= 0.f && alibi_slopes == nullptr;
+  const float scale2 = softmax_scale * kLog2e;
   const float cap2 = softcap * kLog2e;
   const float inv_cap2 = softcap > 0.f ? 1.f / cap2 : 0.f;
   // Keys any row of the sequence can see; the splits share them out in whole tiles.
@@ -264,32 +259,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
   const int end = min(start + per_split, num_keys);
   const int num_tiles = (end - start + kTileKeys - 1) / kTileKeys;
 
-  // Q of this lane's vector for each row, as float.
-  float qf[kRows][8];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (rows.head[r] >= 0 && lane_has_vec) {
-      const T* qp = q + b * q_batch + rows.token[r] * q_token + rows.head[r] * q_head;
-      unpack8(reinterpret_cast<const cp::Vec8*>(qp)[vec].raw, qf[r]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qf[r][e] *= softmax_scale * kLog2e;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qf[r][e] = 0.f;
+  // Q tile [16 rows][D] into shared memory (padding rows zero); ordered by the prologue barrier.
+  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
+    const int r = index / kChunks, c = index % kChunks;
+    const int row = row_group * kRows + r;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (row < num_rows) {
+      const int head = kv_head * group + row / seqlen_q;
+      const T* qp = q + b * q_batch + (row % seqlen_q) * q_token + head * q_head;
+      value = reinterpret_cast<const cp::Vec8*>(qp)[c].raw;
     }
+    *reinterpret_cast<uint4*>(smem_raw + Smem::kQ + Tile::offset(r, c)) = value;
   }
 
-  // Online softmax state in the log2 domain; m is the same on every lane of a warp.
-  float m[kRows], l[kRows], acc[kRows][8];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    m[r] = -inf();
-    l[r] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
-  }
-
-  int blocks[kVecsPerThread];
+  int blocks[kPasses];
   load_blocks(src, start, blocks);
   bool issued_ok[kStages - 1] = {};
 #pragma unroll
@@ -299,15 +282,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
                            : issue_tile<false>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags);
       load_blocks(src, start + (s + 1) * kTileKeys, blocks);
     }
-    cp_async_commit();
+    cp::cp_async_commit();
   }
   // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
   // iteration t votes on tile t + 1 (issued one iteration earlier), so one vote is kept in hand.
   bool tile_loaded = __syncthreads_and(issued_ok[0]);
   bool pending_ok = issued_ok[1];
 
+  // Q fragments (A operand, one per k-step): lanes 0-15 address rows 0-15 of chunk 2kk, 16-31 of 2kk+1.
+  u32 qa[kQInRegs ? kKSteps : 1][4];
+  if (kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) cp::ldmatrix_x4(qa[kQInRegs ? kk : 0], qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
+  }
+  // Per-lane parts of the ldmatrix addresses of a 16-key group (see mma.cuh for the fragment layouts).
+  const int k_row = (lane >> 4) * 8 + (lane & 7), k_chunk = (lane >> 3) & 1;  // B of Q K^T
+  const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk = lane >> 4;  // B of P V (.trans)
+
+  // Online softmax state in the log2 domain for rows g and g + 8; o[n-tile] are C fragments.
+  float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
+  float o[kHeadDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < kHeadDim / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
+    cp::cp_async_wait<kStages - 2>();
     // Tile landed for every thread; every warp is done with the stage refilled next.
     const bool next_loaded = __syncthreads_and(pending_ok);
     const int next = tile + kStages - 1;
@@ -316,122 +317,127 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
                          : issue_tile<false>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
       load_blocks(src, start + (next + 1) * kTileKeys, blocks);
     }
-    cp_async_commit();
+    cp::cp_async_commit();
 
     const int stage = tile % kStages;
+    const u32 k_tile = ks + stage * Smem::kStageBytes, v_tile = vs + stage * Smem::kStageBytes;
+    const int warp_key = warp * kKeysPerWarp;  // first key of this warp in the tile
     const int tile_start = start + tile * kTileKeys;
-    // S = Q K^T for this warp's keys: lanes of a key group reduce their partial dots.
-    float s[kSteps][kRows];
+
+    // S = Q K^T for this warp's keys: s[group][n-tile of 8 keys][C fragment].
+    float s[kGroups][2][4];
 #pragma unroll
-    for (int st = 0; st < kSteps; ++st) {
-      const int key = warp * kKeysPerWarp + st * kKeysPerStep + key_sub;
-      float kf[8];
-      if (lane_has_vec) {
-        unpack8(ks[stage * kTileVecs + key * kVecPerRow + vec].raw, kf);
+    for (int kg = 0; kg < kGroups; ++kg)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[kg][0][e] = s[kg][1][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      u32 a[4];
+      if (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = qa[kQInRegs ? kk : 0][e];
       } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) kf[e] = 0.f;
+        cp::ldmatrix_x4(a, qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
       }
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dot = fmaf(qf[r][e], kf[e], dot);
-#pragma unroll
-        for (int off = kLanesPerKey / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        s[st][r] = dot;
+      for (int kg = 0; kg < kGroups; ++kg) {
+        u32 bk[4];
+        cp::ldmatrix_x4(bk, k_tile + Tile::offset(warp_key + kg * 16 + k_row, 2 * kk + k_chunk));
+        cp::mma_16816(s[kg][0], a, bk[0], bk[1], T());
+        cp::mma_16816(s[kg][1], a, bk[2], bk[3], T());
       }
     }
-    // Score transforms and masks, then the tile's row max across the warp.  The common tile (every
-    // key loaded and visible to every row, no softcap, no ALiBi) skips them: a uniform branch.
+    // Score transforms and masks, then the tile's row max.  The common tile (every key loaded and
+    // visible to every real row, no softcap, no ALiBi) only scales: a CTA-uniform branch.
     const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
     tile_loaded = next_loaded;
-    float tile_max[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) tile_max[r] = -inf();
+    float tile_max[2] = {-inf(), -inf()};
     if (unmasked) {
 #pragma unroll
-      for (int st = 0; st < kSteps; ++st)
+      for (int kg = 0; kg < kGroups; ++kg)
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) tile_max[r] = fmaxf(tile_max[r], s[st][r]);
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[kg][n][e] *= scale2;
+            tile_max[e / 2] = fmaxf(tile_max[e / 2], s[kg][n][e]);
+          }
     } else {
 #pragma unroll
-    for (int st = 0; st < kSteps; ++st) {
-      const int key = warp * kKeysPerWarp + st * kKeysPerStep + key_sub;
-      const int j = tile_start + key;
-      const bool loaded = flags[stage * kTileKeys + key] != 0;
+      for (int kg = 0; kg < kGroups; ++kg)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float x = s[st][r];
-        if (softcap > 0.f) x = cap2 * tanhf(x * inv_cap2);
-        const int pos = rows.token[r] + num_keys - seqlen_q;
-        x -= rows.slope[r] * fabsf(static_cast<float>(pos - j));
-        const bool visible = loaded && rows.head[r] >= 0 && j >= rows.lo[r] && j <= rows.hi[r];
-        s[st][r] = visible ? x : -inf();
-        tile_max[r] = fmaxf(tile_max[r], s[st][r]);
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = warp_key + kg * 16 + n * 8 + 2 * t + (e & 1);
+            const int j = tile_start + key;
+            const int hr = e / 2;
+            float x = s[kg][n][e] * scale2;
+            if (softcap > 0.f) x = cap2 * tanhf(x * inv_cap2);
+            x -= my_slope[hr] * fabsf(static_cast<float>(my_pos[hr] - j));
+            const bool visible = flags[stage * kTileKeys + key] != 0 && j >= my_lo[hr] && j <= my_hi[hr];
+            s[kg][n][e] = visible ? x : -inf();
+            tile_max[hr] = fmaxf(tile_max[hr], s[kg][n][e]);
+          }
+    }
+    // Rescale the running state to the new max (a row's 4 lanes share it); a max of -inf (nothing
+    // visible yet) uses 0, so exp2 gives 0 and never NaN.
+    float m_use[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
+      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
+      const float m_new = fmaxf(m[hr], tile_max[hr]);
+      m_use[hr] = m_new == -inf() ? 0.f : m_new;
+      const float alpha = exp2f(m[hr] - m_use[hr]);
+      m[hr] = m_new;
+      l[hr] *= alpha;
+#pragma unroll
+      for (int n = 0; n < kHeadDim / 8; ++n) {
+        o[n][2 * hr] *= alpha;
+        o[n][2 * hr + 1] *= alpha;
       }
     }
-    }
+    // P = exp2(S - m), then O += P V with P re-packed as the A operand of each 16-key group.
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
+    for (int kg = 0; kg < kGroups; ++kg) {
 #pragma unroll
-      for (int off = kLanesPerKey; off < 32; off <<= 1)
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], off));
-      // Rescale the running state to the new max; a max of -inf (nothing visible yet) uses 0.
-      const float m_new = fmaxf(m[r], tile_max[r]);
-      const float m_use = m_new == -inf() ? 0.f : m_new;
-      const float alpha = exp2f(m[r] - m_use);
-      m[r] = m_new;
-      l[r] *= alpha;
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+        for (int e = 0; e < 4; ++e) {
+          s[kg][n][e] = exp2f(s[kg][n][e] - m_use[e / 2]);
+          l[e / 2] += s[kg][n][e];
+        }
+      const u32 pa[4] = {cp::from_float2(s[kg][0][0], s[kg][0][1], T()), cp::from_float2(s[kg][0][2], s[kg][0][3], T()),
+                         cp::from_float2(s[kg][1][0], s[kg][1][1], T()), cp::from_float2(s[kg][1][2], s[kg][1][3], T())};
 #pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        s[st][r] = exp2f(s[st][r] - m_use);
-        l[r] += s[st][r];
-      }
-    }
-    // O += P V.
-#pragma unroll
-    for (int st = 0; st < kSteps; ++st) {
-      const int key = warp * kKeysPerWarp + st * kKeysPerStep + key_sub;
-      if (lane_has_vec) {
-        float vf[8];
-        unpack8(vs[stage * kTileVecs + key * kVecPerRow + vec].raw, vf);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(s[st][r], vf[e], acc[r][e]);
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        u32 bv[4];
+        cp::ldmatrix_x4_trans(bv, v_tile + Tile::offset(warp_key + kg * 16 + v_row, 2 * dp + v_chunk));
+        cp::mma_16816(o[2 * dp], pa, bv[0], bv[1], T());
+        cp::mma_16816(o[2 * dp + 1], pa, bv[2], bv[3], T());
       }
     }
   }
-  cp_async_wait<0>();
+  cp::cp_async_wait<0>();
   __syncthreads();  // pipeline drained: its buffers become the merge scratch
 
-  // Sum the key groups of each warp, then merge the four warps' states through shared memory.
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-    for (int off = kLanesPerKey; off < 32; off <<= 1) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], off);
-    }
-  }
+  // Row sums over each row's 4 lanes, then the four warps' states merged through shared memory.
   float* merge_o = reinterpret_cast<float*>(smem_raw);             // [kWarps][kRows][D]
   float* merge_m = merge_o + kWarps * kRows * kHeadDim;            // [kWarps][kRows]
   float* merge_l = merge_m + kWarps * kRows;                       // [kWarps][kRows]
-  if (key_sub == 0 && lane_has_vec) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    const int r = g + 8 * hr;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) merge_o[(warp * kRows + r) * kHeadDim + vec * 8 + e] = acc[r][e];
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      merge_m[warp * kRows + r] = m[r];
-      merge_l[warp * kRows + r] = l[r];
+    for (int n = 0; n < kHeadDim / 8; ++n)
+      *reinterpret_cast<float2*>(merge_o + (warp * kRows + r) * kHeadDim + n * 8 + 2 * t) =
+          make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
+    if (t == 0) {
+      merge_m[warp * kRows + r] = m[hr];
+      merge_l[warp * kRows + r] = l[hr];
     }
   }
   __syncthreads();
@@ -445,23 +451,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4) paged_decode(
     float m_all = -inf();
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kRows + r]);
-    const float m_use = m_all == -inf() ? 0.f : m_all;
+    const float m_max = m_all == -inf() ? 0.f : m_all;
     float l_all = 0.f, o_all = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float weight = exp2f(merge_m[w * kRows + r] - m_use);
+      const float weight = exp2f(merge_m[w * kRows + r] - m_max);
       l_all += merge_l[w * kRows + r] * weight;
       o_all += merge_o[(w * kRows + r) * kHeadDim + d] * weight;
     }
     // A row that saw no key: zeros and LSE -inf, never 0/0.
-    const float o = l_all > 0.f ? o_all / l_all : 0.f;
+    const float value = l_all > 0.f ? o_all / l_all : 0.f;
     const float row_lse = l_all > 0.f ? (m_all + __log2f(l_all)) * kLn2 : -inf();
     const long long out_row = ((long long)b * seqlen_q + i) * num_heads + head;
     if (num_splits == 1) {
-      out[out_row * kHeadDim + d] = cp::from_float<T>(o);
+      out[out_row * kHeadDim + d] = cp::from_float<T>(value);
       if (lse && d == 0) lse[((long long)b * num_heads + head) * seqlen_q + i] = row_lse;
     } else {
-      part_out[(split * rows_total + out_row) * kHeadDim + d] = o;
+      part_out[(split * rows_total + out_row) * kHeadDim + d] = value;
       if (d == 0) part_lse[split * rows_total + out_row] = row_lse;
     }
   }

@@ -91,6 +91,9 @@ GRID = [
      {"window_size": (50, 2)}),
     ("bf16-d128-gqa4-bs128-long", BF16, 128, 8, 2, 128, [3000, 4097], 1, 1, {"causal": True}),
     ("f16-d128-gqa4-bs16-100k", F16, 128, 8, 2, 16, [100_003], 1, 1, {}),
+    # Exactly 16 rows (one mma row group): GQA 4 x Sq 4 and a 16-head MQA group.
+    ("bf16-d128-gqa4-bs32-sq4-16rows", BF16, 128, 8, 2, 32, [0, 31, 64, 1000], 4, 4, {"causal": True}),
+    ("f16-d64-mqa16-bs16-softcap", F16, 64, 16, 1, 16, [17, 500, 2], 1, 1, {"softcap": 20.0}),
 ]
 
 

@@ -28,25 +28,33 @@ from .._compiler import KernelKey, get_function, register_family
 
 SOURCE = "decode.cu"
 THREADS = 128
-ROWS_PER_CTA = 4        # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA
+ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA, mma M
 STAGES = 3              # cp.async pipeline depth
-TILE_ELEMS = 4096       # keys * head_dim per stage and tensor: 8 KiB of K and 8 KiB of V
+TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
 MAX_SPLITS = 128        # combine_splits keeps one weight per split in shared memory
 _SCALAR_T = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 
 
 def tile_keys(head_dim: int) -> int:
-    """Keys per pipeline stage: the largest power of two with keys * head_dim <= TILE_ELEMS."""
-    keys = 16
+    """Keys per pipeline stage: the largest power of two with keys * head_dim <= TILE_ELEMS,
+    at least 64 (16 keys per warp, the K of one P V mma) and at most 128."""
+    keys = 64
     while keys * 2 * head_dim <= TILE_ELEMS and keys < 128:
         keys *= 2
     return keys
 
 
+def _row_bytes(head_dim: int) -> int:
+    """Bytes of one key row in shared memory (cp::SmemTile: one 16-byte chunk of padding unless
+    the row is a multiple of 128 bytes, which is swizzled instead)."""
+    chunks = head_dim // 8
+    return 16 * (chunks if chunks % 8 == 0 else chunks + 1)
+
+
 def smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of ``paged_decode``: K and V stages plus one flag per key."""
+    """Dynamic shared memory of ``paged_decode``: K and V stages, one flag per key, the Q tile."""
     keys = tile_keys(head_dim)
-    return STAGES * keys * head_dim * 2 * 2 + STAGES * keys * 4
+    return (2 * STAGES * keys + ROWS_PER_CTA) * _row_bytes(head_dim) + STAGES * keys * 4
 
 
 def kernel_key(dtype, head_dim: int) -> KernelKey:
@@ -83,7 +91,7 @@ def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, cta
 
     ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be.
     Enough CTAs already (>= 80% of one wave) means no split.  Otherwise take the smallest split
-    count whose wave efficiency (CTAs / slots of the waves they need) is within 10% of the best,
+    count whose wave efficiency (CTAs / slots of the waves they need) is within 5% of the best,
     with at least two tiles of keys per split so each split amortises its fixed costs.
     """
     slots = num_sms * ctas_per_sm
@@ -97,7 +105,7 @@ def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, cta
         return total / (math.ceil(total / slots) * slots)
 
     best = max(efficiency(n) for n in range(1, limit + 1))
-    return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.9 * best)
+    return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.95 * best)
 
 
 # --------------------------------------------------------------------------- workspace
