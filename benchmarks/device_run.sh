@@ -1,42 +1,48 @@
 #!/usr/bin/env bash
-# The one device run: build every kernel, run the GPU tests, the sanitizer subset and the
-# benchmarks, in one call to the lent H200.  Full logs go under $OUT; a short table prints last.
-#   usage (from the repository root): bash benchmarks/device_run.sh [tests|sanitize|bench ...]
+# The one device run: build every kernel, run the GPU tests, the benchmarks and the sanitizer
+# subset, in one call to the lent H200.  Each step writes its log straight into $OUT (so what
+# finished comes back even if the call is cut short) under its own time limit; a short table
+# prints last.
+#   usage (repository root): bash benchmarks/device_run.sh [warm tests bench sanitize ...]
+#   per-step limits in seconds: T_WARM T_TESTS T_BENCH T_SANITIZE
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
-LOGS=$(mktemp -d)  # bundled into $OUT/logs.tgz at the end (the device returns few files)
+mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-steps=${*:-tests sanitize bench}
+steps=${*:-warm tests bench sanitize}
 summary=()
 
-run_step() {  # name, command...
-  local name=$1; shift
+run_step() {  # name, time limit (s), command...
+  local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout "${STEP_TIMEOUT:-420}" "$@" >"$LOGS/$name.log" 2>&1
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$(tail -n 1 "$LOGS/$name.log")")")
+  summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$(tail -n 1 "$OUT/$name.log")")")
 }
 
-python3 -m cupy_paged info >"$LOGS/info.log" 2>&1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$LOGS/info.log" 2>&1
-run_step warm python3 -m cupy_paged warm --jobs "$(nproc)"
+{ python3 -m cupy_paged info; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; } >"$OUT/info.log" 2>&1
 for step in $steps; do
   case $step in
-    tests) run_step tests python3 -m pytest -m gpu -q -p no:cacheprovider ;;
-    sanitize)
-      run_step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -k sanitize
-      run_step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -k sanitize ;;
+    warm) run_step warm "${T_WARM:-150}" python3 -m cupy_paged warm --jobs "$(nproc)" ;;
+    tests) run_step tests "${T_TESTS:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -x ;;
     bench)
-      for bench in benchmarks/bench_varlen.py benchmarks/bench_decode.py; do
-        [ -f "$bench" ] && run_step "$(basename "$bench" .py)" python3 "$bench"
-      done
-      mkdir -p "$LOGS/results" && cp benchmarks/results/*.json "$LOGS/results/" 2>/dev/null ;;
+      run_step bench_decode "${T_BENCH:-150}" python3 benchmarks/bench_decode.py --quick
+      run_step bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py --reps 10
+      # one file for every results/*.json, since the device returns few files
+      python3 - "$OUT/results.json" <<'PY'
+import json, pathlib, sys
+found = {p.name: json.loads(p.read_text()) for p in sorted(pathlib.Path("benchmarks/results").glob("*.json"))}
+pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
+PY
+      ;;
+    sanitize)
+      run_step memcheck "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic"
+      run_step racecheck "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ;;
   esac
 done
-mkdir -p "$OUT" && tar czf "$OUT/logs.tgz" -C "$LOGS" .
-for log in "$LOGS"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 40 "$log"; }; done
-grep -h -E "FAILED|Error" "$LOGS/tests.log" 2>/dev/null | head -n 30
-head -n 14 "$LOGS/info.log"
+for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
+grep -h -E "^FAILED|^ERROR" "$OUT/tests.log" 2>/dev/null | head -n 30
+head -n 14 "$OUT/info.log"
 printf '%s\n' "${summary[@]}"
