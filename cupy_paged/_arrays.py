@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import ml_dtypes
 import numpy as np
 
 try:  # CuPy is an extra: the package works on the CPU without it.
@@ -39,14 +40,27 @@ def as_array(obj, name: str):
     if cupy is not None:
         if isinstance(obj, cupy.ndarray):
             return obj
+        # DLPack first: it carries bfloat16 as a type, where the CUDA array interface of
+        # PyTorch says only "2-byte void".
+        if _is_cuda_dlpack(obj):
+            return _bfloat16_view(cupy.from_dlpack(obj))
         if hasattr(obj, "__cuda_array_interface__"):
             return cupy.asarray(obj)
-        if _is_cuda_dlpack(obj):
-            return cupy.from_dlpack(obj)
     if hasattr(obj, "__dlpack__") and not _is_cuda_dlpack(obj):
         return np.from_dlpack(obj)
     raise TypeError(f"{name} must be a NumPy array, a CuPy array or a CUDA array exposing "
                     f"__dlpack__ or __cuda_array_interface__; got {type(obj).__name__}")
+
+
+def _bfloat16_view(array):
+    """CuPy imports a DLPack bfloat16 tensor as raw 2-byte voids ('V2'): view it as bfloat16.
+
+    bfloat16 is the only 2-byte DLPack float CuPy has no dtype code for, so a 'V2' array
+    from DLPack is bfloat16 (the view shares memory).
+    """
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2:
+        return array.view(ml_dtypes.bfloat16)
+    return array
 
 
 def backend_of(named: dict) -> str:
