@@ -1,0 +1,17 @@
+"""The examples run as written (on the GPU where there is one, else on the CPU backend)."""
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_continuous_batching_example_finishes_every_request():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "continuous_batching.py"),
+                             "--requests", "10", "--layers", "2", "--max-new-tokens", "6"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("10 requests, 60 generated tokens"), result.stdout
+    assert "free blocks at the end: 96 of 96" in result.stdout
