@@ -12,6 +12,7 @@ import numba
 import numpy as np
 
 from ._checks import DecodeProblem, VarlenProblem
+from .layout import slot_mapping_from_positions
 
 # Query rows handled at once: bounds the [H, rows, Lk] score matrix to a few hundred MB.
 _ROW_CHUNK_ELEMS = 1 << 25
@@ -105,9 +106,9 @@ def decode(p: DecodeProblem) -> None:
     block_size = p.block_size
     seqlens = p.cache_seqlens.astype(np.int64)
     if p.k_new is not None and p.seqlen_new:
-        positions = seqlens[:, None] + np.arange(p.seqlen_new)[None, :]
-        blocks = np.take_along_axis(p.block_table, positions // block_size, axis=1)
-        slots = (blocks * block_size + positions % block_size).reshape(-1)
+        positions = (seqlens[:, None] + np.arange(p.seqlen_new)[None, :]).reshape(-1)
+        seq_ids = np.repeat(np.arange(p.batch), p.seqlen_new)
+        slots = slot_mapping_from_positions(p.block_table, seq_ids, positions, block_size)
         shape = (-1,) + tuple(p.k_new.shape[2:])
         write_kv_cache(p.k_cache, p.v_cache, p.k_new.reshape(shape), p.v_new.reshape(shape), slots)
     for b in range(p.batch):
