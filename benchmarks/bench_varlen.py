@@ -18,7 +18,9 @@ Cases (bf16, GQA 32 query / 8 kv heads unless named):
   (varlen for the chunk, ``flash_attn_with_kvcache`` for the decodes) when that kernel runs.
 
 FLOPs are ``4 Lq Lk D H`` per sequence, halved when causal.  Times are medians of CUDA-event
-timings after warm-up.  ``--sweep`` also times alternative tile shapes of the main cases.
+timings after warm-up.  ``--sweep`` also times, on the prefill cases, the frozen v2 kernel
+(``cuda_src/varlen_v2.cu``) and alternative tile shapes / Q-in-registers variants of the current
+one, each with its largest difference from the registered kernel's output (``*_maxdiff``).
 Writes ``benchmarks/results/varlen.json`` and prints a short table last.
 
 Run: ``python benchmarks/bench_varlen.py [--sweep] [--reps N]`` (``--warm`` only compiles).
@@ -43,17 +45,22 @@ import cupy_paged  # noqa: E402
 from cupy_paged._checks import BF16  # noqa: E402
 from cupy_paged._compiler import get_function  # noqa: E402
 from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops.varlen import TILES, Tiles, kernel_key  # noqa: E402
+from cupy_paged.ops.varlen import SOURCE, SOURCE_V2, TILES, Tiles, kernel_key  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
-# Alternative tile shapes timed by --sweep: head dim -> [Tiles]
+# Variants timed by --sweep: head dim -> [(Tiles, source)].  The first of each is the previous
+# (v2) kernel on its registered shape, so one run compares v2 and v3 on the same data.
 SWEEP = {
-    128: [Tiles(128, 64, 8, 2, 1), Tiles(128, 64, 8, 2, 2), Tiles(128, 64, 4, 2, 1),
-          Tiles(128, 128, 8, 2, 1), Tiles(64, 64, 4, 2, 2)],
-    64: [Tiles(128, 64, 4, 3, 1), Tiles(128, 64, 8, 3, 2), Tiles(128, 128, 8, 2, 1)],
-    256: [Tiles(64, 32, 4, 2, 1), Tiles(128, 32, 8, 2, 1)],
+    128: [(Tiles(128, 128, 8, 2, 1), SOURCE_V2), (Tiles(128, 128, 8, 2, 1, True), SOURCE),
+          (Tiles(128, 128, 8, 3, 1), SOURCE), (Tiles(128, 64, 8, 2, 1), SOURCE)],
+    64: [(Tiles(128, 64, 4, 3, 1), SOURCE_V2), (Tiles(128, 64, 4, 3, 1, True), SOURCE)],
+    256: [(Tiles(64, 32, 4, 2, 1), SOURCE_V2), (Tiles(128, 32, 8, 2, 1), SOURCE)],
 }
+
+
+def sweep_label(tiles: Tiles, source: str) -> str:
+    return ("v2_" if source == SOURCE_V2 else "v3_") + tiles.label()
 
 
 def mixed_lengths() -> list[int]:
@@ -110,7 +117,7 @@ class Batch:
         self.v = random_bf16(rng, (tk, HKV, head_dim))
         self.out = cupy.empty_like(self.q)
 
-    def ours(self, tiles=None, paged=None):
+    def ours(self, tiles=None, paged=None, source=SOURCE):
         """This kernel as a no-argument call: contiguous K/V, or ``paged = (k_cache, v_cache, table)``."""
         if tiles is None:
             k, v, table = paged if paged is not None else (self.k, self.v, None)
@@ -121,7 +128,7 @@ class Batch:
 
         p = _checks.prepare_varlen(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
                                    None, True, (-1, -1), 0.0, None, None, False, self.out, False)
-        return lambda: varlen_ops.run(p, tiles)
+        return lambda: varlen_ops.run(p, tiles, source)
 
     def paged(self, block_size, seed=1):
         """(k_cache, v_cache, block_table) holding the same keys behind a shuffled table."""
@@ -206,9 +213,17 @@ def prefill_case(name, lens, head_dim, reps, cases, sweep):
         if fn is not None:
             peers[peer] = tflops(time_ms(fn, reps))
     if sweep and head_dim in SWEEP:
-        for tiles in SWEEP[head_dim]:
-            label = f"ours_{tiles.block_m}x{tiles.block_n}w{tiles.warps}s{tiles.stages}m{tiles.min_blocks}"
-            peers[label] = tflops(time_ms(batch.ours(tiles), reps))
+        import cupy
+
+        batch.ours()()
+        reference = batch.out.astype(np.float32)
+        for tiles, source in SWEEP[head_dim]:
+            label = sweep_label(tiles, source)
+            fn = batch.ours(tiles, source=source)
+            batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
+            fn()
+            peers[label + "_maxdiff"] = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
+            peers[label] = tflops(time_ms(fn, reps))
     cases.append(dict(name=name, metric="TFLOP/s", value=value, peers=peers))
     print(f"{name:28} {value:8.1f} TFLOP/s  {peers}", flush=True)
     return batch, value
@@ -364,7 +379,8 @@ def warm_all() -> None:
     """Compile every registered varlen specialization and the sweep's shapes, one process each."""
     import multiprocessing
 
-    keys = varlen_ops.all_keys() + [kernel_key(BF16, d, t) for d, shapes in SWEEP.items() for t in shapes]
+    keys = varlen_ops.all_keys() + [kernel_key(BF16, d, t, source) for d, shapes in SWEEP.items()
+                                    for t, source in shapes]
     with multiprocessing.get_context("spawn").Pool() as pool:
         pool.map(_warm_one, keys)
 

@@ -13,7 +13,14 @@
 //
 // Compile-time parameters (cupy_paged/ops/varlen.py spells them in the KernelKey):
 //   SCALAR_T (__half | __nv_bfloat16), HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES,
-//   MIN_BLOCKS (CTAs per SM the register allocation must allow).
+//   MIN_BLOCKS (CTAs per SM the register allocation must allow), Q_IN_REGS (1: the warp's Q
+//   A-fragments are read from shared memory once and stay in registers for the whole key loop).
+//
+// v3 (see benchmarks/NOTES_varlen.md): Q fragments optionally in registers; ldmatrix addresses
+// as one per-lane base XOR a compile-time step (no per-use swizzle arithmetic); a full
+// contiguous key tile is copied with one pointer step per pass and no predicates; the prefetch
+// of the next tile is issued after S = Q K^T, while the tensor cores drain it; tree reductions
+// for the row max and sum.
 // Everything else (causal/window, softcap, ALiBi, LSE, paged or not, block size) is a
 // run-time argument, so one specialization serves all of them.
 //
@@ -28,10 +35,15 @@ namespace varlen {
 using cp::u32;
 using T = SCALAR_T;
 
-template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS>
+#ifndef Q_IN_REGS
+#define Q_IN_REGS 0
+#endif
+
+template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS, bool Q_REGS>
 struct Traits {
   static constexpr int kHeadDim = D, kBlockM = BM, kBlockN = BN, kWarps = WARPS, kStages = STAGES;
   static constexpr int kMinBlocks = MIN_CTAS;
+  static constexpr bool kQInRegs = Q_REGS;
   static constexpr int kThreads = WARPS * 32;
   static constexpr int kWarpRows = BM / WARPS;  // query rows per warp
   static constexpr int kMTiles = kWarpRows / 16;  // m16 tiles per warp
@@ -39,6 +51,8 @@ struct Traits {
   static constexpr int kDTiles = D / 8;           // n8 tiles of O
   static constexpr int kChunks = D / 8;           // 16-byte chunks per row of Q, K, V
   using Tile = cp::SmemTile<kChunks>;
+  static constexpr int kRowBytes = Tile::kRowChunks * 16;
+  static constexpr int kKSteps = D / 16;          // k16 steps of Q K^T
   // Shared memory: Q tile, then K and V stages, then one "key is loadable" byte per key per stage.
   static constexpr int kQBytes = Tile::bytes(BM);
   static constexpr int kKVBytes = Tile::bytes(BN);
@@ -48,7 +62,7 @@ struct Traits {
   static_assert(STAGES >= 2, "at least double buffering");
 };
 
-using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS>;
+using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS, Q_IN_REGS != 0>;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
@@ -66,7 +80,41 @@ struct KvSource {
   int loadable;             // contiguous: keys [0, loadable) lie inside k/v (all, unless
                             // cu_seqlens_k disagrees with k's size)
   int table_width, block_shift;
+  // Contiguous, when every thread copies the same chunk of rows kRowsPerPass apart in each pass
+  // (TilePasses::kLaneFixed): element offset of this thread's first row and chunk, and the
+  // element step from one pass to the next.
+  long long k_lane, v_lane, k_pass, v_pass;
 };
+
+// ldmatrix addressing.  In every ldmatrix of this kernel lane l names one 16-byte chunk,
+// c0 + 2 * step, of one row of a tile, where c0 (0 or 1) and the row depend on the lane only and
+// `step` is the k16 step (of the head dim for Q and K, of the output dims for V).  In a swizzled
+// tile (SmemTile::kSwizzle) chunk c of row r sits at r * kRowBytes + 16 * (c ^ (r & 7)); since
+// c0 + 2 * step == c0 ^ (2 * step) and (2 * step) ^ y stays inside the row for y < 8, the offset
+// of step s is the offset of step 0 XOR 32 * s.  In a padded tile it is the offset of step 0
+// plus 32 * s.  Rows 16 apart keep r & 7, so they are a constant 16 * kRowBytes apart.  Each
+// lane therefore computes one base per operand, once, and every address is that base combined
+// with compile-time constants, plus the tile's (stage's) shared-memory address.
+__device__ __forceinline__ u32 step_offset(u32 base, int step) {
+  return Tr::Tile::kSwizzle ? (base ^ static_cast<u32>(32 * step)) : base + static_cast<u32>(32 * step);
+}
+
+struct LaneOffsets {
+  u32 q;  // A of Q K^T: row warp_row0 + (lane & 15), chunk lane >> 4
+  u32 k;  // B of Q K^T: key (lane >> 4) * 8 + (lane & 7), chunk (lane >> 3) & 1
+  u32 v;  // B of P V (transposed): key ((lane >> 3) & 1) * 8 + (lane & 7), chunk lane >> 4
+};
+
+__device__ __forceinline__ LaneOffsets lane_offsets(int warp_row0, int lane) {
+  LaneOffsets lo;
+  lo.q = Tr::Tile::offset(warp_row0 + (lane & 15), lane >> 4);
+  lo.k = Tr::Tile::offset((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+  lo.v = Tr::Tile::offset(((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+  return lo;
+}
+
+// The warp's Q A-fragments [m16 tile][k16 step] when Q_IN_REGS (else a 1x1 placeholder).
+using QFrags = u32[Tr::kQInRegs ? Tr::kMTiles : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
 
 // Per-warp softmax state and output accumulator (registers).
 struct WarpState {
@@ -86,6 +134,10 @@ struct TilePasses {
   static_assert(kTotal % Tr::kThreads == 0, "tile chunks must divide evenly among the threads");
   __device__ static __forceinline__ int row(int pass) { return (threadIdx.x + pass * Tr::kThreads) / Tr::kChunks; }
   __device__ static __forceinline__ int chunk(int pass) { return (threadIdx.x + pass * Tr::kThreads) % Tr::kChunks; }
+  // Every pass, the thread copies chunk threadIdx.x % kChunks of a row kRowsPerPass below the
+  // last one (all head dims but 96, whose 12 chunks do not divide the threads).
+  static constexpr bool kLaneFixed = Tr::kThreads % Tr::kChunks == 0;
+  static constexpr int kRowsPerPass = Tr::kThreads / Tr::kChunks;
 };
 
 // Q tile -> shared memory (rows past the sequence or outside q are zero-filled).
@@ -112,6 +164,27 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
   int hole = 0;
   if (src.table != nullptr) {
     const int offset_mask = (1 << src.block_shift) - 1;
+    if (P::kLaneFixed && n0 + Tr::kBlockN <= src.length &&
+        ((n0 + Tr::kBlockN - 1) >> src.block_shift) < src.table_width) {
+      // A tile inside the sequence and inside the block table (every tile but a sequence's
+      // last): every row is listed, so the table loads are unconditional (and can all be in
+      // flight at once); only a block id outside [0, num_blocks) can still make a hole.
+      const int c = threadIdx.x % Tr::kChunks;  // P::chunk(pass) for every pass
+      const T* k_chunk = src.k + c * 8;
+      const T* v_chunk = src.v + c * 8;
+#pragma unroll
+      for (int pass = 0; pass < P::kCount; ++pass) {
+        const int r = P::row(pass), j = n0 + r;
+        const int block = __ldg(src.table + (j >> src.block_shift));
+        const bool ok = static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
+        const int slot = ok ? (block << src.block_shift) | (j & offset_mask) : 0;
+        cp::cp_async_16(s_k + Tr::Tile::offset(r, c), k_chunk + (long long)slot * src.k_row, ok);
+        cp::cp_async_16(s_v + Tr::Tile::offset(r, c), v_chunk + (long long)slot * src.v_row, ok);
+        if (c == 0) s_loadable[r] = ok;
+        hole |= !ok;
+      }
+      return hole;
+    }
 #pragma unroll
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass), j = n0 + r;
@@ -124,6 +197,20 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
       cp::cp_async_16(s_v + Tr::Tile::offset(r, c), src.v + (long long)slot * src.v_row + c * 8, ok);
       if (c == 0) s_loadable[r] = ok;
       hole |= !ok && j < src.length;
+    }
+  } else if (P::kLaneFixed && n0 + Tr::kBlockN <= src.loadable) {
+    // A full tile (every key but those of a sequence's last, partial tile): no predicate, no
+    // select, one 64-bit pointer step per pass.  s_loadable is left stale: it is read only when
+    // some thread met a hole in this tile, and a full tile has none.
+    const T* kp = src.k + ((long long)(src.first_row + n0) * src.k_row + src.k_lane);
+    const T* vp = src.v + ((long long)(src.first_row + n0) * src.v_row + src.v_lane);
+#pragma unroll
+    for (int pass = 0; pass < P::kCount; ++pass) {
+      const int r = P::row(pass), c = P::chunk(pass);
+      cp::cp_async_16(s_k + Tr::Tile::offset(r, c), kp, true);
+      cp::cp_async_16(s_v + Tr::Tile::offset(r, c), vp, true);
+      kp += src.k_pass;
+      vp += src.v_pass;
     }
   } else {
     const long long k_tile = (long long)(src.first_row + n0) * src.k_row;
@@ -143,9 +230,16 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
 
 // ---------------------------------------------------------------------------- math steps
 
-// S = Q K^T for this warp's rows and one key tile.
-__device__ __forceinline__ void qk_tile(float (&s)[Tr::kMTiles][Tr::kNTiles][4], u32 s_q, u32 s_k,
-                                        int warp_row0, int lane) {
+// Q A-fragments of this warp's rows, from the Q tile in shared memory.
+__device__ __forceinline__ void load_q_frags(u32 (&a)[Tr::kMTiles][4], u32 s_q, const LaneOffsets& lo, int kk) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+    cp::ldmatrix_x4(a[mt], s_q + mt * 16 * Tr::kRowBytes + step_offset(lo.q, kk));
+}
+
+// S = Q K^T for this warp's rows and one key tile (Q from `qf` when Q_IN_REGS, else from s_q).
+__device__ __forceinline__ void qk_tile(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const QFrags& qf, u32 s_q,
+                                        u32 s_k, const LaneOffsets& lo) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
@@ -153,15 +247,21 @@ __device__ __forceinline__ void qk_tile(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 #pragma unroll
-  for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+  for (int kk = 0; kk < Tr::kKSteps; ++kk) {
     u32 a[Tr::kMTiles][4];
+    if constexpr (Tr::kQInRegs) {
 #pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt)
-      cp::ldmatrix_x4(a[mt], s_q + Tr::Tile::offset(warp_row0 + mt * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[mt][e] = qf[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0][e];
+    } else {
+      load_q_frags(a, s_q, lo, kk);
+    }
+    const u32 k_address = s_k + step_offset(lo.k, kk);
 #pragma unroll
     for (int np = 0; np < Tr::kNTiles / 2; ++np) {
       u32 b[4];  // keys np*16 .. +15, head dims kk*16 .. +15
-      cp::ldmatrix_x4(b, s_k + Tr::Tile::offset(np * 16 + (lane >> 4) * 8 + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
+      cp::ldmatrix_x4(b, k_address + np * 16 * Tr::kRowBytes);
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) {
         cp::mma_16816(s[mt][2 * np], a[mt], b[0], b[1], T());
@@ -224,10 +324,15 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float tile_max = -infinity();
+      // Pairwise tree over the row's values (depth log2 instead of a chain of kNTiles).
+      float m[Tr::kNTiles];
 #pragma unroll
-      for (int nt = 0; nt < Tr::kNTiles; ++nt)
-        tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) m[nt] = fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
+#pragma unroll
+      for (int width = 1; width < Tr::kNTiles; width *= 2)
+#pragma unroll
+        for (int nt = 0; nt + width < Tr::kNTiles; nt += 2 * width) m[nt] = fmaxf(m[nt], m[nt + width]);
+      float tile_max = m[0];
       // The four threads of a quad hold the same two rows.
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
@@ -236,16 +341,20 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
       const float base = new_max == -infinity() ? 0.f : new_max * scale_log2;
       const float alpha = exp2f(old_max * scale_log2 - base);
       st.row_max[mt][half] = new_max;
-      float sum = 0.f;
+      float sums[Tr::kNTiles];
 #pragma unroll
-      for (int nt = 0; nt < Tr::kNTiles; ++nt)
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+        const float p0 = exp2f(fmaf(s[mt][nt][2 * half], scale_log2, -base));
+        const float p1 = exp2f(fmaf(s[mt][nt][2 * half + 1], scale_log2, -base));
+        s[mt][nt][2 * half] = p0;
+        s[mt][nt][2 * half + 1] = p1;
+        sums[nt] = p0 + p1;
+      }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(fmaf(s[mt][nt][2 * half + e], scale_log2, -base));
-          s[mt][nt][2 * half + e] = p;
-          sum += p;
-        }
-      st.row_sum[mt][half] = st.row_sum[mt][half] * alpha + sum;
+      for (int width = 1; width < Tr::kNTiles; width *= 2)
+#pragma unroll
+        for (int nt = 0; nt + width < Tr::kNTiles; nt += 2 * width) sums[nt] += sums[nt + width];
+      st.row_sum[mt][half] = fmaf(st.row_sum[mt][half], alpha, sums[0]);
 #pragma unroll
       for (int dt = 0; dt < Tr::kDTiles; ++dt) {
         st.o[mt][dt][2 * half] *= alpha;
@@ -256,7 +365,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
 
 // O += P V: the S accumulators of two n8 tiles are exactly an m16k16 A fragment once packed.
 __device__ __forceinline__ void pv_tile(const float (&p)[Tr::kMTiles][Tr::kNTiles][4], WarpState& st,
-                                        u32 s_v, int lane) {
+                                        u32 s_v, const LaneOffsets& lo) {
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
     u32 a[Tr::kMTiles][4];
@@ -270,7 +379,7 @@ __device__ __forceinline__ void pv_tile(const float (&p)[Tr::kMTiles][Tr::kNTile
 #pragma unroll
     for (int dp = 0; dp < Tr::kHeadDim / 16; ++dp) {
       u32 b[4];  // keys kk*16 .. +15, head dims dp*16 .. +15, transposed to k-major
-      cp::ldmatrix_x4_trans(b, s_v + Tr::Tile::offset(kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), 2 * dp + (lane >> 4)));
+      cp::ldmatrix_x4_trans(b, s_v + kk * 16 * Tr::kRowBytes + step_offset(lo.v, dp));
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) {
         cp::mma_16816(st.o[mt][2 * dp], a[mt], b[0], b[1], T());
@@ -368,12 +477,21 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
   src.first_row = k_start; src.num_rows = kv_rows; src.length = length_k;
   src.loadable = k_start < 0 ? 0 : max(0, min(length_k, kv_rows - k_start));
   src.table_width = table_width; src.block_shift = block_shift;
+  {
+    using P = TilePasses<Tr::kBlockN>;
+    const int r = threadIdx.x / Tr::kChunks, c = threadIdx.x % Tr::kChunks;  // used when P::kLaneFixed
+    src.k_lane = (long long)r * k_row + c * 8;
+    src.v_lane = (long long)r * v_row + c * 8;
+    src.k_pass = (long long)P::kRowsPerPass * k_row;
+    src.v_pass = (long long)P::kRowsPerPass * v_row;
+  }
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warp_row0 = warp * Tr::kWarpRows;   // within the tile
   const int row0 = m0 + warp_row0;              // within the sequence
   const int row_last = min(row0 + Tr::kWarpRows, length_q) - 1;
   const bool warp_active = row0 < length_q;     // a warp past the sequence's end only loads
+  const LaneOffsets lo = lane_offsets(warp_row0, lane);
 
   const bool mods = softcap > 0.f || alibi_slopes != nullptr;
   const float slope = alibi_slopes != nullptr ? alibi_slopes[head] : 0.f;
@@ -403,6 +521,21 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
     cp::cp_async_commit();
   }
 
+  // Q_IN_REGS: the Q group, committed first, has landed once at most the NUM_STAGES - 1 key
+  // groups after it are pending; after the barrier every thread's part of the tile is visible.
+  // The fragments then stay in registers; the Q tile in shared memory is not read again.
+  QFrags qf;
+  if constexpr (Tr::kQInRegs) {
+    cp::cp_async_wait<Tr::kStages - 1>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKSteps; ++kk)
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt)
+        cp::ldmatrix_x4(qf[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0],
+                        s_q + mt * 16 * Tr::kRowBytes + step_offset(lo.q, kk));
+  }
+
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % Tr::kStages;
     const int n0 = (tile_first - it) * Tr::kBlockN;
@@ -410,7 +543,17 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
     cp::cp_async_wait<Tr::kStages - 2>();
     const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
 
-    // Prefetch the tile NUM_STAGES - 1 ahead into the stage freed by the barrier.
+    // Does this warp see any key of the tile?  (A warp past the sequence's end only loads.)
+    const bool visible = warp_active &&
+                         (window_right < 0 || n0 <= row_last + offset + window_right) &&
+                         (window_left < 0 || n0 + Tr::kBlockN - 1 >= row0 + offset - window_left);
+    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes, s_v = s_k + Tr::kKVBytes;
+    float s[Tr::kMTiles][Tr::kNTiles][4];
+    if (visible) qk_tile(s, qf, s_q, s_k, lo);                                   // S = Q K^T
+
+    // Prefetch the tile NUM_STAGES - 1 ahead into the stage freed by the barrier (the one
+    // computed last iteration).  Issued after the QK^T mma instructions, so that its address
+    // arithmetic fills issue slots while the tensor cores drain them; every thread takes part.
     {
       const int ahead = it + Tr::kStages - 1, ps = ahead % Tr::kStages;
       hole_bits &= ~(1 << ps);
@@ -420,24 +563,18 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
       cp::cp_async_commit();
     }
 
-    if (!warp_active) continue;
-    // Does this warp see any key of the tile, and does the tile straddle one of its bounds?
-    const bool visible = (window_right < 0 || n0 <= row_last + offset + window_right) &&
-                         (window_left < 0 || n0 + Tr::kBlockN - 1 >= row0 + offset - window_left);
     if (!visible) continue;
+    // Does the tile straddle one of this warp's bounds?  (Under causal masking: only the tiles
+    // on the diagonal, and a sequence's last, partial key tile.)
     const bool needs_mask = hole || n0 + Tr::kBlockN > length_k ||
                             (window_right >= 0 && n0 + Tr::kBlockN - 1 > row0 + offset + window_right) ||
                             (window_left >= 0 && n0 < row_last + offset - window_left);
-
-    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes, s_v = s_k + Tr::kKVBytes;
-    float s[Tr::kMTiles][Tr::kNTiles][4];
-    qk_tile(s, s_q, s_k, warp_row0, lane);                                       // S = Q K^T
     if (mods) apply_score_mods(s, softmax_scale, softcap, slope, row0, offset, n0, lane);
     if (needs_mask)
       apply_mask(s, row0, offset, n0, length_k, window_left, window_right, hole,
                  s_loadable + stage * Tr::kBlockN, lane);
     online_softmax(s, st, scale_log2);                                           // P = softmax(S)
-    pv_tile(s, st, s_v, lane);                                                   // O += P V
+    pv_tile(s, st, s_v, lo);                                                     // O += P V
   }
   cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 

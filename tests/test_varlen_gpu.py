@@ -212,6 +212,22 @@ def test_block_table_holes(block_size):
     _holes_case(128, block_size)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_q_in_registers_variant(monkeypatch, head_dim):
+    """The Q_IN_REGS specialization (Q fragments kept in registers; timed by the benchmark's
+    --sweep as a candidate shape) through the public function: causal with LSE, and paged with
+    every option."""
+    import dataclasses
+
+    from cupy_paged.ops import varlen as varlen_ops
+
+    tiles = varlen_ops.TILES[head_dim]
+    monkeypatch.setitem(varlen_ops.TILES, head_dim, dataclasses.replace(tiles, q_regs=True))
+    run_case(15, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, causal=True, lse=True)
+    run_case(16, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
+             window=(100, 3), softcap=10.0, alibi=True, lse=True)
+
+
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -15,6 +15,9 @@ from .._checks import BF16, HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
 from .._compiler import KernelKey, get_function, register_family
 
 SOURCE = "varlen.cu"
+# The v2 kernel, frozen, timed next to the current one by ``benchmarks/bench_varlen.py --sweep``
+# (never launched by the package).
+SOURCE_V2 = "varlen_v2.cu"
 KERNEL = "varlen_fwd"
 _WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bounds never overflow
 
@@ -22,13 +25,19 @@ _WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bo
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile shape of one head dim: query rows per CTA, keys per tile, warps, K/V pipeline
-    stages, and the CTAs per SM that the register allocation must leave room for."""
+    stages, the CTAs per SM that the register allocation must leave room for, and whether
+    each warp keeps its Q fragments in registers for the whole key loop."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
     min_blocks: int = 1
+    q_regs: bool = False
+
+    def label(self) -> str:
+        return (f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}m{self.min_blocks}"
+                + ("q" if self.q_regs else ""))
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
@@ -48,14 +57,17 @@ TILES = {
 }
 
 
-def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
+def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, source: str = SOURCE) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
     tiles = tiles or TILES[head_dim]
     scalar = "__nv_bfloat16" if np.dtype(dtype) == BF16 else "__half"
-    return KernelKey(SOURCE, (("SCALAR_T", scalar), ("HEAD_DIM", head_dim),
-                              ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
-                              ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
-                              ("MIN_BLOCKS", tiles.min_blocks)))
+    params = (("SCALAR_T", scalar), ("HEAD_DIM", head_dim),
+              ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
+              ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
+              ("MIN_BLOCKS", tiles.min_blocks))
+    if source == SOURCE:  # the frozen v2 source has no Q_IN_REGS
+        params += (("Q_IN_REGS", int(tiles.q_regs)),)
+    return KernelKey(source, params)
 
 
 def all_keys():
@@ -80,8 +92,9 @@ def _strides(array) -> list[np.int64]:
     return [np.int64(s // array.itemsize) for s in array.strides]
 
 
-def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
-    """Launch ``varlen_fwd`` on a checked CUDA problem; writes ``p.out`` (and ``p.lse``)."""
+def run(p: VarlenProblem, tiles: Tiles | None = None, source: str = SOURCE) -> None:
+    """Launch ``varlen_fwd`` on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
+    ``tiles`` and ``source`` (the frozen v2 kernel) are for the benchmark's sweep."""
     import cupy
 
     total_q = int(p.q.shape[0])
@@ -90,7 +103,7 @@ def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
     head_dim, num_heads = p.head_dim, p.num_heads
     tiles = tiles or TILES[head_dim]
     smem = tiles.smem_bytes(head_dim)
-    function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
+    function = get_function(kernel_key(p.q.dtype, head_dim, tiles, source), KERNEL, smem)
 
     paged = p.block_table is not None
     usable = _slot_addressable if paged else _aligned
