@@ -80,15 +80,17 @@ def randn_bf16(shape):
     return bits.astype(np.uint16).view(BF16)
 
 
-def make_paged(rng, batch, context, block_size, copies=1):
-    """``copies`` independent (q, k_cache, v_cache, table, lens) sets, blocks shuffled."""
+def make_paged(rng, batch, context, block_size, copies=1, shuffle=True):
+    """``copies`` independent (q, k_cache, v_cache, table, lens) sets, blocks shuffled (or, with
+    ``shuffle=False``, each sequence's blocks in address order: a diagnostic of memory locality)."""
     per_seq = -(-context // block_size)
     sets = []
     for _ in range(copies):
         num_blocks = batch * per_seq
         k = randn_bf16((num_blocks, block_size, KV_HEADS, DIM))
         v = randn_bf16((num_blocks, block_size, KV_HEADS, DIM))
-        table = cupy.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(batch, per_seq))
+        ids = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
+        table = cupy.asarray(ids.astype(np.int32).reshape(batch, per_seq))
         q = randn_bf16((batch, 1, HEADS, DIM))
         lens = cupy.full((batch,), context, np.int32)
         sets.append((q, k, v, table, lens))
@@ -163,18 +165,30 @@ def torch_stream_sync():
         pass
 
 
-def bandwidth_case(rng, batch, context, block_size, with_peers, reps):
-    sets = make_paged(rng, batch, context, block_size)
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, prefetch=True, shuffle=True):
+    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``prefetch`` and
+    ``shuffle`` make the comparison rows (forced split count, kernel without its L2 prefetch,
+    block table in address order); their names say which."""
+    sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
     q, k, v, table, lens = sets[0]
     problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
-                                                0.0, None, 0, False, None, check_values=False)
+                                                0.0, None, num_splits, False, None, check_values=False)
     splits = decode_ops.plan(problem)
     def tbps(fn, chain=CHAIN):
         return round(kv_bytes(batch, context) / (median_ms(fn, reps=reps, chain=chain) * 1e-3) / 1e12, 3)
 
-    call = ours(sets)
-    result = {"name": f"{batch}x{context} bs{block_size}", "metric": "TB/s of K+V", "value": tbps(call),
-              "single_call": tbps(call, chain=0), "num_splits": splits, "peers": {}, "peers_single_call": {}}
+    name = f"{batch}x{context} bs{block_size}"
+    name += f" splits={num_splits}" if num_splits else ""
+    name += "" if prefetch else " no-prefetch"
+    name += "" if shuffle else " sorted"
+    call = ours(sets, num_splits)
+    saved, decode_ops.L2_PREFETCH = decode_ops.L2_PREFETCH, prefetch
+    try:
+        result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call),
+                  "single_call": tbps(call, chain=0), "num_splits": splits, "l2_prefetch": prefetch,
+                  "peers": {}, "peers_single_call": {}}
+    finally:
+        decode_ops.L2_PREFETCH = saved
     del sets, call
     if with_peers:
         for name, fn in peers(batch, context).items():
@@ -234,6 +248,16 @@ def main(argv=None):
     for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
+    # Comparison rows, same run: the kernel without its L2 prefetch (v3's memory path), the
+    # block table in address order (is the block-size gap memory locality?), other split counts.
+    for batch, context, block_size, options in (
+            (64, 4096, 16, {"prefetch": False}), (64, 4096, 32, {"prefetch": False}),
+            (1, 131072, 16, {"prefetch": False}), (64, 4096, 256, {"prefetch": False}),
+            (64, 4096, 16, {"shuffle": False}),
+            (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 64}),
+            (1, 131072, 16, {"num_splits": 128})):
+        cases.append(bandwidth_case(rng, batch, context, block_size, False, reps, **options))
+        print(cases[-1], flush=True)
     cases.extend(launch_bound_case(rng))
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     device = device.decode() if isinstance(device, bytes) else device
@@ -248,14 +272,28 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"\n{'case':24} {'metric':12} {'ours':>7} {'single':>7} " + " ".join(f"{p[:10]:>10}" for p in (CUDNN, FA2))
-          + "  x cuDNN  x FA2")
+    print_table(cases)
+
+
+def print_table(cases):
+    """The table of the run.  A row without peers (bs32, comparison rows) is divided by the peers
+    of the first row of its shape (the bs16 row), marked with '*'."""
+    width = max(24, *(len(c["name"]) for c in cases))
+    print(f"\n{'case':{width}} {'metric':12} {'ours':>7} {'single':>7} "
+          + " ".join(f"{p[:10]:>10}" for p in (CUDNN, FA2)) + "  x cuDNN  x FA2")
+    shape_peers = {}
     for c in cases:
-        peer = [c['peers'].get(p, float('nan')) for p in (CUDNN, FA2)]
-        ratios = "".join(f"{c['value'] / x:8.2f}" if x == x and c["metric"].startswith("TB") else f"{'':8}"
+        shape = c["name"].split()[0]
+        if c["peers"]:
+            shape_peers.setdefault(shape, c["peers"])
+        own = bool(c["peers"])
+        peer = [(c["peers"] if own else shape_peers.get(shape, {})).get(p, float("nan")) for p in (CUDNN, FA2)]
+        mark = " " if own else "*"
+        ratios = "".join(f"{c['value'] / x:7.2f}{mark}" if x == x and c["metric"].startswith("TB") else f"{'':8}"
                          for x in peer)
-        print(f"{c['name']:24} {c['metric']:12} {c['value']:7.3f} {c.get('single_call', float('nan')):7.3f} "
-              + " ".join(f"{x:10.3f}" for x in peer) + f"{ratios}  splits={c.get('num_splits', '-')}")
+        shown = peer if own else [float("nan")] * 2
+        print(f"{c['name']:{width}} {c['metric']:12} {c['value']:7.3f} {c.get('single_call', float('nan')):7.3f} "
+              + " ".join(f"{x:10.3f}" for x in shown) + f"{ratios}  splits={c.get('num_splits', '-')}")
 
 
 if __name__ == "__main__":

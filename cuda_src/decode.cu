@@ -19,6 +19,9 @@
 //   online softmax          on the accumulator fragments, log2 domain (S scaled by scale * log2 e)
 //   O[16 x D] += P V        P re-packed from the accumulators, V fragments by ldmatrix.trans
 // Each warp keeps its own (m, l, O); the four are merged through shared memory at the end.
+// On sm_90 each tile's cached K/V rows are also prefetched into L2 one tile before their cp.async
+// (cp.async.bulk.prefetch, a run-time switch in DecodeParams), a fourth stage that costs no
+// shared memory.
 // With num_splits > 1 each split covers a contiguous key range and writes a normalised partial
 // output and its LSE to a float32 workspace; combine_splits merges them (flash-decoding).
 //
@@ -153,26 +156,65 @@ __device__ __forceinline__ void load_blocks(const KeySource& src, int start, int
   for (int p = 0; p < kPasses; ++p) blocks[p] = src.block_of(start + pass_key(p));
 }
 
+// Asks L2 for the cached K and V rows of the tile at `start` (block ids in `blocks`), one tile
+// ahead of its cp.async: the bulk copy engine fetches them without holding load slots of the
+// SM, so DRAM and page-walk latency overlap one more tile.  A hint only: nothing waits for it,
+// and it touches only rows the tile's cp.async reads (keys of the range, cached, in a block).
+// Lanes 0 and 1 of each key's lane group take its K and its V row.
+__device__ __forceinline__ void prefetch_tile(const KeySource& src, int start, int end, const int (&blocks)[kPasses]) {
+#if __CUDA_ARCH__ >= 900
+  const int lane_chunk = threadIdx.x % kChunkLanes;
+  if (lane_chunk >= 2) return;
+  const cp::Vec8* base = lane_chunk == 0 ? src.k_cache : src.v_cache;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int j = start + pass_key(p);
+    if (j < end && j < src.cached && blocks[p] >= 0) cp::prefetch_l2_bulk(base + src.cache_vec(blocks[p], j, 0), kChunks * 16);
+  }
+#endif
+}
+
+// Scalar arguments of paged_decode, passed as one struct by value (ops/decode.py packs it with
+// struct.pack("<9q14i2f")): one kernel argument instead of 35 keeps the host's launch cost down.
+struct DecodeParams {
+  long long q_batch, q_token, q_head;     // element strides of q
+  long long kn_batch, kn_token, kn_head;  // of k_new (0 without new tokens)
+  long long vn_batch, vn_token, vn_head;  // of v_new
+  int max_blocks, num_blocks, block_size, block_shift;
+  int seqlen_q, seqlen_new, num_heads, num_kv_heads;
+  int num_rows, row_groups, win_left, win_right;
+  int num_splits, prefetch;               // prefetch != 0: L2 prefetch one tile ahead (sm_90)
+  float softmax_scale, softcap;
+};
+static_assert(sizeof(DecodeParams) == 9 * 8 + 14 * 4 + 2 * 4, "DecodeParams must match the host's struct.pack layout");
+
 }  // namespace decode
 
 using namespace decode;
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
-    const T* __restrict__ q, long long q_batch, long long q_token, long long q_head,  // element strides
+    const DecodeParams params,
+    const T* __restrict__ q,                           // [B, Sq, H, D], strides in params
     const cp::Vec8* k_cache, const cp::Vec8* v_cache,  // [num_blocks, block_size, Hkv, D]
     cp::Vec8* k_cache_w, cp::Vec8* v_cache_w,  // the same caches, written by the append (no restrict: aliases)
     const T* __restrict__ k_new, const T* __restrict__ v_new,                        // [B, Sn, Hkv, D] or null
-    long long kn_batch, long long kn_token, long long kn_head,
-    long long vn_batch, long long vn_token, long long vn_head,
-    const int* __restrict__ cache_seqlens, const int* __restrict__ block_table, int max_blocks,
-    int num_blocks, int block_size, int block_shift,
-    int seqlen_q, int seqlen_new, int num_heads, int num_kv_heads, int num_rows, int row_groups,
-    float softmax_scale, float softcap, const float* __restrict__ alibi_slopes, int win_left, int win_right,
-    int num_splits,
+    const int* __restrict__ cache_seqlens, const int* __restrict__ block_table,
+    const float* __restrict__ alibi_slopes,
     T* __restrict__ out,                  // [B, Sq, H, D] contiguous
     float* __restrict__ lse,              // [B, H, Sq] or null
     float* __restrict__ part_out,         // [num_splits, B*Sq*H, D] when num_splits > 1
     float* __restrict__ part_lse) {       // [num_splits, B*Sq*H]
+  const long long q_batch = params.q_batch, q_token = params.q_token, q_head = params.q_head;
+  const long long kn_batch = params.kn_batch, kn_token = params.kn_token, kn_head = params.kn_head;
+  const long long vn_batch = params.vn_batch, vn_token = params.vn_token, vn_head = params.vn_head;
+  const int max_blocks = params.max_blocks, num_blocks = params.num_blocks;
+  const int block_size = params.block_size, block_shift = params.block_shift;
+  const int seqlen_q = params.seqlen_q, seqlen_new = params.seqlen_new;
+  const int num_heads = params.num_heads, num_kv_heads = params.num_kv_heads;
+  const int num_rows = params.num_rows, row_groups = params.row_groups;
+  const int win_left = params.win_left, win_right = params.win_right;
+  const int num_splits = params.num_splits;
+  const float softmax_scale = params.softmax_scale, softcap = params.softcap;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const u32 ks = cp::smem_address(smem_raw);
   const u32 vs = ks + Smem::kV;
@@ -295,6 +337,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) cp::ldmatrix_x4(qa[kQInRegs ? kk : 0], qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
   }
+  // Tile 2 (cp.async in iteration 0) into L2 while tile 0 lands: `blocks` holds its ids when
+  // num_tiles > 2 (the prologue loaded them after issuing tile 1).
+  if (params.prefetch && kStages - 1 < num_tiles) prefetch_tile(src, start + (kStages - 1) * kTileKeys, end, blocks);
   // Per-lane parts of the ldmatrix addresses of a 16-key group (see mma.cuh for the fragment layouts).
   const int k_row = (lane >> 4) * 8 + (lane & 7), k_chunk = (lane >> 3) & 1;  // B of Q K^T
   const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk = lane >> 4;  // B of P V (.trans)
@@ -418,6 +463,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
         cp::mma_16816(o[2 * dp + 1], pa, bv[2], bv[3], T());
       }
     }
+    // L2 prefetch of tile + 3, which the next iteration hands to cp.async: `blocks` holds its ids
+    // (loaded above, before this tile's math, so they have arrived).  When next >= num_tiles the
+    // ids were not reloaded, but then tile + 3 >= num_tiles too and nothing is prefetched.
+    if (params.prefetch && tile + kStages < num_tiles) prefetch_tile(src, start + (tile + kStages) * kTileKeys, end, blocks);
   }
   cp::cp_async_wait<0>();
   __syncthreads();  // pipeline drained: its buffers become the merge scratch
@@ -497,14 +546,40 @@ extern "C" __global__ void __launch_bounds__(128) combine_splits(
   total = cp::warp_sum(total);
   __syncwarp();
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int d = lane; d < kHeadDim; d += 32) {
-    float o = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-      const float w = weights[warp][s];
-      if (w > 0.f) o = fmaf(w, part_out[(s * rows_total + row) * kHeadDim + d], o);
+  // Lane l sums elements d = l + 32 e of the row.  Loads of kUnroll splits are issued before
+  // their FMAs, so a row costs num_splits / kUnroll memory round trips (v3: one per 4 splits and
+  // element column).  Each element still sums s = 0, 1, ... in order: the same result as v3.
+  constexpr int kPerLane = kHeadDim / 32;
+  constexpr int kUnroll = 8;
+  static_assert(kHeadDim % 32 == 0, "a warp covers a row in whole 32-element columns");
+  const float* row_part = part_out + row * kHeadDim + lane;
+  const long long split_stride = rows_total * kHeadDim;
+  float acc[kPerLane];
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
+  int s = 0;
+  for (; s + kUnroll <= num_splits; s += kUnroll) {
+    float x[kUnroll][kPerLane];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) x[u][e] = row_part[(s + u) * split_stride + 32 * e];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float w = weights[warp][s + u];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e)
+        if (w > 0.f) acc[e] = fmaf(w, x[u][e], acc[e]);
     }
-    out[row * kHeadDim + d] = cp::from_float<T>(o * inv);
   }
+  for (; s < num_splits; ++s) {
+    const float w = weights[warp][s];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e)
+      if (w > 0.f) acc[e] = fmaf(w, row_part[s * split_stride + 32 * e], acc[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) out[row * kHeadDim + lane + 32 * e] = cp::from_float<T>(acc[e] * inv);
   if (lse && lane == 0) {
     const long long h = row % num_heads, bi = row / num_heads;
     const long long b = bi / seqlen_q, i = bi % seqlen_q;

@@ -28,6 +28,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16) from global memory at `src` (16-byte aligned) through
+// the bulk copy engine (sm_90).  A hint: no completion to wait for, nothing written to the SM.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
+#endif
+}
+
 // Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

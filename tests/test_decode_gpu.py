@@ -120,7 +120,7 @@ def test_forced_splits_equal_no_split():
     rng = np.random.default_rng(7)
     case = make_case(rng, BF16, 128, 8, 2, 32, [5000, 777, 0, 64], 2, 1)
     base_out, base_lse = check(case, num_splits=1, causal=True)
-    for splits in (2, 3, 7, 16, 33, 64):
+    for splits in (2, 3, 7, 16, 33, 64, 128):  # 128 = MAX_SPLITS: most splits are empty (LSE -inf)
         out, lse = check(case, num_splits=splits, causal=True)
         assert_close(out, base_out, BF16, what=f"out with {splits} splits")
         assert_close(lse, base_lse, np.float32, what=f"lse with {splits} splits", rtol=1e-4)
@@ -238,3 +238,66 @@ def test_cuda_graph_replay_equals_eager():
             assert np.array_equal(to_numpy(graph_out).view(np.uint16), to_numpy(eager_out).view(np.uint16)), step
         assert np.array_equal(to_numpy(graph_k).view(np.uint16), to_numpy(eager_k).view(np.uint16))
         assert np.array_equal(to_numpy(graph_v).view(np.uint16), to_numpy(eager_v).view(np.uint16))
+
+
+def test_params_struct_matches_kernel_source():
+    """DecodeParams in decode.cu and the host's struct.pack format list the same fields in order."""
+    import re
+
+    from cupy_paged._compiler import load_source
+    from cupy_paged.ops import decode
+
+    source = load_source("decode.cu")
+    body = source[source.index("struct DecodeParams {"):]
+    body = body[:body.index("};")]
+    codes = {"long long": "q", "int": "i", "float": "f"}
+    layout = ""
+    for line in body.splitlines()[1:]:
+        line = line.split("//")[0].strip().rstrip(";")
+        if not line:
+            continue
+        kind = next(k for k in codes if line.startswith(k + " "))
+        layout += codes[kind] * len(line[len(kind):].split(","))
+    expected = re.sub(r"(\d+)(\w)", lambda m: m.group(2) * int(m.group(1)), decode._PARAMS.format.lstrip("<"))
+    assert layout == expected
+    assert decode._PARAMS.size == decode._PARAMS_DTYPE.itemsize == 136
+
+
+def test_sanitize_l2_prefetch_changes_nothing():
+    """Long sequences (many tiles per CTA, so the L2 prefetch runs), holes in the middle of a table,
+    new tokens and splits: outputs, LSE and caches are bitwise those of the kernel without prefetch."""
+    import cupy
+
+    from cupy_paged.ops import decode
+
+    rng = np.random.default_rng(41)
+    case = make_case(rng, BF16, 128, 8, 2, 16, [1500, 999, 300, 17], 1, 1)
+    case["block_table"][0, 20:23] = -1      # a hole of 48 keys inside sequence 0
+    case["block_table"][1, 10] = 1_000_000  # an id past the cache
+    results = []
+    for prefetch in (False, True):
+        saved, decode.L2_PREFETCH = decode.L2_PREFETCH, prefetch
+        try:
+            for splits in (1, 3):
+                dev = {name: cupy.asarray(value) for name, value in case.items()}
+                out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits,
+                                                             return_softmax_lse=True, check_values=False)
+                results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
+        finally:
+            decode.L2_PREFETCH = saved
+    for without, with_prefetch in zip(results[:2], results[2:]):
+        for a, b in zip(without, with_prefetch):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert not np.isnan(results[0][0]).any()
+    # Without holes, the prefetching kernel matches the reference.
+    check(make_case(rng, F16, 64, 16, 2, 32, [4000, 257, 0], 1, 2), causal=True)
+
+
+def test_launch_plans_follow_shapes():
+    """Calls alternating between shapes (kept launch plans) each match the reference."""
+    rng = np.random.default_rng(42)
+    small = make_case(rng, BF16, 128, 32, 8, 16, [100, 3], 1, 1)
+    split = make_case(rng, BF16, 128, 32, 8, 16, [9000], 1, 1)  # the heuristic splits this one
+    mqa = make_case(rng, F16, 128, 8, 1, 64, [70, 700, 1], 4, 0)
+    for case in (small, split, mqa, small, split):
+        check(dict(case), causal=True)

@@ -18,8 +18,10 @@ choosing it needs no device-to-host copy and a captured graph replays the same c
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import struct
 
 import numpy as np
 
@@ -32,6 +34,9 @@ ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query toke
 STAGES = 3              # cp.async pipeline depth
 TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
 MAX_SPLITS = 128        # combine_splits keeps one weight per split in shared memory
+# L2 prefetch of each K/V tile one tile ahead of its cp.async (sm_90; a run-time switch in the
+# kernel's parameters, so the benchmark can time the kernel with and without it in one run).
+L2_PREFETCH = True
 _SCALAR_T = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 
 
@@ -86,6 +91,7 @@ def _ctas_per_sm(function, head_dim: int) -> int:
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int) -> int:
     """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
 
@@ -170,22 +176,66 @@ def _vectorised(array):
 
 
 def _element_strides(array, count: int):
-    return tuple(np.int64(s // array.itemsize) for s in array.strides[:count])
+    return tuple(s // array.itemsize for s in array.strides[:count])
+
+
+# The scalar arguments of paged_decode as one struct (DecodeParams in decode.cu): 9 int64 strides,
+# 14 int32, 2 float32, no padding (136 bytes).  CuPy passes a NumPy array of one element by value.
+_PARAMS = struct.Struct("<9q14i2f")
+_PARAMS_DTYPE = np.dtype((np.void, _PARAMS.size))
+_NO_STRIDES = (0, 0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """What a call's shapes decide: kernels, shared memory, grid and split count."""
+
+    decode: object
+    combine: object
+    smem: int
+    splits: int
+    rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
+    row_groups: int    # CTAs per (split, kv head, sequence)
+    shift: int         # log2(block_size), or -1
+
+
+# (device, dtype, q shape, cache shape, table columns, num_splits) -> _Launch; shapes alone decide
+# it, so a decode loop pays the kernel look-up and the split heuristic once.
+_LAUNCHES: dict[tuple, _Launch] = {}
+
+
+def _launch_plan(p: DecodeProblem) -> _Launch:
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.k_cache.shape, p.block_table.shape[1],
+           p.num_splits)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        head_dim = p.head_dim
+        rows = (p.num_heads // p.num_kv_heads) * p.seqlen_q
+        row_groups = -(-rows // ROWS_PER_CTA)
+        kernels = kernel_key(p.q.dtype, head_dim)
+        smem = smem_bytes(head_dim)
+        decode = get_function(kernels, "paged_decode", smem)
+        if p.num_splits:
+            splits = min(p.num_splits, MAX_SPLITS)
+        else:
+            max_keys = int(p.block_table.shape[1]) * p.block_size
+            splits = choose_splits(p.batch * p.num_kv_heads * row_groups, max_keys, head_dim,
+                                   _num_sms(key[0]), _ctas_per_sm(decode, head_dim))
+        block_size = p.block_size
+        shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+        launch = _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
+                         splits, rows, row_groups, shift)
+        if len(_LAUNCHES) >= 4096:  # a server cycling through many shapes: start over, stay small
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+    return launch
 
 
 def plan(p: DecodeProblem) -> int:
     """The split count ``run`` will use for ``p`` (``p.num_splits``, or the heuristic for 0)."""
-    import cupy
-
-    rows = (p.num_heads // p.num_kv_heads) * p.seqlen_q
-    row_groups = -(-rows // ROWS_PER_CTA)
-    if p.num_splits:
-        return min(p.num_splits, MAX_SPLITS)
-    function = get_function(kernel_key(p.q.dtype, p.head_dim), "paged_decode", smem_bytes(p.head_dim))
-    max_keys = int(p.block_table.shape[1]) * p.block_size
-    device = cupy.cuda.Device().id
-    return choose_splits(p.batch * p.num_kv_heads * row_groups, max_keys, p.head_dim,
-                         _num_sms(device), _ctas_per_sm(function, p.head_dim))
+    return _launch_plan(p).splits
 
 
 def run(p: DecodeProblem) -> None:
@@ -194,27 +244,23 @@ def run(p: DecodeProblem) -> None:
     Launches on CuPy's current stream with no host synchronisation; allocates only when an
     input needs realignment or the split workspace must grow (see the module docstring).
     """
-    batch, seqlen_q, num_heads, head_dim = p.batch, p.seqlen_q, p.num_heads, p.head_dim
+    batch, seqlen_q, num_heads, head_dim = p.q.shape
     if batch == 0:
         return
-    num_kv_heads = p.num_kv_heads
-    rows = (num_heads // num_kv_heads) * seqlen_q
-    row_groups = -(-rows // ROWS_PER_CTA)
-    splits = plan(p)
-    key = kernel_key(p.q.dtype, head_dim)
-    smem = smem_bytes(head_dim)
-    decode = get_function(key, "paged_decode", smem)
+    num_kv_heads = p.k_cache.shape[2]
+    launch = _launch_plan(p)
+    splits = launch.splits
 
     q = _vectorised(p.q)
     null = np.uint64(0)
     if p.k_new is not None:
         k_new, v_new = _vectorised(p.k_new), _vectorised(p.v_new)
         k_strides, v_strides = _element_strides(k_new, 3), _element_strides(v_new, 3)
+        seqlen_new = k_new.shape[1]
     else:
         k_new = v_new = null
-        k_strides = v_strides = (np.int64(0),) * 3
-    block_size = p.block_size
-    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+        k_strides = v_strides = _NO_STRIDES
+        seqlen_new = 0
     rows_total = batch * seqlen_q * num_heads
     if splits > 1:
         workspace = _workspace(_workspace_floats(splits, rows_total, head_dim))
@@ -223,21 +269,19 @@ def run(p: DecodeProblem) -> None:
     else:
         part_out = part_lse = null
     lse = null if p.lse is None else p.lse
-    decode((row_groups * splits, num_kv_heads, batch), (THREADS,),
-           (q, *_element_strides(q, 3),
-            p.k_cache, p.v_cache, p.k_cache, p.v_cache,
-            k_new, v_new, *k_strides, *v_strides,
-            p.cache_seqlens, p.block_table, np.int32(p.block_table.shape[1]),
-            np.int32(p.k_cache.shape[0]), np.int32(block_size), np.int32(shift),
-            np.int32(seqlen_q), np.int32(p.seqlen_new), np.int32(num_heads), np.int32(num_kv_heads),
-            np.int32(rows), np.int32(row_groups),
-            np.float32(p.softmax_scale), np.float32(p.softcap),
-            null if p.alibi_slopes is None else p.alibi_slopes,
-            np.int32(p.window[0]), np.int32(p.window[1]), np.int32(splits),
-            p.out, lse, part_out, part_lse),
-           shared_mem=smem)
+    window_left, window_right = p.window
+    params = np.frombuffer(_PARAMS.pack(
+        *_element_strides(q, 3), *k_strides, *v_strides,
+        p.block_table.shape[1], p.k_cache.shape[0], p.k_cache.shape[1], launch.shift,
+        seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
+        window_left, window_right, splits, 1 if L2_PREFETCH else 0,
+        p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
+    launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
+                  (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
+                   p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
+                   p.out, lse, part_out, part_lse),
+                  shared_mem=launch.smem)
     if splits > 1:
-        combine = get_function(key, "combine_splits")
-        combine((-(-rows_total // 4),), (THREADS,),
-                (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
-                 np.int32(num_heads), p.out, lse))
+        launch.combine((-(-rows_total // 4),), (THREADS,),
+                       (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
+                        np.int32(num_heads), p.out, lse))
