@@ -160,16 +160,18 @@ __device__ __forceinline__ void load_blocks(const KeySource& src, int start, int
 // ahead of its cp.async: the bulk copy engine fetches them without holding load slots of the
 // SM, so DRAM and page-walk latency overlap one more tile.  A hint only: nothing waits for it,
 // and it touches only rows the tile's cp.async reads (keys of the range, cached, in a block).
-// Lanes 0 and 1 of each key's lane group take its K and its V row.
+// The first lane of each key's lane group asks for the key's K row and V row.
 __device__ __forceinline__ void prefetch_tile(const KeySource& src, int start, int end, const int (&blocks)[kPasses]) {
 #if __CUDA_ARCH__ >= 900
-  const int lane_chunk = threadIdx.x % kChunkLanes;
-  if (lane_chunk >= 2) return;
-  const cp::Vec8* base = lane_chunk == 0 ? src.k_cache : src.v_cache;
+  if (threadIdx.x % kChunkLanes != 0) return;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int j = start + pass_key(p);
-    if (j < end && j < src.cached && blocks[p] >= 0) cp::prefetch_l2_bulk(base + src.cache_vec(blocks[p], j, 0), kChunks * 16);
+    if (j < end && j < src.cached && blocks[p] >= 0) {
+      const long long at = src.cache_vec(blocks[p], j, 0);
+      cp::prefetch_l2_bulk(src.k_cache + at, kChunks * 16);
+      cp::prefetch_l2_bulk(src.v_cache + at, kChunks * 16);
+    }
   }
 #endif
 }
@@ -215,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   const int win_left = params.win_left, win_right = params.win_right;
   const int num_splits = params.num_splits;
   const float softmax_scale = params.softmax_scale, softcap = params.softcap;
+  const bool prefetch = params.prefetch != 0;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const u32 ks = cp::smem_address(smem_raw);
   const u32 vs = ks + Smem::kV;
@@ -339,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   }
   // Tile 2 (cp.async in iteration 0) into L2 while tile 0 lands: `blocks` holds its ids when
   // num_tiles > 2 (the prologue loaded them after issuing tile 1).
-  if (params.prefetch && kStages - 1 < num_tiles) prefetch_tile(src, start + (kStages - 1) * kTileKeys, end, blocks);
+  if (prefetch && kStages - 1 < num_tiles) prefetch_tile(src, start + (kStages - 1) * kTileKeys, end, blocks);
   // Per-lane parts of the ldmatrix addresses of a 16-key group (see mma.cuh for the fragment layouts).
   const int k_row = (lane >> 4) * 8 + (lane & 7), k_chunk = (lane >> 3) & 1;  // B of Q K^T
   const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk = lane >> 4;  // B of P V (.trans)
@@ -466,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     // L2 prefetch of tile + 3, which the next iteration hands to cp.async: `blocks` holds its ids
     // (loaded above, before this tile's math, so they have arrived).  When next >= num_tiles the
     // ids were not reloaded, but then tile + 3 >= num_tiles too and nothing is prefetched.
-    if (params.prefetch && tile + kStages < num_tiles) prefetch_tile(src, start + (tile + kStages) * kTileKeys, end, blocks);
+    if (prefetch && tile + kStages < num_tiles) prefetch_tile(src, start + (tile + kStages) * kTileKeys, end, blocks);
   }
   cp::cp_async_wait<0>();
   __syncthreads();  // pipeline drained: its buffers become the merge scratch
