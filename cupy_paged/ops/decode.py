@@ -14,7 +14,9 @@ workspaces are kept alive, so a graph captured earlier never points at freed mem
 
 With ``num_splits=0`` the split count is chosen on the host from shapes alone (batch, heads,
 the block table's capacity ``max_blocks * block_size``), never from ``cache_seqlens`` values, so
-choosing it needs no device-to-host copy and a captured graph replays the same choice.
+choosing it needs no device-to-host copy and a captured graph replays the same choice.  What the
+shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
+the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).
 """
 from __future__ import annotations
 
