@@ -14,13 +14,22 @@
 // Compile-time parameters (cupy_paged/ops/varlen.py spells them in the KernelKey):
 //   SCALAR_T (__half | __nv_bfloat16), HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES,
 //   MIN_BLOCKS (CTAs per SM the register allocation must allow), Q_IN_REGS (1: the warp's Q
-//   A-fragments are read from shared memory once and stay in registers for the whole key loop).
+//   A-fragments are read from shared memory once and stay in registers for the whole key loop),
+//   PINGPONG (1: the upper half of the warps computes P V of a tile one iteration late, see below).
 //
 // v3 (see benchmarks/NOTES_varlen.md): Q fragments optionally in registers; ldmatrix addresses
 // as one per-lane base XOR a compile-time step (no per-use swizzle arithmetic); a full
 // contiguous key tile is copied with one pointer step per pass and no predicates; the prefetch
 // of the next tile is issued after S = Q K^T, while the tensor cores drain it; tree reductions
 // for the row max and sum.
+//
+// PINGPONG (a candidate, timed by the benchmark's sweep): all warps meet at one barrier per key
+// tile, so without it they run in phase and the tensor cores idle while every warp computes its
+// softmax.  With it, warps [NUM_WARPS/2, NUM_WARPS) (each shares a scheduler with warp w - NUM_WARPS/2)
+// run P V of tile j at the start of iteration j + 1, before their Q K^T of tile j + 1: so one warp
+// of each scheduler is in its softmax while the other issues mma.  They keep P of tile j packed
+// in registers across the barrier, and V of tile j must stay in shared memory one iteration
+// longer: at least 3 stages, and the prefetch runs NUM_STAGES - 2 tiles ahead instead of - 1.
 // Everything else (causal/window, softcap, ALiBi, LSE, paged or not, block size) is a
 // run-time argument, so one specialization serves all of them.
 //
@@ -38,12 +47,19 @@ using T = SCALAR_T;
 #ifndef Q_IN_REGS
 #define Q_IN_REGS 0
 #endif
+#ifndef PINGPONG
+#define PINGPONG 0
+#endif
 
-template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS, bool Q_REGS>
+template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS, bool Q_REGS, bool PING_PONG>
 struct Traits {
   static constexpr int kHeadDim = D, kBlockM = BM, kBlockN = BN, kWarps = WARPS, kStages = STAGES;
   static constexpr int kMinBlocks = MIN_CTAS;
   static constexpr bool kQInRegs = Q_REGS;
+  static constexpr bool kPingPong = PING_PONG;
+  // Key tiles in flight ahead of the one computed: a stage is rewritten only after every warp is
+  // done with it (the late warps of PINGPONG read V one iteration later).
+  static constexpr int kAhead = PING_PONG ? STAGES - 2 : STAGES - 1;
   static constexpr int kThreads = WARPS * 32;
   static constexpr int kWarpRows = BM / WARPS;  // query rows per warp
   static constexpr int kMTiles = kWarpRows / 16;  // m16 tiles per warp
@@ -60,9 +76,11 @@ struct Traits {
   static_assert(D % 16 == 0 && BN % 16 == 0, "head dim and key tile must be multiples of 16");
   static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
   static_assert(STAGES >= 2, "at least double buffering");
+  static_assert(!PING_PONG || (STAGES >= 3 && WARPS % 8 == 0),
+                "PINGPONG: a stage is held one more iteration; warp w and w + WARPS/2 share a scheduler");
 };
 
-using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS, Q_IN_REGS != 0>;
+using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS, Q_IN_REGS != 0, PINGPONG != 0>;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
@@ -363,27 +381,34 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
     }
 }
 
-// O += P V: the S accumulators of two n8 tiles are exactly an m16k16 A fragment once packed.
-__device__ __forceinline__ void pv_tile(const float (&p)[Tr::kMTiles][Tr::kNTiles][4], WarpState& st,
-                                        u32 s_v, const LaneOffsets& lo) {
+// P as the A operand of P V: the S accumulators of two n8 tiles are exactly an m16k16 A
+// fragment once packed.  [m16 tile][k16 step of the keys][4]
+using PFrags = u32[Tr::kMTiles][Tr::kBlockN / 16][4];
+
+__device__ __forceinline__ void pack_p(const float (&p)[Tr::kMTiles][Tr::kNTiles][4], PFrags& a) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+      a[mt][kk][0] = cp::from_float2(p[mt][2 * kk][0], p[mt][2 * kk][1], T());
+      a[mt][kk][1] = cp::from_float2(p[mt][2 * kk][2], p[mt][2 * kk][3], T());
+      a[mt][kk][2] = cp::from_float2(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1], T());
+      a[mt][kk][3] = cp::from_float2(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3], T());
+    }
+}
+
+// O += P V.
+__device__ __forceinline__ void pv_tile(const PFrags& a, WarpState& st, u32 s_v, const LaneOffsets& lo) {
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-    u32 a[Tr::kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-      a[mt][0] = cp::from_float2(p[mt][2 * kk][0], p[mt][2 * kk][1], T());
-      a[mt][1] = cp::from_float2(p[mt][2 * kk][2], p[mt][2 * kk][3], T());
-      a[mt][2] = cp::from_float2(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1], T());
-      a[mt][3] = cp::from_float2(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3], T());
-    }
 #pragma unroll
     for (int dp = 0; dp < Tr::kHeadDim / 16; ++dp) {
       u32 b[4];  // keys kk*16 .. +15, head dims dp*16 .. +15, transposed to k-major
       cp::ldmatrix_x4_trans(b, s_v + kk * 16 * Tr::kRowBytes + step_offset(lo.v, dp));
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-        cp::mma_16816(st.o[mt][2 * dp], a[mt], b[0], b[1], T());
-        cp::mma_16816(st.o[mt][2 * dp + 1], a[mt], b[2], b[3], T());
+        cp::mma_16816(st.o[mt][2 * dp], a[mt][kk], b[0], b[1], T());
+        cp::mma_16816(st.o[mt][2 * dp + 1], a[mt][kk], b[2], b[3], T());
       }
     }
   }
@@ -509,24 +534,24 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
       for (int e = 0; e < 4; ++e) st.o[mt][dt][e] = 0.f;
   }
 
-  // Prologue: Q, then the first NUM_STAGES - 1 key tiles, one cp.async group each.
+  // Prologue: Q, then the first kAhead key tiles, one cp.async group each.
   load_q_tile(s_q, q + (long long)head * q_head, q_row, q_start + m0, m_end - m0, total_q);
   cp::cp_async_commit();
   int hole_bits = 0;  // bit s: this thread met a hole in the tile now in stage s
 #pragma unroll
-  for (int s = 0; s < Tr::kStages - 1; ++s) {
+  for (int s = 0; s < Tr::kAhead; ++s) {
     if (s < num_tiles)
       hole_bits |= load_kv_tile(s_kv + 2 * s * Tr::kKVBytes, s_kv + (2 * s + 1) * Tr::kKVBytes,
                                 s_loadable + s * Tr::kBlockN, src, (tile_first - s) * Tr::kBlockN) << s;
     cp::cp_async_commit();
   }
 
-  // Q_IN_REGS: the Q group, committed first, has landed once at most the NUM_STAGES - 1 key
-  // groups after it are pending; after the barrier every thread's part of the tile is visible.
-  // The fragments then stay in registers; the Q tile in shared memory is not read again.
+  // Q_IN_REGS: the Q group, committed first, has landed once at most the kAhead key groups
+  // after it are pending; after the barrier every thread's part of the tile is visible.  The
+  // fragments then stay in registers; the Q tile in shared memory is not read again.
   QFrags qf;
   if constexpr (Tr::kQInRegs) {
-    cp::cp_async_wait<Tr::kStages - 1>();
+    cp::cp_async_wait<Tr::kAhead>();
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < Tr::kKSteps; ++kk)
@@ -536,12 +561,23 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
                         s_q + mt * 16 * Tr::kRowBytes + step_offset(lo.q, kk));
   }
 
+  // PINGPONG: this warp is one of the late half; it holds P of the previous tile (if it saw
+  // that tile) and runs its P V at the start of the next iteration, or after the loop.
+  // Every path through an iteration writes `p` after that use (zeros where the warp does not
+  // see the tile), so `p` is dead, and takes no registers, during Q K^T and the softmax.
+  const bool late = Tr::kPingPong && warp >= Tr::kWarps / 2;
+  PFrags p;
+  bool late_pending = false;  // P of the previous tile (stage (stage + kStages - 1) % kStages) is in p
+
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % Tr::kStages;
     const int n0 = (tile_first - it) * Tr::kBlockN;
-    // Wait for this tile; the barrier also frees the stage computed last iteration.
-    cp::cp_async_wait<Tr::kStages - 2>();
+    // Wait for this tile; the barrier also frees the stage that no warp reads any more.
+    cp::cp_async_wait<Tr::kAhead - 1>();
     const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
+
+    if (Tr::kPingPong && late_pending)                                            // O += P V, late
+      pv_tile(p, st, s_kv + (2 * ((stage + Tr::kStages - 1) % Tr::kStages) + 1) * Tr::kKVBytes, lo);
 
     // Does this warp see any key of the tile?  (A warp past the sequence's end only loads.)
     const bool visible = warp_active &&
@@ -551,11 +587,11 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
     float s[Tr::kMTiles][Tr::kNTiles][4];
     if (visible) qk_tile(s, qf, s_q, s_k, lo);                                   // S = Q K^T
 
-    // Prefetch the tile NUM_STAGES - 1 ahead into the stage freed by the barrier (the one
-    // computed last iteration).  Issued after the QK^T mma instructions, so that its address
+    // Prefetch the tile kAhead ahead into the stage freed by the barrier (computed kStages -
+    // kAhead iterations ago).  Issued after the QK^T mma instructions, so that its address
     // arithmetic fills issue slots while the tensor cores drain them; every thread takes part.
     {
-      const int ahead = it + Tr::kStages - 1, ps = ahead % Tr::kStages;
+      const int ahead = it + Tr::kAhead, ps = ahead % Tr::kStages;
       hole_bits &= ~(1 << ps);
       if (ahead < num_tiles)
         hole_bits |= load_kv_tile(s_kv + 2 * ps * Tr::kKVBytes, s_kv + (2 * ps + 1) * Tr::kKVBytes,
@@ -563,7 +599,18 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
       cp::cp_async_commit();
     }
 
-    if (!visible) continue;
+    late_pending = false;
+    if (!visible) {
+      if constexpr (Tr::kPingPong) {
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[mt][kk][e] = 0u;
+      }
+      continue;
+    }
     // Does the tile straddle one of this warp's bounds?  (Under causal masking: only the tiles
     // on the diagonal, and a sequence's last, partial key tile.)
     const bool needs_mask = hole || n0 + Tr::kBlockN > length_k ||
@@ -574,8 +621,15 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
       apply_mask(s, row0, offset, n0, length_k, window_left, window_right, hole,
                  s_loadable + stage * Tr::kBlockN, lane);
     online_softmax(s, st, scale_log2);                                           // P = softmax(S)
-    pv_tile(s, st, s_v, lo);                                                     // O += P V
+    pack_p(s, p);
+    if (late) {
+      late_pending = true;
+    } else {
+      pv_tile(p, st, s_v, lo);                                                   // O += P V
+    }
   }
+  if (Tr::kPingPong && late_pending)  // the last tile's V is still in its stage: nothing rewrites it
+    pv_tile(p, st, s_kv + (2 * ((num_tiles - 1) % Tr::kStages) + 1) * Tr::kKVBytes, lo);
   cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
   if (warp_active)

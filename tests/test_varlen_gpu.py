@@ -212,19 +212,30 @@ def test_block_table_holes(block_size):
     _holes_case(128, block_size)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_q_in_registers_variant(monkeypatch, head_dim):
-    """The Q_IN_REGS specialization (Q fragments kept in registers; timed by the benchmark's
-    --sweep as a candidate shape) through the public function: causal with LSE, and paged with
-    every option."""
-    import dataclasses
+# Candidate specializations that the benchmark's --sweep times but TILES does not register
+# (yet): Q fragments in registers, and the PINGPONG schedule (half of the warps run P V one
+# iteration late; 3 stages).  A failure here rules out that candidate only.
+CANDIDATES = {
+    "q_regs_d64": (64, dict(block_m=128, block_n=64, warps=4, stages=3, q_regs=True)),
+    "q_regs_d128": (128, dict(block_m=128, block_n=128, warps=8, stages=2, q_regs=True)),
+    "pingpong_d64": (64, dict(block_m=128, block_n=64, warps=8, stages=3, pingpong=True)),
+    "pingpong_d128": (128, dict(block_m=128, block_n=128, warps=8, stages=3, pingpong=True)),
+    "pingpong_d128_n64": (128, dict(block_m=128, block_n=64, warps=8, stages=3, pingpong=True)),
+}
 
+
+@pytest.mark.parametrize("candidate", sorted(CANDIDATES))
+def test_candidate_variants(monkeypatch, candidate):
+    """Each candidate through the public function: the edge grid causal with LSE, chunked
+    prefill, and paged K/V with every option."""
     from cupy_paged.ops import varlen as varlen_ops
 
-    tiles = varlen_ops.TILES[head_dim]
-    monkeypatch.setitem(varlen_ops.TILES, head_dim, dataclasses.replace(tiles, q_regs=True))
+    head_dim, shape = CANDIDATES[candidate]
+    monkeypatch.setitem(varlen_ops.TILES, head_dim, varlen_ops.Tiles(**shape))
     run_case(15, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, causal=True, lse=True)
-    run_case(16, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
+    run_case(16, "bfloat16", head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0], num_kv_heads=2,
+             causal=True, lse=True)
+    run_case(17, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
              window=(100, 3), softcap=10.0, alibi=True, lse=True)
 
 

@@ -25,8 +25,9 @@ _WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bo
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile shape of one head dim: query rows per CTA, keys per tile, warps, K/V pipeline
-    stages, the CTAs per SM that the register allocation must leave room for, and whether
-    each warp keeps its Q fragments in registers for the whole key loop."""
+    stages, the CTAs per SM that the register allocation must leave room for, whether each
+    warp keeps its Q fragments in registers for the whole key loop, and whether half of the
+    warps run P V one iteration late (``pingpong``: needs 8 warps and 3 stages; varlen.cu)."""
 
     block_m: int
     block_n: int
@@ -34,10 +35,11 @@ class Tiles:
     stages: int
     min_blocks: int = 1
     q_regs: bool = False
+    pingpong: bool = False
 
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}m{self.min_blocks}"
-                + ("q" if self.q_regs else ""))
+                + ("q" if self.q_regs else "") + ("p" if self.pingpong else ""))
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
@@ -66,7 +68,7 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, source: str = S
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
               ("MIN_BLOCKS", tiles.min_blocks))
     if source == SOURCE:  # the frozen v2 source has no Q_IN_REGS
-        params += (("Q_IN_REGS", int(tiles.q_regs)),)
+        params += (("Q_IN_REGS", int(tiles.q_regs)), ("PINGPONG", int(tiles.pingpong)))
     return KernelKey(source, params)
 
 
