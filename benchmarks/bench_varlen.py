@@ -18,9 +18,11 @@ Cases (bf16, GQA 32 query / 8 kv heads unless named):
   (varlen for the chunk, ``flash_attn_with_kvcache`` for the decodes) when that kernel runs.
 
 FLOPs are ``4 Lq Lk D H`` per sequence, halved when causal.  Times are medians of CUDA-event
-timings after warm-up.  ``--sweep`` also times, on the prefill cases, the frozen v2 kernel
-(``cuda_src/varlen_v2.cu``) and alternative tile shapes / Q-in-registers variants of the current
-one, each with its largest difference from the registered kernel's output (``*_maxdiff``).
+timings after warm-up.  ``--sweep`` then (after the results are written, so that a failing
+candidate loses only the sweep) times on the prefill workloads the frozen v2 kernel
+(``cuda_src/varlen_v2.cu``) and the candidate variants of the current one (tile shapes, Q in
+registers, ping-pong), each with its registers as built here and its largest difference from
+the registered kernel's output; it adds ``"sweep"`` to the JSON and prints its table last.
 Writes ``benchmarks/results/varlen.json`` and prints a short table last.
 
 Run: ``python benchmarks/bench_varlen.py [--sweep] [--reps N]`` (``--warm`` only compiles).
@@ -206,7 +208,7 @@ def torch_cudnn(batch: Batch):
 
 # --------------------------------------------------------------------------- cases
 
-def prefill_case(name, lens, head_dim, reps, cases, sweep):
+def prefill_case(name, lens, head_dim, reps, cases):
     batch = Batch(lens, lens, head_dim)
     work = flops(lens, lens, head_dim)
     tflops = lambda ms: round(work / ms / 1e9, 1)  # noqa: E731
@@ -216,21 +218,36 @@ def prefill_case(name, lens, head_dim, reps, cases, sweep):
         fn = make(batch)
         if fn is not None:
             peers[peer] = tflops(time_ms(fn, reps))
-    if sweep and head_dim in SWEEP:
-        import cupy
-
-        batch.ours()()
-        reference = batch.out.astype(np.float32)
-        for tiles, source in SWEEP[head_dim]:
-            label = sweep_label(tiles, source)
-            fn = batch.ours(tiles, source=source)
-            batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
-            fn()
-            peers[label + "_maxdiff"] = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
-            peers[label] = tflops(time_ms(fn, reps))
     cases.append(dict(name=name, metric="TFLOP/s", value=value, peers=peers))
     print(f"{name:28} {value:8.1f} TFLOP/s  {peers}", flush=True)
     return batch, value
+
+
+def sweep_case(name, lens, head_dim, reps, sweep):
+    """The registered kernel and every SWEEP variant of ``head_dim`` on one batch: TFLOP/s,
+    registers and local memory of the variant as built on this machine, and the largest
+    difference of its output from the registered kernel's."""
+    import cupy
+
+    batch = Batch(lens, lens, head_dim)
+    work = flops(lens, lens, head_dim)
+    registered = batch.ours()
+    registered()
+    reference = batch.out.astype(np.float32)
+    row = dict(name=name, registered=round(work / time_ms(registered, reps) / 1e9, 1), variants={})
+    sweep.append(row)
+    for tiles, source in SWEEP[head_dim]:
+        label = sweep_label(tiles, source)
+        fn = batch.ours(tiles, source=source)
+        batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
+        fn()
+        diff = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
+        kernel = get_function(kernel_key(BF16, head_dim, tiles, source), varlen_ops.KERNEL,
+                              tiles.smem_bytes(head_dim))
+        row["variants"][label] = dict(tflops=round(work / time_ms(fn, reps) / 1e9, 1), maxdiff=diff,
+                                      registers=kernel.num_regs, local_bytes=kernel.local_size_bytes)
+        print(f"  sweep {name:24} {label:22} {row['variants'][label]}", flush=True)
+    return row
 
 
 def paged_cases(batch, contiguous_ms, reps, cases):
@@ -408,13 +425,13 @@ def main() -> int:
 
     start = time.time()
     cases: list[dict] = []
-    b, _ = prefill_case("causal_d128_8x4096", [4096] * 8, 128, args.reps, cases, args.sweep)
+    b, _ = prefill_case("causal_d128_8x4096", [4096] * 8, 128, args.reps, cases)
     contiguous_ms = time_ms(b.ours(), args.reps)
     paged_cases(b, contiguous_ms, args.reps, cases)
     del b
-    prefill_case("causal_d128_mixed", mixed_lengths(), 128, args.reps, cases, args.sweep)
-    prefill_case("causal_d64_16x2048", [2048] * 16, 64, args.reps, cases, args.sweep)
-    prefill_case("causal_d256_8x4096", [4096] * 8, 256, args.reps, cases, args.sweep)
+    prefill_case("causal_d128_mixed", mixed_lengths(), 128, args.reps, cases)
+    prefill_case("causal_d64_16x2048", [2048] * 16, 64, args.reps, cases)
+    prefill_case("causal_d256_8x4096", [4096] * 8, 256, args.reps, cases)
     chunk_after_prefix_case(args.reps, cases)
     write_case(args.reps, cases)
     mixed_step_case(args.reps, cases)
@@ -443,6 +460,22 @@ def main() -> int:
     for case in cases:
         peers = ", ".join(f"{k}={v}" for k, v in case["peers"].items())
         print(f"{case['name']:28} {case['metric']:14} {case['value']:9}  {peers}")
+
+    if args.sweep:  # last, after the results are written: a failing candidate loses only the sweep
+        sweep: list[dict] = []
+        for name, lens, head_dim in (("causal_d128_8x4096", [4096] * 8, 128),
+                                     ("causal_d128_mixed", mixed_lengths(), 128),
+                                     ("causal_d64_16x2048", [2048] * 16, 64),
+                                     ("causal_d256_8x4096", [4096] * 8, 256)):
+            sweep_case(name, lens, head_dim, args.reps, sweep)
+        result["sweep"] = sweep
+        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\n{'sweep case':22} {'variant':22} {'TFLOP/s':>8} {'x reg.':>7} {'regs':>5} {'local':>6} maxdiff")
+        for row in sweep:
+            print(f"{row['name']:22} {'(registered)':22} {row['registered']:8}")
+            for label, v in row["variants"].items():
+                print(f"{row['name']:22} {label:22} {v['tflops']:8} {v['tflops'] / row['registered']:7.3f} "
+                      f"{v['registers']:5} {v['local_bytes']:6} {v['maxdiff']:.2e}")
     return 0
 
 
