@@ -16,10 +16,13 @@
 //   MIN_BLOCKS (CTAs per SM the register allocation must allow), Q_IN_REGS (1: the warp's Q
 //   A-fragments are read from shared memory once and stay in registers for the whole key loop),
 //   PINGPONG (1: the upper half of the warps computes P V of a tile one iteration late, see below).
+// Everything else (causal/window, softcap, ALiBi, LSE, paged or not, block size) is a
+// run-time argument, so one specialization serves all of them.
 //
 // v3 (see benchmarks/NOTES_varlen.md): Q fragments optionally in registers; ldmatrix addresses
 // as one per-lane base XOR a compile-time step (no per-use swizzle arithmetic); a full
-// contiguous key tile is copied with one pointer step per pass and no predicates; the prefetch
+// contiguous key tile is copied with one pointer step per pass and no predicates, a full paged
+// one with unconditional block-table loads; the prefetch
 // of the next tile is issued after S = Q K^T, while the tensor cores drain it; tree reductions
 // for the row max and sum.
 //
@@ -30,8 +33,6 @@
 // of each scheduler is in its softmax while the other issues mma.  They keep P of tile j packed
 // in registers across the barrier, and V of tile j must stay in shared memory one iteration
 // longer: at least 3 stages, and the prefetch runs NUM_STAGES - 2 tiles ahead instead of - 1.
-// Everything else (causal/window, softcap, ALiBi, LSE, paged or not, block size) is a
-// run-time argument, so one specialization serves all of them.
 //
 // Safety: rows past a sequence's end, block ids outside [0, num_blocks), block-table columns
 // past its width and cu_seqlens entries outside the arrays are never dereferenced: such keys
