@@ -23,11 +23,13 @@ run_step() {  # name, time limit (s), command...
 { python3 -m cupy_paged info; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; } >"$OUT/info.log" 2>&1
 for step in $steps; do
   case $step in
-    warm) run_step warm "${T_WARM:-150}" python3 -m cupy_paged warm --jobs "$(nproc)" ;;
+    warm) run_step warm "${T_WARM:-150}" python3 -m cupy_paged warm --jobs "$(nproc)"
+          [[ " ${BENCH_VARLEN_ARGS:-} " == *" --sweep "* ]] &&
+            run_step warm_sweep "${T_WARM:-150}" python3 benchmarks/bench_varlen.py --warm ;;
     tests) run_step tests "${T_TESTS:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -x ;;
     bench)
       run_step bench_decode "${T_BENCH:-150}" python3 benchmarks/bench_decode.py --quick
-      run_step bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py --reps 10
+      run_step bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py ${BENCH_VARLEN_ARGS:---reps 10}
       # one file for every results/*.json, since the device returns few files
       python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
