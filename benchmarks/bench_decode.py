@@ -165,10 +165,11 @@ def torch_stream_sync():
         pass
 
 
-def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, prefetch=True, shuffle=True):
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, prefetch=None, shuffle=True):
     """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``prefetch`` and
-    ``shuffle`` make the comparison rows (forced split count, kernel without its L2 prefetch,
-    block table in address order); their names say which."""
+    ``shuffle`` make the comparison rows (forced split count, the L2 prefetch switched the other
+    way from the package default ``ops.decode.L2_PREFETCH``, block table in address order); their
+    names say which.  ``prefetch=None`` runs the package default."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
     q, k, v, table, lens = sets[0]
     problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
@@ -179,13 +180,14 @@ def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits
 
     name = f"{batch}x{context} bs{block_size}"
     name += f" splits={num_splits}" if num_splits else ""
-    name += "" if prefetch else " no-prefetch"
+    name += {None: "", True: " prefetch", False: " no-prefetch"}[prefetch]
     name += "" if shuffle else " sorted"
     call = ours(sets, num_splits)
-    saved, decode_ops.L2_PREFETCH = decode_ops.L2_PREFETCH, prefetch
+    saved = decode_ops.L2_PREFETCH
+    decode_ops.L2_PREFETCH = saved if prefetch is None else prefetch
     try:
         result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call),
-                  "single_call": tbps(call, chain=0), "num_splits": splits, "l2_prefetch": prefetch,
+                  "single_call": tbps(call, chain=0), "num_splits": splits, "l2_prefetch": decode_ops.L2_PREFETCH,
                   "peers": {}, "peers_single_call": {}}
     finally:
         decode_ops.L2_PREFETCH = saved
@@ -248,11 +250,11 @@ def main(argv=None):
     for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
-    # Comparison rows, same run: the kernel without its L2 prefetch (v3's memory path), the
-    # block table in address order (is the block-size gap memory locality?), other split counts.
+    # Comparison rows, same run: the L2 prefetch the other way from the default, the block
+    # table in address order (is the block-size gap memory locality?), other split counts.
+    other = {"prefetch": not decode_ops.L2_PREFETCH}
     for batch, context, block_size, options in (
-            (64, 4096, 16, {"prefetch": False}), (64, 4096, 32, {"prefetch": False}),
-            (1, 131072, 16, {"prefetch": False}), (64, 4096, 256, {"prefetch": False}),
+            (64, 4096, 16, other), (64, 4096, 32, other), (1, 131072, 16, other), (64, 4096, 256, other),
             (64, 4096, 16, {"shuffle": False}),
             (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 64}),
             (1, 131072, 16, {"num_splits": 128})):

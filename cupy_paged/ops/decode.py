@@ -38,7 +38,7 @@ TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of 
 MAX_SPLITS = 128        # combine_splits keeps one weight per split in shared memory
 # L2 prefetch of each K/V tile one tile ahead of its cp.async (sm_90; a run-time switch in the
 # kernel's parameters, so the benchmark can time the kernel with and without it in one run).
-L2_PREFETCH = True
+L2_PREFETCH = False  # measured on the H200: -26% at 64x4096 bs16 (NOTES_decode.md, v4)
 _SCALAR_T = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 
 

@@ -15,9 +15,6 @@ from .._checks import BF16, HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
 from .._compiler import KernelKey, get_function, register_family
 
 SOURCE = "varlen.cu"
-# The v2 kernel, frozen, timed next to the current one by ``benchmarks/bench_varlen.py --sweep``
-# (never launched by the package).
-SOURCE_V2 = "varlen_v2.cu"
 KERNEL = "varlen_fwd"
 _WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bounds never overflow
 
@@ -54,7 +51,7 @@ TILES = {
     32: Tiles(128, 64, 4, 3),
     64: Tiles(128, 64, 4, 3),
     96: Tiles(128, 64, 8, 2, 1),
-    128: Tiles(128, 128, 8, 2, 1),  # +12% over 128x64 in the H200 sweep (NOTES_varlen.md)
+    128: Tiles(128, 128, 8, 2, 1),  # 2 stages: 3 ran contiguous +1.5% but paged -13% (NOTES_varlen.md)
     256: Tiles(64, 32, 4, 2),
 }
 
@@ -66,9 +63,8 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, source: str = S
     params = (("SCALAR_T", scalar), ("HEAD_DIM", head_dim),
               ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
-              ("MIN_BLOCKS", tiles.min_blocks))
-    if source == SOURCE:  # the frozen v2 source has no Q_IN_REGS
-        params += (("Q_IN_REGS", int(tiles.q_regs)), ("PINGPONG", int(tiles.pingpong)))
+              ("MIN_BLOCKS", tiles.min_blocks),
+              ("Q_IN_REGS", int(tiles.q_regs)), ("PINGPONG", int(tiles.pingpong)))
     return KernelKey(source, params)
 
 
@@ -96,7 +92,7 @@ def _strides(array) -> list[np.int64]:
 
 def run(p: VarlenProblem, tiles: Tiles | None = None, source: str = SOURCE) -> None:
     """Launch ``varlen_fwd`` on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
-    ``tiles`` and ``source`` (the frozen v2 kernel) are for the benchmark's sweep."""
+    ``tiles`` (a candidate shape) and ``source`` are for the benchmark's sweep."""
     import cupy
 
     total_q = int(p.q.shape[0])
