@@ -46,25 +46,25 @@ import cupy_paged  # noqa: E402
 from cupy_paged._checks import BF16  # noqa: E402
 from cupy_paged._compiler import get_function  # noqa: E402
 from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops.varlen import SOURCE, TILES, Tiles, kernel_key  # noqa: E402
+from cupy_paged.ops.varlen import TILES, Tiles, kernel_key  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
-# Variants timed by --sweep: head dim -> [(Tiles, source)], on the same data as the registered
+# Variants timed by --sweep: head dim -> [Tiles], on the same data as the registered
 # kernel (the v2-versus-v3 comparison of 2026-11-29 is in NOTES_varlen.md).
 # Candidates (flags: q_regs ``q``, pingpong ``p``) are the ones tests/test_varlen_gpu.py
 # checks in test_candidate_variants.
 SWEEP = {
-    128: [(Tiles(128, 128, 8, 2, 1, q_regs=True), SOURCE),
-          (Tiles(128, 128, 8, 3, 1), SOURCE), (Tiles(128, 64, 8, 2, 1), SOURCE),
-          (Tiles(128, 128, 8, 3, 1, pingpong=True), SOURCE), (Tiles(128, 64, 8, 3, 1, pingpong=True), SOURCE)],
-    64: [(Tiles(128, 64, 4, 3, 1, q_regs=True), SOURCE),
-         (Tiles(128, 64, 8, 3, 1, pingpong=True), SOURCE)],
-    256: [(Tiles(128, 32, 8, 2, 1), SOURCE)],
+    128: [Tiles(128, 128, 8, 2, 1, q_regs=True),
+          Tiles(128, 128, 8, 3, 1), Tiles(128, 64, 8, 2, 1),
+          Tiles(128, 128, 8, 3, 1, pingpong=True), Tiles(128, 64, 8, 3, 1, pingpong=True)],
+    64: [Tiles(128, 64, 4, 3, 1, q_regs=True),
+         Tiles(128, 64, 8, 3, 1, pingpong=True)],
+    256: [Tiles(128, 32, 8, 2, 1)],
 }
 
 
-def sweep_label(tiles: Tiles, source: str) -> str:
+def sweep_label(tiles: Tiles) -> str:
     return "v3_" + tiles.label()
 
 
@@ -122,7 +122,7 @@ class Batch:
         self.v = random_bf16(rng, (tk, HKV, head_dim))
         self.out = cupy.empty_like(self.q)
 
-    def ours(self, tiles=None, paged=None, source=SOURCE):
+    def ours(self, tiles=None, paged=None):
         """This kernel as a no-argument call: contiguous K/V, or ``paged = (k_cache, v_cache, table)``."""
         if tiles is None:
             k, v, table = paged if paged is not None else (self.k, self.v, None)
@@ -133,7 +133,7 @@ class Batch:
 
         p = _checks.prepare_varlen(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
                                    None, True, (-1, -1), 0.0, None, None, False, self.out, False)
-        return lambda: varlen_ops.run(p, tiles, source)
+        return lambda: varlen_ops.run(p, tiles)
 
     def paged(self, block_size, seed=1):
         """(k_cache, v_cache, block_table) holding the same keys behind a shuffled table."""
@@ -235,13 +235,13 @@ def sweep_case(name, lens, head_dim, reps, sweep):
     reference = batch.out.astype(np.float32)
     row = dict(name=name, registered=round(work / time_ms(registered, reps) / 1e9, 1), variants={})
     sweep.append(row)
-    for tiles, source in SWEEP[head_dim]:
-        label = sweep_label(tiles, source)
-        fn = batch.ours(tiles, source=source)
+    for tiles in SWEEP[head_dim]:
+        label = sweep_label(tiles)
+        fn = batch.ours(tiles)
         batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
         fn()
         diff = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
-        kernel = get_function(kernel_key(BF16, head_dim, tiles, source), varlen_ops.KERNEL,
+        kernel = get_function(kernel_key(BF16, head_dim, tiles), varlen_ops.KERNEL,
                               tiles.smem_bytes(head_dim))
         row["variants"][label] = dict(tflops=round(work / time_ms(fn, reps) / 1e9, 1), maxdiff=diff,
                                       registers=kernel.num_regs, local_bytes=kernel.local_size_bytes)
@@ -399,8 +399,8 @@ def warm_all() -> None:
     """Compile every registered varlen specialization and the sweep's shapes, one process each."""
     import multiprocessing
 
-    keys = varlen_ops.all_keys() + [kernel_key(BF16, d, t, source) for d, shapes in SWEEP.items()
-                                    for t, source in shapes]
+    keys = varlen_ops.all_keys() + [kernel_key(BF16, d, t) for d, shapes in SWEEP.items()
+                                    for t in shapes]
     with multiprocessing.get_context("spawn").Pool() as pool:
         pool.map(_warm_one, keys)
 

@@ -56,7 +56,7 @@ TILES = {
 }
 
 
-def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, source: str = SOURCE) -> KernelKey:
+def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
     tiles = tiles or TILES[head_dim]
     scalar = "__nv_bfloat16" if np.dtype(dtype) == BF16 else "__half"
@@ -65,7 +65,7 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, source: str = S
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
               ("MIN_BLOCKS", tiles.min_blocks),
               ("Q_IN_REGS", int(tiles.q_regs)), ("PINGPONG", int(tiles.pingpong)))
-    return KernelKey(source, params)
+    return KernelKey(SOURCE, params)
 
 
 def all_keys():
@@ -90,9 +90,9 @@ def _strides(array) -> list[np.int64]:
     return [np.int64(s // array.itemsize) for s in array.strides]
 
 
-def run(p: VarlenProblem, tiles: Tiles | None = None, source: str = SOURCE) -> None:
+def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
     """Launch ``varlen_fwd`` on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
-    ``tiles`` (a candidate shape) and ``source`` are for the benchmark's sweep."""
+    ``tiles`` (a candidate shape) is for the benchmark's sweep."""
     import cupy
 
     total_q = int(p.q.shape[0])
@@ -101,7 +101,7 @@ def run(p: VarlenProblem, tiles: Tiles | None = None, source: str = SOURCE) -> N
     head_dim, num_heads = p.head_dim, p.num_heads
     tiles = tiles or TILES[head_dim]
     smem = tiles.smem_bytes(head_dim)
-    function = get_function(kernel_key(p.q.dtype, head_dim, tiles, source), KERNEL, smem)
+    function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
 
     paged = p.block_table is not None
     usable = _slot_addressable if paged else _aligned
