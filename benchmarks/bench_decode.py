@@ -6,8 +6,13 @@ over the CUDA-event median time per call of back-to-back calls (``median_ms``; t
 time of runs 1-2 is kept as ``single_call``).  Peers run on contiguous K/V in the same process (torch is
 imported only here; a missing peer is skipped).  The launch-bound case (64 x 128) reports
 microseconds per call, eager and as a replayed CUDA graph, rotating 8 input sets past the L2.
+``--sweep`` then (after the table and the JSON are written, so that a failing candidate loses
+only the sweep) times the registered pipeline shape and each ``ops.decode.CANDIDATES`` shape at
+64 x 4096 (block sizes 16, 32, 256 shuffled, 16 sorted) on the same inputs, with each shape's
+registers, local memory and CTAs per SM as built here and its largest difference from the
+registered kernel's output (NaN: an element left unwritten); it adds ``"sweep"`` to the JSON.
 
-    python benchmarks/bench_decode.py [--quick] [--out benchmarks/results/decode.json]
+    python benchmarks/bench_decode.py [--quick] [--sweep] [--out benchmarks/results/decode.json]
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import cupy  # noqa: E402
 
 import cupy_paged  # noqa: E402
 from cupy_paged._checks import BF16  # noqa: E402
+from cupy_paged._compiler import get_function  # noqa: E402
 from cupy_paged.ops import decode as decode_ops  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
@@ -230,10 +236,71 @@ def launch_bound_case(rng, batch=64, context=128, block_size=16):
     return [result, graph]
 
 
+def shape_resources(tiles):
+    """Registers, local memory, shared memory and CTAs per SM of ``paged_decode`` (bf16, D = 128)
+    with pipeline shape ``tiles`` as built on this machine."""
+    smem = tiles.smem_bytes(DIM)
+    kernel = get_function(decode_ops.kernel_key(BF16, DIM, tiles), "paged_decode", smem)
+    return {"registers": int(kernel.num_regs), "local_bytes": int(kernel.local_size_bytes), "smem": smem,
+            "ctas_per_sm": decode_ops.ctas_per_sm(kernel.num_regs, smem)}
+
+
+def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
+    """The registered shape and every CANDIDATES[128] shape on one input set: TB/s, resources and
+    the largest difference of each shape's output from the registered kernel's (through
+    ``ops.decode.run``, the same host path for all, no host checks)."""
+    sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
+    q, k, v, table, lens = sets[0]
+    out = cupy.empty_like(q)
+    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
+                                                0.0, None, 0, False, out, check_values=False)
+
+    def tbps(tiles):
+        return round(kv_bytes(batch, context) / (median_ms(lambda: decode_ops.run(problem, tiles), reps=reps)
+                                                 * 1e-3) / 1e12, 3)
+
+    name = f"{batch}x{context} bs{block_size}" + ("" if shuffle else " sorted")
+    registered = decode_ops.TILES[DIM]
+    decode_ops.run(problem)
+    reference = out.astype(np.float32)
+    row = {"name": name, "registered": registered.label(), "shapes": {}}
+    for tiles in (registered,) + decode_ops.CANDIDATES[DIM]:
+        try:
+            out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten element shows in the difference
+            decode_ops.run(problem, tiles)
+            diff = float(cupy.abs(out.astype(np.float32) - reference).max())
+            result = {"value": tbps(tiles), "maxdiff": diff, "num_splits": decode_ops.plan(problem, tiles),
+                      **shape_resources(tiles)}
+        except Exception as error:  # noqa: BLE001 - a failing candidate is reported, the sweep goes on
+            result = {"value": float("nan"), "error": f"{type(error).__name__}: {str(error)[:200]}"}
+        row["shapes"][tiles.label()] = result
+        print(f"  sweep {name:22} {tiles.label():8} {result}", flush=True)
+    return row
+
+
+def print_sweep(sweep, cases):
+    """The sweep's table: TB/s per shape, as a ratio of the registered shape and of cuDNN
+    (the 64x4096 bs16 row's peer of the main table)."""
+    cudnn = next((c["peers"].get(CUDNN) for c in cases if c["name"] == "64x4096 bs16"), None) or float("nan")
+    print(f"\n{'sweep case':20} {'shape':8} {'TB/s':>7} {'x reg.':>7} {'x cuDNN':>8} {'regs':>5} {'local':>6} "
+          f"{'smem':>7} {'CTA/SM':>6} maxdiff")
+    for row in sweep:
+        base = row["shapes"][row["registered"]]["value"]
+        for label, r in row["shapes"].items():
+            if "error" in r:
+                print(f"{row['name']:20} {label:8} {'failed':>7}  {r['error']}")
+                continue
+            mark = "*" if label == row["registered"] else " "
+            print(f"{row['name']:20} {label + mark:8} {r['value']:7.3f} {r['value'] / base:7.3f} {r['value'] / cudnn:8.3f} "
+                  f"{r['registers']:5} {r['local_bytes']:6} {r['smem']:7} {r['ctas_per_sm']:6} {r['maxdiff']:.2e}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "decode.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--sweep", action="store_true",
+                        help="then time ops.decode.CANDIDATES against the registered tile shape (last)")
     args = parser.parse_args(argv)
     reps = 10 if args.quick else 30
     rng = np.random.default_rng(0)
@@ -251,11 +318,13 @@ def main(argv=None):
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
     # Comparison rows, same run: the L2 prefetch the other way from the default, the block
-    # table in address order (is the block-size gap memory locality?), other split counts.
+    # table in address order at bs16 and bs256 (both then read exactly the same addresses: if
+    # they differ, the kernel depends on the block size; if both are slow, the sorted layout is),
+    # other split counts.
     other = {"prefetch": not decode_ops.L2_PREFETCH}
     for batch, context, block_size, options in (
-            (64, 4096, 16, other), (64, 4096, 32, other), (1, 131072, 16, other), (64, 4096, 256, other),
-            (64, 4096, 16, {"shuffle": False}),
+            (64, 4096, 16, other),
+            (64, 4096, 16, {"shuffle": False}), (64, 4096, 256, {"shuffle": False}),
             (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 64}),
             (1, 131072, 16, {"num_splits": 128})):
         cases.append(bandwidth_case(rng, batch, context, block_size, False, reps, **options))
@@ -275,6 +344,16 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(cases)
+    if args.sweep:  # last, after the results are written: a failing candidate loses only the sweep
+        print(flush=True)
+        sweep = []
+        for block_size, shuffle in ((16, True), (32, True), (256, True), (16, False)):
+            sweep.append(sweep_case(rng, block_size, shuffle, reps))
+            cupy.get_default_memory_pool().free_all_blocks()  # the case's 1 GB of K/V
+        report["sweep"] = sweep
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print_sweep(sweep, cases)
 
 
 def print_table(cases):

@@ -3,9 +3,11 @@
 Cases (bf16, GQA 32 query / 8 kv heads unless named):
 
 * ``causal_d128_8x4096``, ``causal_d128_mixed`` (lengths 512..8192), ``causal_d64_16x2048``,
-  ``causal_d256_8x4096``: TFLOP/s of this kernel (contiguous K/V), with torch's
-  FlashAttention-2 varlen op (``aten._flash_attention_forward`` with cum_seq) and cuDNN SDPA
-  (dense, padded batch; uniform lengths only) as peers where the machine has them;
+  ``causal_d256_8x4096``: TFLOP/s of this package's default kernel (contiguous K/V; on an
+  H100/H200 the wgmma kernel), with torch's FlashAttention-2 varlen op
+  (``aten._flash_attention_forward`` with cum_seq) and cuDNN SDPA (dense, padded batch; uniform
+  lengths only) as peers where the machine has them, and this package's other kernel
+  (``mma_sync``, the one non-Hopper GPUs run) in the same run;
 * ``paged_bs{16,32,128}_d128_8x4096``: the same kernel reading K/V through a shuffled block
   table, as a ratio to the contiguous kernel on the same data (target >= 0.9);
 * ``chunk512_after_32k``: a 512-token prefill chunk after a 32k-token cached prefix:
@@ -19,8 +21,8 @@ Cases (bf16, GQA 32 query / 8 kv heads unless named):
 
 FLOPs are ``4 Lq Lk D H`` per sequence, halved when causal.  Times are medians of CUDA-event
 timings after warm-up.  ``--sweep`` then (after the results are written, so that a failing
-candidate loses only the sweep) times on the prefill workloads the candidate variants of
-the registered kernel (tile shapes, Q in registers, ping-pong), each with its registers as built here and its largest difference from
+candidate loses only the sweep) times on the prefill workloads the candidate tile shapes of
+the registered kernel, each with its registers as built here and its largest difference from
 the registered kernel's output; it adds ``"sweep"`` to the JSON and prints its table last.
 Writes ``benchmarks/results/varlen.json`` and prints a short table last.
 
@@ -46,26 +48,29 @@ import cupy_paged  # noqa: E402
 from cupy_paged._checks import BF16  # noqa: E402
 from cupy_paged._compiler import get_function  # noqa: E402
 from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops.varlen import TILES, Tiles, kernel_key  # noqa: E402
+from cupy_paged.ops.varlen import TILES, WGMMA_TILES, Tiles, WgmmaTiles, kernel_key, wgmma_key  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
-# Variants timed by --sweep: head dim -> [Tiles], on the same data as the registered
-# kernel (the v2-versus-v3 comparison of 2026-11-29 is in NOTES_varlen.md).
-# Candidates (flags: q_regs ``q``, pingpong ``p``) are the ones tests/test_varlen_gpu.py
-# checks in test_candidate_variants.
+# Variants timed by --sweep: head dim -> [WgmmaTiles | Tiles], on the same data as the
+# registered kernel (earlier sweeps, with their outcomes, are in NOTES_varlen.md).  The wgmma
+# candidates are checked by tests/test_varlen_gpu.py::test_wgmma_candidates.
 SWEEP = {
-    128: [Tiles(128, 128, 8, 2, 1, q_regs=True),
-          Tiles(128, 128, 8, 3, 1), Tiles(128, 64, 8, 2, 1),
-          Tiles(128, 128, 8, 3, 1, pingpong=True), Tiles(128, 64, 8, 3, 1, pingpong=True)],
-    64: [Tiles(128, 64, 4, 3, 1, q_regs=True),
-         Tiles(128, 64, 8, 3, 1, pingpong=True)],
-    256: [Tiles(128, 32, 8, 2, 1)],
+    128: [WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, overlap=True)],
+    64: [WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)],
+    256: [],
 }
 
 
-def sweep_label(tiles: Tiles) -> str:
-    return "v3_" + tiles.label()
+def sweep_label(tiles) -> str:
+    return tiles.label() if isinstance(tiles, WgmmaTiles) else "mma_" + tiles.label()
+
+
+def key_of(tiles, head_dim):
+    """(kernel key, kernel name) of a tile shape of either kernel."""
+    if isinstance(tiles, WgmmaTiles):
+        return wgmma_key(BF16, head_dim, tiles), varlen_ops.WGMMA_KERNEL
+    return kernel_key(BF16, head_dim, tiles), varlen_ops.KERNEL
 
 
 def mixed_lengths() -> list[int]:
@@ -213,6 +218,8 @@ def prefill_case(name, lens, head_dim, reps, cases):
     tflops = lambda ms: round(work / ms / 1e9, 1)  # noqa: E731
     value = tflops(time_ms(batch.ours(), reps))
     peers = {}
+    if varlen_ops.wgmma_available(head_dim):  # the package's other kernel, on the same data
+        peers["cupy_paged_mma_sync"] = tflops(time_ms(batch.ours(TILES[head_dim]), reps))
     for peer, make in (("torch_fa2_varlen", torch_fa2), ("cudnn_sdpa", torch_cudnn)):
         fn = make(batch)
         if fn is not None:
@@ -241,8 +248,7 @@ def sweep_case(name, lens, head_dim, reps, sweep):
         batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
         fn()
         diff = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
-        kernel = get_function(kernel_key(BF16, head_dim, tiles), varlen_ops.KERNEL,
-                              tiles.smem_bytes(head_dim))
+        kernel = get_function(*key_of(tiles, head_dim), tiles.smem_bytes(head_dim))
         row["variants"][label] = dict(tflops=round(work / time_ms(fn, reps) / 1e9, 1), maxdiff=diff,
                                       registers=kernel.num_regs, local_bytes=kernel.local_size_bytes)
         print(f"  sweep {name:24} {label:22} {row['variants'][label]}", flush=True)
@@ -379,14 +385,14 @@ def resources() -> list[dict]:
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     regs_sm, smem_sm = props["regsPerMultiprocessor"], props["sharedMemPerMultiprocessor"]
     rows = []
-    for key in varlen_ops.all_keys():
-        params = dict(key.params)
-        head_dim = params["HEAD_DIM"]
-        tiles = TILES[head_dim]
+    wgmma = varlen_ops.wgmma_available(128)
+    for key in varlen_ops.all_keys() + (varlen_ops.all_wgmma_keys() if wgmma else []):
+        head_dim = dict(key.params)["HEAD_DIM"]
+        tiles = WGMMA_TILES[head_dim] if key.arch else TILES[head_dim]
         smem = tiles.smem_bytes(head_dim)
-        fn = get_function(key, varlen_ops.KERNEL, smem)
+        fn = get_function(*key_of(tiles, head_dim), smem)
         regs = fn.num_regs
-        warps = tiles.warps
+        warps = 4 * tiles.groups if key.arch else tiles.warps
         by_regs = regs_sm // (warps * 32 * math.ceil(regs / 8) * 8)
         by_smem = smem_sm // (smem + 1024)
         ctas = min(by_regs, by_smem, 64 // warps)
@@ -399,8 +405,8 @@ def warm_all() -> None:
     """Compile every registered varlen specialization and the sweep's shapes, one process each."""
     import multiprocessing
 
-    keys = varlen_ops.all_keys() + [kernel_key(BF16, d, t) for d, shapes in SWEEP.items()
-                                    for t in shapes]
+    keys = (varlen_ops.all_keys() + varlen_ops.all_wgmma_keys()
+            + [key_of(t, d)[0] for d, shapes in SWEEP.items() for t in shapes])
     with multiprocessing.get_context("spawn").Pool() as pool:
         pool.map(_warm_one, keys)
 
@@ -451,9 +457,9 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"\n{'specialization':92} regs local  smem  CTA/SM warps/SM")
+    print(f"\n{'specialization':100} regs local  smem  CTA/SM warps/SM")
     for row in kernels:
-        print(f"{row['key']:92} {row['registers']:4} {row['local_bytes']:5} {row['smem']:6} "
+        print(f"{row['key']:100} {row['registers']:4} {row['local_bytes']:5} {row['smem']:6} "
               f"{row['ctas_per_sm']:6} {row['warps_per_sm']:8}")
     print(f"\n{'case':28} {'metric':14} {'value':>9}  peers   ({time.time() - start:.0f} s)")
     for case in cases:
@@ -464,8 +470,7 @@ def main() -> int:
         sweep: list[dict] = []
         for name, lens, head_dim in (("causal_d128_8x4096", [4096] * 8, 128),
                                      ("causal_d128_mixed", mixed_lengths(), 128),
-                                     ("causal_d64_16x2048", [2048] * 16, 64),
-                                     ("causal_d256_8x4096", [4096] * 8, 256)):
+                                     ("causal_d64_16x2048", [2048] * 16, 64)):
             sweep_case(name, lens, head_dim, args.reps, sweep)
         result["sweep"] = sweep
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,7 +4,8 @@
 # finished comes back even if the call is cut short) under its own time limit; a short table
 # prints last.
 #   usage (repository root): bash benchmarks/device_run.sh [warm tests bench sanitize ...]
-#   per-step limits in seconds: T_WARM T_TESTS T_BENCH T_SANITIZE
+#   per-step limits in seconds: T_WARM T_TESTS T_BENCH T_SANITIZE; extra arguments: TEST_ARGS,
+#   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10)
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
@@ -12,24 +13,25 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 steps=${*:-warm tests bench sanitize}
 summary=()
 
-run_step() {  # name, time limit (s), command...
-  local name=$1 limit=$2; shift 2
+run_step() {  # name, log file (under $OUT, appended: the device returns few files), time limit (s), command...
+  local name=$1 log=$OUT/$2.log limit=$3; shift 3
   local start=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "=== $name: $*" >>"$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$(tail -n 1 "$OUT/$name.log")")")
+  summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$(tail -n 1 "$log")")")
 }
 
 { python3 -m cupy_paged info; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; } >"$OUT/info.log" 2>&1
 for step in $steps; do
   case $step in
-    warm) run_step warm "${T_WARM:-150}" python3 -m cupy_paged warm --jobs "$(nproc)"
+    warm) run_step warm warm "${T_WARM:-150}" python3 -m cupy_paged warm --jobs "$(nproc)"
           [[ " ${BENCH_VARLEN_ARGS:-} " == *" --sweep "* ]] &&
-            run_step warm_sweep "${T_WARM:-150}" python3 benchmarks/bench_varlen.py --warm ;;
-    tests) run_step tests "${T_TESTS:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -x ;;
+            run_step warm_sweep warm "${T_WARM:-150}" python3 benchmarks/bench_varlen.py --warm ;;
+    tests) run_step tests tests "${T_TESTS:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} ;;
     bench)
-      run_step bench_decode "${T_BENCH:-150}" python3 benchmarks/bench_decode.py --quick
-      run_step bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py ${BENCH_VARLEN_ARGS:---reps 10}
+      run_step bench_decode bench_decode "${T_BENCH_DECODE:-${T_BENCH:-150}}" python3 benchmarks/bench_decode.py ${BENCH_DECODE_ARGS:---quick}
+      run_step bench_varlen bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py ${BENCH_VARLEN_ARGS:---reps 10}
       # one file for every results/*.json, since the device returns few files
       python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
@@ -38,13 +40,13 @@ pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
 PY
       ;;
     sanitize)
-      run_step memcheck "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+      run_step memcheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic"
-      run_step racecheck "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+      run_step racecheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 \
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
-grep -h -E "^FAILED|^ERROR" "$OUT/tests.log" 2>/dev/null | head -n 30
+grep -h -E "^FAILED|^ERROR" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -n 30
 head -n 14 "$OUT/info.log"
 printf '%s\n' "${summary[@]}"

@@ -4,7 +4,7 @@
 //   SCALAR_T   __half or __nv_bfloat16 (q, caches, new k/v, out)
 //   HEAD_DIM   32, 64, 96, 128 or 256
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
-//   STAGES     depth of the cp.async pipeline
+//   STAGES     depth of the cp.async pipeline (>= 3): STAGES - 1 tiles in flight
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
@@ -65,7 +65,10 @@ __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 static_assert(kHeadDim % 16 == 0 && kChunks % kChunkLanes == 0, "head_dim must be a multiple of 16");
 static_assert(kGroups >= 1 && kKeysPerWarp % 16 == 0, "each warp takes whole groups of 16 keys");
 static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues the same cp.async count");
-static_assert(kStages == 3, "the loaded-tile vote below keeps exactly one tile between issue and use");
+// The loaded-tile vote (one __syncthreads_and per iteration, on the tile after the one computed)
+// needs that tile issued before the barrier: true from 3 stages on.  Each thread keeps its flags
+// of the kStages - 2 tiles issued but not yet voted on (`pending` in the kernel).
+static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
 
 // Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile.
 // The first bytes are reused for the cross-warp merge at the end.
@@ -319,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 
   int blocks[kPasses];
   load_blocks(src, start, blocks);
-  bool issued_ok[kStages - 1] = {};
+  bool issued_ok[kStages - 1] = {};  // this thread's keys of tile s all loaded
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) {
@@ -330,9 +333,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     cp::cp_async_commit();
   }
   // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
-  // iteration t votes on tile t + 1 (issued one iteration earlier), so one vote is kept in hand.
+  // iteration t votes on tile t + 1 (issued at least one iteration earlier), so one vote is kept
+  // in hand.  At the top of iteration t, pending[i] is this thread's flag of tile t + 1 + i (the
+  // kStages - 2 tiles issued and not yet voted on; a flag of a tile past num_tiles is never used).
   bool tile_loaded = __syncthreads_and(issued_ok[0]);
-  bool pending_ok = issued_ok[1];
+  bool pending[kStages - 2];
+#pragma unroll
+  for (int i = 0; i < kStages - 2; ++i) pending[i] = issued_ok[i + 1];
 
   // Q fragments (A operand, one per k-step): lanes 0-15 address rows 0-15 of chunk 2kk, 16-31 of 2kk+1.
   u32 qa[kQInRegs ? kKSteps : 1][4];
@@ -358,11 +365,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp::cp_async_wait<kStages - 2>();
     // Tile landed for every thread; every warp is done with the stage refilled next.
-    const bool next_loaded = __syncthreads_and(pending_ok);
-    const int next = tile + kStages - 1;
+    const bool next_loaded = __syncthreads_and(pending[0]);
+#pragma unroll
+    for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
+    const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
     if (next < num_tiles) {
-      pending_ok = k_new ? issue_tile<true>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags)
-                         : issue_tile<false>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
+      pending[kStages - 3] = k_new ? issue_tile<true>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags)
+                                   : issue_tile<false>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
       load_blocks(src, start + (next + 1) * kTileKeys, blocks);
     }
     cp::cp_async_commit();

@@ -8,6 +8,11 @@ Every kernel family registers the compile-time parameters it is specialised on
   process (memoised), and returns one of its kernels.  The local headers that a
   source includes are folded into the source string, so CuPy's disk cache, which
   keys on the source text and the options only, never serves stale code.
+* A key may pin an architecture (``arch="sm_90a"``: kernels that use ``wgmma``, which
+  runs only on compute capability 9.0).  CuPy always compiles for the device's plain
+  architecture, so such a key is compiled here through NVRTC into a cubin, cached on
+  disk beside CuPy's own cache under a hash of source, options and NVRTC version, and
+  loaded with ``cupy.RawModule(path=...)``.
 * :func:`compile_offline` compiles a key through raw NVRTC with no GPU and no
   driver (``cupy.cuda.nvrtc``) for a given architecture and reports registers,
   shared memory and spills per kernel.  CI runs it for every key.
@@ -41,13 +46,18 @@ class KernelKey:
 
     source: str
     params: tuple[tuple[str, object], ...] = ()
+    arch: str = ""  # "" = the device's architecture; else the one target, e.g. "sm_90a"
 
     def options(self) -> tuple[str, ...]:
         return BASE_OPTIONS + tuple(f"-D{name}={value}" for name, value in self.params)
 
+    def archs(self) -> tuple[str, ...]:
+        """The architectures this key is built for offline (CI)."""
+        return (self.arch,) if self.arch else ARCHS
+
     def __str__(self) -> str:
         inner = ",".join(f"{name}={value}" for name, value in self.params)
-        return f"{self.source}[{inner}]"
+        return f"{self.source}[{inner}]" + (f"@{self.arch}" if self.arch else "")
 
 
 # family name -> function listing every key the package may ever launch
@@ -134,8 +144,11 @@ def get_module(key: KernelKey):
     """The ``cupy.RawModule`` of ``key``, compiled on first use (needs a GPU)."""
     import cupy
 
-    module = cupy.RawModule(code=load_source(key.source), options=key.options())
-    module.compile()
+    if key.arch:
+        module = cupy.RawModule(path=str(_cached_cubin(key)))
+    else:
+        module = cupy.RawModule(code=load_source(key.source), options=key.options())
+        module.compile()
     _BUILT.append(key)
     try:  # best effort: a read-only cache folder only loses the record
         kernel_cache_dir().mkdir(parents=True, exist_ok=True)
@@ -144,6 +157,22 @@ def get_module(key: KernelKey):
     except OSError:
         pass
     return module
+
+
+def _cached_cubin(key: KernelKey) -> pathlib.Path:
+    """The cubin of an architecture-pinned key, compiled through NVRTC on first use."""
+    from cupy.cuda import nvrtc
+
+    digest = hashlib.sha256("\0".join(
+        (load_source(key.source), *key.options(), key.arch, str(nvrtc.getVersion()))).encode()).hexdigest()
+    path = kernel_cache_dir() / f"cupy_paged_{digest[:32]}.cubin"
+    if not path.is_file():
+        cubin = _nvrtc_compile(key, key.arch)[1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(cubin)
+        os.replace(partial, path)  # atomic: concurrent builders (warm) never see half a file
+    return path
 
 
 @functools.cache
@@ -232,8 +261,8 @@ def parse_ptxas_log(log: str) -> list[KernelResources]:
     return kernels
 
 
-def compile_offline(key: KernelKey, arch: str = "sm_90") -> CompileReport:
-    """Compile ``key`` for ``arch`` through NVRTC alone (no GPU); raise on a compile error."""
+def _nvrtc_compile(key: KernelKey, arch: str) -> tuple[str, bytes]:
+    """(ptxas log, cubin) of ``key`` for ``arch``, through NVRTC alone (no GPU needed)."""
     from cupy.cuda import nvrtc
 
     options = list(key.options()) + [f"-arch={arch}", "-Xptxas=-v"]
@@ -249,6 +278,14 @@ def compile_offline(key: KernelKey, arch: str = "sm_90") -> CompileReport:
         cubin = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
+    return log, cubin
+
+
+def compile_offline(key: KernelKey, arch: str = "sm_90") -> CompileReport:
+    """Compile ``key`` for ``arch`` (its pinned one, if it has one) through NVRTC alone (no GPU);
+    raise on a compile error."""
+    arch = key.arch or arch
+    log, cubin = _nvrtc_compile(key, arch)
     return CompileReport(key, arch, parse_ptxas_log(log), log, len(cubin))
 
 
@@ -272,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     archs = args.arch or list(ARCHS)
-    jobs = [(key, arch) for key in all_keys() if args.filter in str(key) for arch in archs]
+    jobs = [(key, arch) for key in all_keys() if args.filter in str(key)
+            for arch in (archs if not key.arch else [key.arch])]
     # NVRTC releases the GIL while compiling, so threads compile in parallel.
     with ThreadPoolExecutor(args.jobs) as pool:
         reports = list(pool.map(lambda job: compile_offline(*job), jobs))

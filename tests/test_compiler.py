@@ -35,11 +35,33 @@ def test_compile_error_is_reported():
         _compiler.compile_offline(broken, "sm_90")
 
 
-@pytest.mark.parametrize("arch", _compiler.ARCHS)
-@pytest.mark.parametrize("key", KEYS, ids=str)
+@pytest.mark.parametrize("key,arch", [(key, arch) for key in KEYS for arch in key.archs()],
+                         ids=lambda x: str(x))
 def test_every_specialization_compiles(key, arch):
-    """CI has no GPU: this is where every kernel is compiled, for sm_80 and sm_90."""
+    """CI has no GPU: this is where every kernel is compiled, for sm_80 and sm_90 (and the
+    wgmma kernels for the one target they run on, sm_90a)."""
     report = _compiler.compile_offline(key, arch)
-    assert report.kernels, f"{key}: no kernel in the cubin"
+    assert report.arch == arch and report.kernels, f"{key}: no kernel in the cubin"
     for kernel in report.kernels:
         assert kernel.registers <= 255
+
+
+def test_pinned_architecture_keys():
+    pinned = [key for key in KEYS if key.arch]
+    assert pinned and all(key.arch == "sm_90a" and key.archs() == ("sm_90a",) for key in pinned)
+    assert all(str(key).endswith("@sm_90a") for key in pinned)
+    # wgmma only assembles for sm_90a: a plain sm_90 build must fail, or the key would not need pinning
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        _compiler.compile_offline(_compiler.KernelKey(pinned[0].source, pinned[0].params), "sm_90")
+
+
+def test_generated_wgmma_header_is_current():
+    """cuda_src/wgmma.cuh is what tools/gen_wgmma.py writes."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "gen_wgmma.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.TARGET.read_text() == gen.render()

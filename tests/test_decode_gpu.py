@@ -301,3 +301,80 @@ def test_launch_plans_follow_shapes():
     mqa = make_case(rng, F16, 128, 8, 1, 64, [70, 700, 1], 4, 0)
     for case in (small, split, mqa, small, split):
         check(dict(case), causal=True)
+
+
+# ---- the pipeline shapes bench_decode.py --sweep times (ops.decode.CANDIDATES): a shape that is
+# adopted is already verified.  A failure here rules out that shape only.
+def _candidate_params():
+    from cupy_paged.ops import decode
+
+    return [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
+            for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
+
+
+def _skip_without_smem(smem):
+    import cupy
+
+    optin = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["sharedMemPerBlockOptin"]
+    if smem > optin:
+        pytest.skip(f"the shape needs {smem} bytes of shared memory per CTA; this GPU allows {optin}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("head_dim,tiles", _candidate_params())
+def test_sweep_candidates_match_reference(monkeypatch, head_dim, tiles, dtype):
+    """Each candidate shape through the public function against the CPU reference: block sizes 16
+    and 256, new tokens appended (caches compared bitwise), long sequences (every stage of the
+    pipeline refilled many times), the plain and the masked (softcap) tile paths, forced splits."""
+    from cupy_paged.ops import decode
+
+    _skip_without_smem(tiles.smem_bytes(head_dim))
+    monkeypatch.setitem(decode.TILES, head_dim, tiles)
+    rng = np.random.default_rng(zlib.crc32(f"{head_dim}{tiles}{dtype}".encode()))
+    for block_size in (16, 256):
+        seqlens = [0, block_size - 1, block_size, 3 * block_size + 5, 2000]
+        case = make_case(rng, dtype, head_dim, 32, 8, block_size, seqlens, 1, 2)
+        check(case, causal=True)
+        check(case, causal=True, num_splits=3)
+        gqa4_sq4 = make_case(rng, dtype, head_dim, 8, 2, block_size, [1500, 7, 300], 4, 1)
+        check(gqa4_sq4, causal=True, softcap=20.0)
+        check(gqa4_sq4, causal=True, num_splits=5)
+
+
+@pytest.mark.parametrize("head_dim,tiles", _candidate_params())
+def test_sweep_candidates_holes(monkeypatch, head_dim, tiles):
+    """Holes in the middle of long sequences (the per-tile loaded vote decides which tiles skip the
+    mask): a candidate with the registered keys per stage equals the registered kernel bitwise
+    (same arithmetic in the same order, only the pipeline depth differs); any candidate has no NaN
+    and stays close to the registered kernel."""
+    import cupy
+
+    from cupy_paged.ops import decode
+
+    _skip_without_smem(tiles.smem_bytes(head_dim))
+    rng = np.random.default_rng(43)
+    case = make_case(rng, BF16, head_dim, 8, 2, 16, [1500, 999, 300, 17], 1, 1)
+    case["block_table"][0, 20:23] = -1      # a hole of 48 keys inside sequence 0
+    case["block_table"][1, 10] = 1_000_000  # an id past the cache
+    case["block_table"][2, 5] = -3
+    results = []
+    for shape in (decode.TILES[head_dim], tiles):
+        with monkeypatch.context() as patch:
+            patch.setitem(decode.TILES, head_dim, shape)
+            for splits in (1, 3):
+                dev = {name: cupy.asarray(value) for name, value in case.items()}
+                out = poisoned(case["q"].shape, BF16, xp=cupy)
+                out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits, out=out,
+                                                             return_softmax_lse=True, check_values=False)
+                results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
+    same_keys = tiles.keys == decode.TILES[head_dim].keys
+    for registered, candidate in zip(results[:2], results[2:]):
+        assert not np.isnan(candidate[0]).any()
+        if same_keys:
+            for a, b in zip(registered, candidate):
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        else:
+            assert_close(candidate[0], registered[0], BF16)
+            assert_close(candidate[1], registered[1], np.float32, what="lse", rtol=LSE_RTOL)
+            for a, b in zip(registered[2:], candidate[2:]):
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -35,8 +35,10 @@ def test_wheel_installs_and_compiles(tmp_path):
     env_dir = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
+    # Without PYTHONPATH: a checkout on it (its .egg-info) would make pip skip the install.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, text=True)
+                   check=True, capture_output=True, text=True, env=clean)
     # The fresh environment borrows this one's numpy/cupy/numba (no network in tests), but
     # cupy_paged itself must come from the wheel: run from a folder outside the checkout.
     borrowed = sysconfig.get_paths()["purelib"]

@@ -1,4 +1,6 @@
-"""flash_attn_varlen_func on the GPU (cuda_src/varlen.cu) against the CPU reference backend.
+"""flash_attn_varlen_func on the GPU (cuda_src/varlen.cu, cuda_src/varlen_wgmma.cu) against the
+CPU reference backend.  Every test runs once per kernel: ``wgmma`` (the default on compute
+capability 9.0, for the head dims it serves) and ``mma_sync`` (the default elsewhere).
 
 Every case draws fresh random inputs, runs the public function once on NumPy copies (the
 reference) and once on CuPy arrays with a NaN-poisoned ``out``, and checks every element of
@@ -17,6 +19,36 @@ from tests._util import DTYPES, assert_close, poisoned, randn, to_numpy
 pytestmark = pytest.mark.gpu
 
 NUM_HEADS = 8
+
+
+@pytest.fixture(autouse=True, params=["wgmma", "mma_sync"])
+def kernel(request, monkeypatch):
+    """Runs the test on one of the two varlen kernels."""
+    import cupy
+    from cupy_paged.ops import varlen as varlen_ops
+
+    if request.param == "mma_sync":
+        monkeypatch.setattr(varlen_ops, "USE_WGMMA", False)
+    else:
+        if cupy.cuda.Device().compute_capability != "90":
+            pytest.skip("wgmma runs on compute capability 9.0 only")
+        params = getattr(request.node, "callspec", None)
+        head_dim = params.params.get("head_dim") if params else None
+        if head_dim is not None and head_dim not in varlen_ops.WGMMA_TILES:
+            pytest.skip(f"no wgmma kernel for head_dim {head_dim}")
+        if "candidate_variants" in request.node.name:
+            pytest.skip("mma.sync candidates")
+    if request.param == "mma_sync" and "wgmma_candidates" in request.node.name:
+        pytest.skip("wgmma candidates")
+    return request.param
+
+
+def test_wgmma_kernel_is_the_default_on_hopper(kernel):
+    """The wgmma path is really taken (so the tests under ``wgmma`` test it)."""
+    from cupy_paged.ops import varlen as varlen_ops
+
+    for head_dim in (32, 64, 96, 128, 256):
+        assert varlen_ops.wgmma_available(head_dim) == (kernel == "wgmma" and head_dim in varlen_ops.WGMMA_TILES)
 LSE_RTOL = 1e-3  # the LSE is float32 from fp32 scores: only exp2/log2 rounding separates them
 
 
@@ -231,12 +263,38 @@ def test_candidate_variants(monkeypatch, candidate):
     from cupy_paged.ops import varlen as varlen_ops
 
     head_dim, shape = CANDIDATES[candidate]
+    monkeypatch.setattr(varlen_ops, "USE_WGMMA", False)
     monkeypatch.setitem(varlen_ops.TILES, head_dim, varlen_ops.Tiles(**shape))
-    run_case(15, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, causal=True, lse=True)
-    run_case(16, "bfloat16", head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0], num_kv_heads=2,
+    _candidate_cases(15, head_dim)
+
+
+def _candidate_cases(seed, head_dim):
+    """What a candidate shape must pass: the edge grid causal with LSE, chunked prefill, and
+    paged K/V with every option."""
+    run_case(seed, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, causal=True, lse=True)
+    run_case(seed + 1, "bfloat16", head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0], num_kv_heads=2,
              causal=True, lse=True)
-    run_case(17, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
+    run_case(seed + 2, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
              window=(100, 3), softcap=10.0, alibi=True, lse=True)
+
+
+# wgmma tile shapes that the benchmark's --sweep times next to the registered WGMMA_TILES
+# (the earlier default of D=64, two warpgroups, among them).
+WGMMA_CANDIDATES = {
+    "d128_1group_n64_s2": (128, dict(block_n=64, stages=2, groups=1)),
+    "d128_n128_s3_overlap": (128, dict(block_n=128, stages=3, overlap=True)),
+    "d64_2groups_n128_s2": (64, dict(block_n=128, stages=2)),
+    "d64_1group_n128_s2": (64, dict(block_n=128, stages=2, groups=1)),
+}
+
+
+@pytest.mark.parametrize("candidate", sorted(WGMMA_CANDIDATES))
+def test_wgmma_candidates(monkeypatch, candidate):
+    from cupy_paged.ops import varlen as varlen_ops
+
+    head_dim, shape = WGMMA_CANDIDATES[candidate]
+    monkeypatch.setitem(varlen_ops.WGMMA_TILES, head_dim, varlen_ops.WgmmaTiles(**shape))
+    _candidate_cases(18, head_dim)
 
 
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)

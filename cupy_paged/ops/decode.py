@@ -17,6 +17,12 @@ the block table's capacity ``max_blocks * block_size``), never from ``cache_seql
 choosing it needs no device-to-host copy and a captured graph replays the same choice.  What the
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
 the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).
+
+Tile shapes
+-----------
+One specialization per (dtype, head dim); its pipeline shape (keys per stage, stages) comes from
+:data:`TILES`.  ``run(p, tiles)`` launches another shape: :data:`CANDIDATES` are the ones the
+benchmark's ``--sweep`` times and ``tests/test_decode_gpu.py`` checks (NOTES_decode.md, v5).
 """
 from __future__ import annotations
 
@@ -58,15 +64,35 @@ def _row_bytes(head_dim: int) -> int:
     return 16 * (chunks if chunks % 8 == 0 else chunks + 1)
 
 
-def smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of ``paged_decode``: K and V stages, one flag per key, the Q tile."""
-    keys = tile_keys(head_dim)
-    return (2 * STAGES * keys + ROWS_PER_CTA) * _row_bytes(head_dim) + STAGES * keys * 4
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 64, 16 per warp) and
+    cp.async stages (at least 3: decode.cu's loaded-tile vote); ``stages - 1`` tiles in flight."""
+
+    keys: int
+    stages: int = STAGES
+
+    def label(self) -> str:
+        return f"k{self.keys}s{self.stages}"
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory: K and V stages, one flag per key, the Q tile (decode.cu's Smem)."""
+        return ((2 * self.stages * self.keys + ROWS_PER_CTA) * _row_bytes(head_dim)
+                + self.stages * self.keys * 4)
 
 
-def kernel_key(dtype, head_dim: int) -> KernelKey:
+# The registered shape of each head dim (the keys ``all_keys`` lists).
+TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
+# Head dim -> shapes that ``bench_decode.py --sweep`` times against TILES and the GPU tests check
+# (NOTES_decode.md, v5: bytes in flight per SM against warps per SM at D = 128).
+CANDIDATES = {128: (Tiles(64, 4), Tiles(64, 6), Tiles(128, 3))}
+
+
+def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
+    """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
+    tiles = tiles or TILES[head_dim]
     return KernelKey(SOURCE, (("SCALAR_T", _SCALAR_T[np.dtype(dtype)]), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tile_keys(head_dim)), ("STAGES", STAGES)))
+                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages)))
 
 
 def all_keys():
@@ -85,25 +111,28 @@ def _num_sms(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def _ctas_per_sm(function, head_dim: int) -> int:
-    """Resident CTAs of ``paged_decode`` per SM, from its registers and shared memory (Hopper limits)."""
-    regs_per_warp = -(-int(function.num_regs) * 32 // 256) * 256
+def ctas_per_sm(num_regs: int, smem: int) -> int:
+    """Resident 128-thread CTAs per SM for ``num_regs`` registers and ``smem`` bytes of dynamic
+    shared memory (Hopper limits: 64 Ki registers, 228 KiB of shared memory, 1 KiB per CTA)."""
+    regs_per_warp = -(-int(num_regs) * 32 // 256) * 256
     by_regs = 65536 // max(regs_per_warp * (THREADS // 32), 1)
-    by_smem = (228 * 1024) // (smem_bytes(head_dim) + 1024)
+    by_smem = (228 * 1024) // (smem + 1024)
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int) -> int:
+def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int,
+                  keys_per_tile: int = 0) -> int:
     """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
 
-    ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be.
+    ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be;
+    ``keys_per_tile`` the launched shape's (0: the registered one of ``head_dim``).
     Enough CTAs already (>= 80% of one wave) means no split.  Otherwise take the smallest split
     count whose wave efficiency (CTAs / slots of the waves they need) is within 5% of the best,
     with at least two tiles of keys per split so each split amortises its fixed costs.
     """
     slots = num_sms * ctas_per_sm
-    tiles = -(-max_keys // tile_keys(head_dim))
+    tiles = -(-max_keys // (keys_per_tile or TILES[head_dim].keys))
     if num_ctas >= 0.8 * slots or tiles < 4:
         return 1
     limit = max(1, min(MAX_SPLITS, tiles // 2))
@@ -201,30 +230,31 @@ class _Launch:
     shift: int         # log2(block_size), or -1
 
 
-# (device, dtype, q shape, cache shape, table columns, num_splits) -> _Launch; shapes alone decide
-# it, so a decode loop pays the kernel look-up and the split heuristic once.
+# (device, dtype, q shape, cache shape, table columns, num_splits, tiles) -> _Launch; shapes alone
+# decide it, so a decode loop pays the kernel look-up and the split heuristic once.
 _LAUNCHES: dict[tuple, _Launch] = {}
 
 
-def _launch_plan(p: DecodeProblem) -> _Launch:
+def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
     import cupy
 
+    head_dim = p.head_dim
+    tiles = tiles or TILES[head_dim]
     key = (cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.k_cache.shape, p.block_table.shape[1],
-           p.num_splits)
+           p.num_splits, tiles)
     launch = _LAUNCHES.get(key)
     if launch is None:
-        head_dim = p.head_dim
         rows = (p.num_heads // p.num_kv_heads) * p.seqlen_q
         row_groups = -(-rows // ROWS_PER_CTA)
-        kernels = kernel_key(p.q.dtype, head_dim)
-        smem = smem_bytes(head_dim)
+        kernels = kernel_key(p.q.dtype, head_dim, tiles)
+        smem = tiles.smem_bytes(head_dim)
         decode = get_function(kernels, "paged_decode", smem)
         if p.num_splits:
             splits = min(p.num_splits, MAX_SPLITS)
         else:
             max_keys = int(p.block_table.shape[1]) * p.block_size
             splits = choose_splits(p.batch * p.num_kv_heads * row_groups, max_keys, head_dim,
-                                   _num_sms(key[0]), _ctas_per_sm(decode, head_dim))
+                                   _num_sms(key[0]), ctas_per_sm(decode.num_regs, smem), tiles.keys)
         block_size = p.block_size
         shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
         launch = _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
@@ -235,22 +265,23 @@ def _launch_plan(p: DecodeProblem) -> _Launch:
     return launch
 
 
-def plan(p: DecodeProblem) -> int:
+def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
     """The split count ``run`` will use for ``p`` (``p.num_splits``, or the heuristic for 0)."""
-    return _launch_plan(p).splits
+    return _launch_plan(p, tiles).splits
 
 
-def run(p: DecodeProblem) -> None:
+def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
     """Append ``p.k_new``/``p.v_new`` to the caches and fill ``p.out`` (and ``p.lse``) on the GPU.
 
     Launches on CuPy's current stream with no host synchronisation; allocates only when an
     input needs realignment or the split workspace must grow (see the module docstring).
+    ``tiles`` (a candidate shape, default ``TILES[head_dim]``) is for the benchmark's sweep.
     """
     batch, seqlen_q, num_heads, head_dim = p.q.shape
     if batch == 0:
         return
     num_kv_heads = p.k_cache.shape[2]
-    launch = _launch_plan(p)
+    launch = _launch_plan(p, tiles)
     splits = launch.splits
 
     q = _vectorised(p.q)

@@ -1,9 +1,12 @@
-"""Launch glue of ``cuda_src/varlen.cu`` (``flash_attn_varlen_func`` on CUDA arrays).
+"""Launch glue of ``cuda_src/varlen.cu`` and ``cuda_src/varlen_wgmma.cu``
+(``flash_attn_varlen_func`` on CUDA arrays).
 
-One specialization per (dtype, head dim); its tile shape comes from :data:`TILES`.
-Causal masking, sliding windows, softcap, ALiBi, the LSE output and paged K/V (any
-block size) are run-time arguments of the same kernel, so a fresh machine compiles
-at most ``2 x len(HEAD_DIMS)`` modules for this family.
+Two kernels compute the same thing: ``varlen_fwd_wgmma`` (Hopper's ``wgmma``, built for
+sm_90a, head dims in :data:`WGMMA_TILES`) runs on compute capability 9.0, ``varlen_fwd``
+(``mma.sync``, any sm_80+ GPU, every head dim) elsewhere.  One specialization per (dtype,
+head dim) each; tile shapes come from :data:`TILES` and :data:`WGMMA_TILES`.  Causal
+masking, sliding windows, softcap, ALiBi, the LSE output and paged K/V (any block size)
+are run-time arguments, so a fresh machine compiles at most one module per (dtype, head dim).
 """
 from __future__ import annotations
 
@@ -16,6 +19,12 @@ from .._compiler import KernelKey, get_function, register_family
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
+WGMMA_SOURCE = "varlen_wgmma.cu"
+WGMMA_KERNEL = "varlen_fwd_wgmma"
+WGMMA_ARCH = "sm_90a"
+# Use the wgmma kernel where it can run (compute capability 9.0); tests and the benchmark turn
+# it off to run the mma.sync kernel on the same GPU.
+USE_WGMMA = True
 _WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bounds never overflow
 
 
@@ -56,11 +65,59 @@ TILES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class WgmmaTiles:
+    """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, warpgroups per CTA
+    (64 query rows each; one warpgroup lets two CTAs share an SM), and whether P V of a tile
+    overlaps the softmax of the next (``overlap``: needs 3 stages; varlen_wgmma.cu)."""
+
+    block_n: int
+    stages: int
+    overlap: bool = False
+    groups: int = 2
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.groups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.groups
+
+    def label(self) -> str:
+        return f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("o" if self.overlap else "")
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory, as ``WgTraits::kSmemBytes`` in varlen_wgmma.cu computes it."""
+        row_bytes = 2 * head_dim
+        return (1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
+                + self.stages * self.block_n)
+
+
+# (NOTES_varlen.md, v4-v6: measured against the other shapes on the H200)
+WGMMA_TILES = {
+    64: WgmmaTiles(64, 2, groups=1),  # 40 KB, 157 registers: 3 CTAs per SM overlap each other's softmax
+    128: WgmmaTiles(128, 2),           # 165 KB: one CTA of two warpgroups per SM
+    256: WgmmaTiles(64, 2),            # 198 KB
+}
+
+
+def wgmma_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKey:
+    """The wgmma specialization (sm_90a) for ``dtype`` and ``head_dim``."""
+    tiles = tiles or WGMMA_TILES[head_dim]
+    params = (("SCALAR_T", _scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
+              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("OVERLAP", int(tiles.overlap)))
+    return KernelKey(WGMMA_SOURCE, params, arch=WGMMA_ARCH)
+
+
+def _scalar(dtype) -> str:
+    return "__nv_bfloat16" if np.dtype(dtype) == BF16 else "__half"
+
+
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
     tiles = tiles or TILES[head_dim]
-    scalar = "__nv_bfloat16" if np.dtype(dtype) == BF16 else "__half"
-    params = (("SCALAR_T", scalar), ("HEAD_DIM", head_dim),
+    params = (("SCALAR_T", _scalar(dtype)), ("HEAD_DIM", head_dim),
               ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
               ("MIN_BLOCKS", tiles.min_blocks),
@@ -72,7 +129,20 @@ def all_keys():
     return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
 
 
+def all_wgmma_keys():
+    return [wgmma_key(dtype, d) for dtype in KERNEL_DTYPES for d in WGMMA_TILES]
+
+
 register_family("varlen", all_keys)
+register_family("varlen_wgmma", all_wgmma_keys)
+
+
+def wgmma_available(head_dim: int) -> bool:
+    """Whether the wgmma kernel serves ``head_dim`` on the current device."""
+    import cupy
+
+    return (USE_WGMMA and head_dim in WGMMA_TILES
+            and cupy.cuda.Device().compute_capability == "90")
 
 
 def _aligned(array) -> bool:
@@ -90,18 +160,24 @@ def _strides(array) -> list[np.int64]:
     return [np.int64(s // array.itemsize) for s in array.strides]
 
 
-def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
-    """Launch ``varlen_fwd`` on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
-    ``tiles`` (a candidate shape) is for the benchmark's sweep."""
+def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
+    """Launch the varlen kernel on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
+    ``tiles`` (a candidate shape; its type picks the kernel) is for the benchmark's sweep."""
     import cupy
 
     total_q = int(p.q.shape[0])
     if p.batch == 0 or total_q == 0 or p.max_seqlen_q == 0:
         return
     head_dim, num_heads = p.head_dim, p.num_heads
-    tiles = tiles or TILES[head_dim]
+    if tiles is None:
+        tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim) else TILES[head_dim]
     smem = tiles.smem_bytes(head_dim)
-    function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
+    if isinstance(tiles, WgmmaTiles):
+        function = get_function(wgmma_key(p.q.dtype, head_dim, tiles), WGMMA_KERNEL, smem)
+        block_m, threads = tiles.block_m, tiles.threads
+    else:
+        function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
+        block_m, threads = tiles.block_m, 32 * tiles.warps
 
     paged = p.block_table is not None
     usable = _slot_addressable if paged else _aligned
@@ -123,8 +199,8 @@ def run(p: VarlenProblem, tiles: Tiles | None = None) -> None:
     q_row, q_head, _ = _strides(q)
     left, right = (min(w, _WINDOW_CAP) for w in p.window)
 
-    grid = ((p.max_seqlen_q + tiles.block_m - 1) // tiles.block_m, num_heads, p.batch)
-    function(grid, (32 * tiles.warps,),
+    grid = ((p.max_seqlen_q + block_m - 1) // block_m, num_heads, p.batch)
+    function(grid, (threads,),
              (q, k, v, out, p.lse if p.lse is not None else null,
               p.cu_seqlens_q, p.cu_seqlens_k, table,
               p.alibi_slopes if p.alibi_slopes is not None else null,
