@@ -78,22 +78,27 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
   int hole = 0;
   if (src.table != nullptr) {
     const int offset_mask = (1 << src.block_shift) - 1;
+    // A slot (< 2^31, checked by the host) times the slot stride in bytes (positive, checked by
+    // the host) is one 32 x 32 -> 64-bit multiply-add per row: signed 64-bit index arithmetic
+    // cost ~7 instructions per copy here, the largest part of the paged loader.
+    const unsigned k_slot_bytes = static_cast<unsigned>(src.k_row) * sizeof(T);
+    const unsigned v_slot_bytes = static_cast<unsigned>(src.v_row) * sizeof(T);
     if (P::kLaneFixed && n0 + Tr::kBlockN <= src.length &&
         ((n0 + Tr::kBlockN - 1) >> src.block_shift) < src.table_width) {
       // A tile inside the sequence and inside the block table (every tile but a sequence's
       // last): every row is listed, so the table loads are unconditional (and can all be in
       // flight at once); only a block id outside [0, num_blocks) can still make a hole.
       const int c = threadIdx.x % Tr::kChunks;  // P::chunk(pass) for every pass
-      const T* k_chunk = src.k + c * 8;
-      const T* v_chunk = src.v + c * 8;
+      const char* k_chunk = reinterpret_cast<const char*>(src.k + c * 8);
+      const char* v_chunk = reinterpret_cast<const char*>(src.v + c * 8);
 #pragma unroll
       for (int pass = 0; pass < P::kCount; ++pass) {
         const int r = P::row(pass), j = n0 + r;
         const int block = __ldg(src.table + (j >> src.block_shift));
         const bool ok = static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
-        const int slot = ok ? (block << src.block_shift) | (j & offset_mask) : 0;
-        cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + (long long)slot * src.k_row, ok);
-        cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + (long long)slot * src.v_row, ok);
+        const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
+        cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+        cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
         if (c == 0) s_loadable[r] = ok;
         hole |= !ok;
       }
@@ -106,9 +111,11 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
       const bool listed = j < src.length && column < src.table_width;
       const int block = listed ? __ldg(src.table + column) : -1;
       const bool ok = listed && static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
-      const int slot = ok ? (block << src.block_shift) | (j & offset_mask) : 0;
-      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), src.k + (long long)slot * src.k_row + c * 8, ok);
-      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), src.v + (long long)slot * src.v_row + c * 8, ok);
+      const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
+      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c),
+                      reinterpret_cast<const char*>(src.k + c * 8) + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c),
+                      reinterpret_cast<const char*>(src.v + c * 8) + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
       if (c == 0) s_loadable[r] = ok;
       hole |= !ok && j < src.length;
     }

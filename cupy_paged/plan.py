@@ -67,6 +67,9 @@ class StepPlan:
     sample_mask: np.ndarray
     path: str
     block_size: int
+    # Device copies of the index arrays, made on the first layer whose cache is on the GPU when
+    # the plan was built into NumPy arrays (no PlanBuffers): one upload per step, not per layer.
+    _on_device: "StepPlan | None" = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -128,6 +131,8 @@ class StepPlan:
         """
         # The plan's index arrays were built (and are consistent) by build_plan: the per-layer
         # calls skip the host copies of the value checks, so a layer never syncs.
+        if isinstance(self.block_table, np.ndarray) and not isinstance(k_cache, np.ndarray):
+            return self._device_copy().attention(q, k, v, k_cache, v_cache, softmax_scale, **kwargs)
         if self.path == DECODE:
             out = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
                                           cache_seqlens=self.cache_seqlens, block_table=self.block_table,
@@ -139,6 +144,17 @@ class StepPlan:
                                       self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale,
                                       causal=True, block_table=self.block_table, check_values=False,
                                       **kwargs)
+
+
+    def _device_copy(self) -> "StepPlan":
+        """This plan with its index arrays on the current CUDA device (memoised)."""
+        if self._on_device is None:
+            import cupy
+
+            fields = {name: (cupy.asarray(getattr(self, name)) if getattr(self, name) is not None else None)
+                      for name in _INDEX_FIELDS}
+            self._on_device = dataclasses.replace(self, **fields)
+        return self._on_device
 
 
 def _to_host(array):

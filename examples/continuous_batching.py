@@ -60,7 +60,12 @@ def main() -> int:
     model = StandInModel(xp, dtype, layers=args.layers)
     cache = cupy_paged.PagedAttentionCache(args.layers, 2, 64, block_size=16, num_blocks=96,
                                            dtype=np.dtype(dtype).name)
-    scheduler = cupy_paged.Scheduler(cache, cupy_paged.SchedulerConfig(max_batch_tokens=256, max_num_seqs=16))
+    config = cupy_paged.SchedulerConfig(max_batch_tokens=256, max_num_seqs=16)
+    # On the GPU every plan goes into fixed device buffers: one upload per step for all layers.
+    buffers = (cupy_paged.PlanBuffers(max_batch=config.max_num_seqs, max_tokens=config.max_batch_tokens,
+                                      max_blocks_per_seq=cache.max_blocks_per_seq, device="cuda")
+               if xp is not np else None)
+    scheduler = cupy_paged.Scheduler(cache, config, buffers=buffers)
     rng = np.random.default_rng(1)
     system_prompt = rng.integers(0, 512, 48).tolist()  # shared: later requests hit the prefix cache
     for i in range(args.requests):

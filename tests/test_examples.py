@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -15,3 +17,9 @@ def test_continuous_batching_example_finishes_every_request():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("10 requests, 60 generated tokens"), result.stdout
     assert "free blocks at the end: 96 of 96" in result.stdout
+
+
+@pytest.mark.gpu
+def test_continuous_batching_example_on_the_gpu():
+    """The same run on the CUDA kernels (both paths: decode and paged varlen)."""
+    test_continuous_batching_example_finishes_every_request()

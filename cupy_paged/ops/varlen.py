@@ -151,9 +151,10 @@ def _aligned(array) -> bool:
 
 
 def _slot_addressable(cache) -> bool:
-    """The kernel addresses a paged cache by slot (block * block_size + offset) with one stride:
-    its blocks must be block_size rows apart, as in any C-contiguous cache."""
-    return _aligned(cache) and cache.strides[0] == cache.shape[1] * cache.strides[1]
+    """The kernel addresses a paged cache by slot (block * block_size + offset) with one positive
+    stride: its blocks must be block_size rows apart, as in any C-contiguous cache."""
+    return (_aligned(cache) and cache.strides[1] > 0
+            and cache.strides[0] == cache.shape[1] * cache.strides[1])
 
 
 def _strides(array) -> list[np.int64]:
