@@ -264,7 +264,7 @@ def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
     decode_ops.run(problem)
     reference = out.astype(np.float32)
     row = {"name": name, "registered": registered.label(), "shapes": {}}
-    for tiles in (registered,) + decode_ops.CANDIDATES[DIM]:
+    for tiles in (registered,) + decode_ops.CANDIDATES.get(DIM, ()):
         try:
             out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten element shows in the difference
             decode_ops.run(problem, tiles)
