@@ -13,26 +13,17 @@
 //
 // Compile-time parameters (cupy_paged/ops/varlen.py spells them in the KernelKey):
 //   SCALAR_T (__half | __nv_bfloat16), HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES,
-//   MIN_BLOCKS (CTAs per SM the register allocation must allow), Q_IN_REGS (1: the warp's Q
-//   A-fragments are read from shared memory once and stay in registers for the whole key loop),
-//   PINGPONG (1: the upper half of the warps computes P V of a tile one iteration late, see below).
+//   MIN_BLOCKS (CTAs per SM the register allocation must allow).
 // Everything else (causal/window, softcap, ALiBi, LSE, paged or not, block size) is a
 // run-time argument, so one specialization serves all of them.
 //
-// v3 (see benchmarks/NOTES_varlen.md): Q fragments optionally in registers; ldmatrix addresses
-// as one per-lane base XOR a compile-time step (no per-use swizzle arithmetic); a full
-// contiguous key tile is copied with one pointer step per pass and no predicates, a full paged
-// one with unconditional block-table loads; the prefetch
-// of the next tile is issued after S = Q K^T, while the tensor cores drain it; tree reductions
-// for the row max and sum.
-//
-// PINGPONG (a candidate, timed by the benchmark's sweep): all warps meet at one barrier per key
-// tile, so without it they run in phase and the tensor cores idle while every warp computes its
-// softmax.  With it, warps [NUM_WARPS/2, NUM_WARPS) (each shares a scheduler with warp w - NUM_WARPS/2)
-// run P V of tile j at the start of iteration j + 1, before their Q K^T of tile j + 1: so one warp
-// of each scheduler is in its softmax while the other issues mma.  They keep P of tile j packed
-// in registers across the barrier, and V of tile j must stay in shared memory one iteration
-// longer: at least 3 stages, and the prefetch runs NUM_STAGES - 2 tiles ahead instead of - 1.
+// v3 (see benchmarks/NOTES_varlen.md): ldmatrix addresses as one per-lane base XOR a
+// compile-time step (no per-use swizzle arithmetic); a full contiguous key tile is copied with
+// one pointer step per pass and no predicates, a full paged one with unconditional block-table
+// loads; the prefetch of the next tile is issued after S = Q K^T, while the tensor cores drain
+// it; tree reductions for the row max and sum.  (Q fragments kept in registers and a ping-pong
+// of the two warp halves were tried as compile-time options, lost or spilled, and were removed:
+// NOTES_varlen.md, v3.)
 //
 // Safety: rows past a sequence's end, block ids outside [0, num_blocks), block-table columns
 // past its width and cu_seqlens entries outside the arrays are never dereferenced: such keys
@@ -45,22 +36,11 @@ namespace varlen {
 using cp::u32;
 using T = SCALAR_T;
 
-#ifndef Q_IN_REGS
-#define Q_IN_REGS 0
-#endif
-#ifndef PINGPONG
-#define PINGPONG 0
-#endif
-
-template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS, bool Q_REGS, bool PING_PONG>
+template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS>
 struct Traits {
   static constexpr int kHeadDim = D, kBlockM = BM, kBlockN = BN, kWarps = WARPS, kStages = STAGES;
   static constexpr int kMinBlocks = MIN_CTAS;
-  static constexpr bool kQInRegs = Q_REGS;
-  static constexpr bool kPingPong = PING_PONG;
-  // Key tiles in flight ahead of the one computed: a stage is rewritten only after every warp is
-  // done with it (the late warps of PINGPONG read V one iteration later).
-  static constexpr int kAhead = PING_PONG ? STAGES - 2 : STAGES - 1;
+  static constexpr int kAhead = STAGES - 1;  // key tiles in flight ahead of the one computed
   static constexpr int kThreads = WARPS * 32;
   static constexpr int kWarpRows = BM / WARPS;  // query rows per warp
   static constexpr int kMTiles = kWarpRows / 16;  // m16 tiles per warp
@@ -79,11 +59,9 @@ struct Traits {
   static_assert(D % 16 == 0 && BN % 16 == 0, "head dim and key tile must be multiples of 16");
   static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
   static_assert(STAGES >= 2, "at least double buffering");
-  static_assert(!PING_PONG || (STAGES >= 3 && WARPS % 8 == 0),
-                "PINGPONG: a stage is held one more iteration; warp w and w + WARPS/2 share a scheduler");
 };
 
-using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS, Q_IN_REGS != 0, PINGPONG != 0>;
+using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS>;
 
 }  // namespace varlen
 
@@ -118,9 +96,6 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int warp_row0, int lane) {
   return lo;
 }
 
-// The warp's Q A-fragments [m16 tile][k16 step] when Q_IN_REGS (else a 1x1 placeholder).
-using QFrags = u32[Tr::kQInRegs ? Tr::kMTiles : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
-
 // ---------------------------------------------------------------------------- math steps
 
 // Q A-fragments of this warp's rows, from the Q tile in shared memory.
@@ -130,9 +105,9 @@ __device__ __forceinline__ void load_q_frags(u32 (&a)[Tr::kMTiles][4], u32 s_q, 
     cp::ldmatrix_x4(a[mt], s_q + mt * 16 * Tr::kRowBytes + step_offset(lo.q, kk));
 }
 
-// S = Q K^T for this warp's rows and one key tile (Q from `qf` when Q_IN_REGS, else from s_q).
-__device__ __forceinline__ void qk_tile(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const QFrags& qf, u32 s_q,
-                                        u32 s_k, const LaneOffsets& lo) {
+// S = Q K^T for this warp's rows and one key tile.
+__device__ __forceinline__ void qk_tile(float (&s)[Tr::kMTiles][Tr::kNTiles][4], u32 s_q, u32 s_k,
+                                        const LaneOffsets& lo) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
@@ -142,14 +117,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
 #pragma unroll
   for (int kk = 0; kk < Tr::kKSteps; ++kk) {
     u32 a[Tr::kMTiles][4];
-    if constexpr (Tr::kQInRegs) {
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[mt][e] = qf[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0][e];
-    } else {
-      load_q_frags(a, s_q, lo, kk);
-    }
+    load_q_frags(a, s_q, lo, kk);
     const u32 k_address = s_k + step_offset(lo.k, kk);
 #pragma unroll
     for (int np = 0; np < Tr::kNTiles / 2; ++np) {
@@ -210,28 +178,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
 
   int hole_bits = load_prologue(s_q, s_kv, s_loadable, t, q_row, total_q);  // bit s: a hole in stage s
 
-  // Q_IN_REGS: the Q group, committed first, has landed once at most the kAhead key groups
-  // after it are pending; after the barrier every thread's part of the tile is visible.  The
-  // fragments then stay in registers; the Q tile in shared memory is not read again.
-  QFrags qf;
-  if constexpr (Tr::kQInRegs) {
-    cp::cp_async_wait<Tr::kAhead>();
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < Tr::kKSteps; ++kk)
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt)
-        cp::ldmatrix_x4(qf[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0],
-                        s_q + mt * 16 * Tr::kRowBytes + step_offset(lo.q, kk));
-  }
-
-  // PINGPONG: this warp is one of the late half; it holds P of the previous tile (if it saw
-  // that tile) and runs its P V at the start of the next iteration, or after the loop.
-  // Every path through an iteration writes `p` after that use (zeros where the warp does not
-  // see the tile), so `p` is dead, and takes no registers, during Q K^T and the softmax.
-  const bool late = Tr::kPingPong && warp >= Tr::kWarps / 2;
   PFrags p;
-  bool late_pending = false;  // P of the previous tile (stage (stage + kStages - 1) % kStages) is in p
 
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % Tr::kStages;
@@ -240,19 +187,15 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
     cp::cp_async_wait<Tr::kAhead - 1>();
     const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
 
-    if (Tr::kPingPong && late_pending)                                            // O += P V, late
-      pv_tile(p, st, s_kv + (2 * ((stage + Tr::kStages - 1) % Tr::kStages) + 1) * Tr::kKVBytes, lo);
-
     // Does this warp see any key of the tile?  (A warp past the sequence's end only loads.)
     const bool visible = warp_active &&
                          (window_right < 0 || n0 <= row_last + offset + window_right) &&
                          (window_left < 0 || n0 + Tr::kBlockN - 1 >= row0 + offset - window_left);
     const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes, s_v = s_k + Tr::kKVBytes;
     float s[Tr::kMTiles][Tr::kNTiles][4];
-    if (visible) qk_tile(s, qf, s_q, s_k, lo);                                   // S = Q K^T
+    if (visible) qk_tile(s, s_q, s_k, lo);                                   // S = Q K^T
 
-    // Prefetch the tile kAhead ahead into the stage freed by the barrier (computed kStages -
-    // kAhead iterations ago).  Issued after the QK^T mma instructions, so that its address
+    // Prefetch the tile kAhead ahead into the stage freed by the barrier.  Issued after the QK^T mma instructions, so that its address
     // arithmetic fills issue slots while the tensor cores drain them; every thread takes part.
     {
       const int ahead = it + Tr::kAhead, ps = ahead % Tr::kStages;
@@ -261,18 +204,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
       cp::cp_async_commit();
     }
 
-    late_pending = false;
-    if (!visible) {
-      if constexpr (Tr::kPingPong) {
-#pragma unroll
-        for (int mt = 0; mt < Tr::kMTiles; ++mt)
-#pragma unroll
-          for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[mt][kk][e] = 0u;
-      }
-      continue;
-    }
+    if (!visible) continue;
     // Does the tile straddle one of this warp's bounds?  (Under causal masking: only the tiles
     // on the diagonal, and a sequence's last, partial key tile.)
     const bool needs_mask = hole || n0 + Tr::kBlockN > length_k ||
@@ -284,14 +216,8 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
                  s_loadable + stage * Tr::kBlockN, lane);
     online_softmax(s, st, scale_log2);                                           // P = softmax(S)
     pack_p(s, p);
-    if (late) {
-      late_pending = true;
-    } else {
-      pv_tile(p, st, s_v, lo);                                                   // O += P V
-    }
+    pv_tile(p, st, s_v, lo);                                                     // O += P V
   }
-  if (Tr::kPingPong && late_pending)  // the last tile's V is still in its stage: nothing rewrites it
-    pv_tile(p, st, s_kv + (2 * ((num_tiles - 1) % Tr::kStages) + 1) * Tr::kKVBytes, lo);
   cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
   if (warp_active)

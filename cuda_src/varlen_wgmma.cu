@@ -17,9 +17,9 @@
 // proxies after its copies land and before the barrier that publishes them.
 //
 // Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys per tile),
-// NUM_STAGES (K/V pipeline depth), OVERLAP (1: P V of tile j runs on the tensor cores while the
-// warps compute the softmax of tile j + 1; needs 3 stages; see the kernel's loop).  Compiled for sm_90a only (ops/varlen.py picks this kernel on
-// compute capability 9.0 and falls back to varlen.cu elsewhere).
+// NUM_STAGES (K/V pipeline depth).  Compiled for sm_90a only (ops/varlen.py picks this kernel on
+// compute capability 9.0 and falls back to varlen.cu elsewhere).  An in-warpgroup overlap of
+// P V with the next tile's softmax was built and measured slower (NOTES_varlen.md, v5).
 #include "common.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -30,10 +30,9 @@ using cp::u32;
 using cp::u64;
 using T = SCALAR_T;
 
-template <int D, int GROUPS, int BN, int STAGES, bool OVERLAP_PV>
+template <int D, int GROUPS, int BN, int STAGES>
 struct WgTraits {
   static constexpr int kHeadDim = D, kBlockM = 64 * GROUPS, kBlockN = BN, kStages = STAGES;
-  static constexpr bool kOverlap = OVERLAP_PV;
   static constexpr int kWarps = 4 * GROUPS, kThreads = 128 * GROUPS, kGroupRows = 64;
   // CTAs per SM the registers must allow: one warpgroup per CTA leaves room for two CTAs (at up to
   // 255 registers a thread), whose independent schedules overlap one's softmax with the other's
@@ -57,16 +56,12 @@ struct WgTraits {
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of Q K^T: 64, 128 or 256");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert(GROUPS == 1 || GROUPS == 2, "one or two warpgroups per CTA");
-  static_assert(!OVERLAP_PV || STAGES >= 3, "OVERLAP: tiles j (P V), j + 1 (Q K^T) and the prefetched one coexist");
 };
 
-#ifndef OVERLAP
-#define OVERLAP 0
-#endif
 #ifndef WARPGROUPS
 #define WARPGROUPS 2
 #endif
-using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES, OVERLAP != 0>;
+using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES>;
 
 }  // namespace varlen
 
@@ -191,79 +186,28 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
   PFrags p;
   RowFactors alphas;
 
-  if constexpr (!Tr::kOverlap) {
-    // In phase: per tile, S = Q K^T (the prefetch overlaps it), softmax, O += P V, each waited for.
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % Tr::kStages;
-      const int n0 = (tile_first - it) * Tr::kBlockN;
-      // Wait for this tile (and Q), hand it to the async proxy, publish it; the barrier also
-      // frees the stage that no warpgroup reads any more.
-      cp::cp_async_wait<Tr::kAhead - 1>();
-      cp::fence_proxy_async();
-      const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
-      const bool visible = sees(n0);
-      float s[1][Tr::kNTiles][4];
-      if (visible) qk_issue(s[0], desc_q, desc_k + stage_step(stage));          // S = Q K^T
-      prefetch(it + Tr::kAhead);
-      if (!visible) continue;
-      cp::wgmma_wait<0>();
-      fence_operands(s[0]);
-      scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
-                  softmax_scale, softcap, window_left, window_right);           // P = softmax(S)
-      rescale_o(st, alphas);
-      pack_p(s, p);
-      pv_issue(st.o[0], p[0], desc_v + stage_step(stage));                      // O += P V
-      pv_wait<0>(st.o[0], p[0]);
-    }
-  } else {
-    // Overlapped: tile j's S = Q K^T and softmax run in iteration j - 1 (tile 0's before the loop),
-    // its P V in iteration j, issued right after Q K^T of tile j + 1; the softmax of tile j + 1
-    // then runs on the CUDA cores while the tensor cores compute P V of tile j.  Only the O
-    // rescale waits for that P V.  Between the two halves, p holds P of tile j.
-    bool p_ready = false;  // p holds P of tile `it`, which this warpgroup sees
-    {
-      cp::cp_async_wait<Tr::kAhead - 1>();  // Q and tile 0
-      cp::fence_proxy_async();
-      const bool hole = __syncthreads_or(hole_bits & 1);
-      const int n0 = tile_first * Tr::kBlockN;
-      if (sees(n0)) {
-        float s[1][Tr::kNTiles][4];
-        qk_issue(s[0], desc_q, desc_k);
-        cp::wgmma_wait<0>();
-        fence_operands(s[0]);
-        scores_to_p(s, st, alphas, t, n0, hole, s_loadable, row0, row_last, lane, softmax_scale, softcap,
-                    window_left, window_right);  // O is still zero: nothing to rescale
-        pack_p(s, p);
-        p_ready = true;
-      }
-    }
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % Tr::kStages, next = it + 1, next_stage = next % Tr::kStages;
-      const int n0_next = (tile_first - next) * Tr::kBlockN;
-      // Tile it + 1 has landed (kAhead - 2 younger groups may still be in flight), and every
-      // warpgroup is done with tile it - 1, whose stage the prefetch below refills.
-      cp::cp_async_wait<Tr::kAhead - 2>();
-      cp::fence_proxy_async();
-      const bool hole_next = __syncthreads_or((hole_bits >> next_stage) & 1);
-      const bool see_next = next < num_tiles && sees(n0_next);
-      float s[1][Tr::kNTiles][4];
-      if (see_next) qk_issue(s[0], desc_q, desc_k + stage_step(next_stage));     // S = Q K^T, tile it + 1
-      if (p_ready) pv_issue(st.o[0], p[0], desc_v + stage_step(stage));          // O += P V, tile it
-      prefetch(it + Tr::kAhead);
-      if (see_next) {
-        if (p_ready) cp::wgmma_wait<1>(); else cp::wgmma_wait<0>();              // S has landed
-        fence_operands(s[0]);
-        scores_to_p(s, st, alphas, t, n0_next, hole_next, s_loadable + next_stage * Tr::kBlockN, row0,
-                    row_last, lane, softmax_scale, softcap, window_left, window_right);
-        if (p_ready) pv_wait<0>(st.o[0], p[0]);                                  // P V of tile it is done
-        rescale_o(st, alphas);
-        pack_p(s, p);
-        p_ready = true;
-      } else {
-        if (p_ready) pv_wait<0>(st.o[0], p[0]);
-        p_ready = false;
-      }
-    }
+  // Per tile: S = Q K^T (the prefetch overlaps it), softmax, O += P V, each waited for.
+  for (int it = 0; it < num_tiles; ++it) {
+    const int stage = it % Tr::kStages;
+    const int n0 = (tile_first - it) * Tr::kBlockN;
+    // Wait for this tile (and Q), hand it to the async proxy, publish it; the barrier also
+    // frees the stage that no warpgroup reads any more.
+    cp::cp_async_wait<Tr::kAhead - 1>();
+    cp::fence_proxy_async();
+    const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
+    const bool visible = sees(n0);
+    float s[1][Tr::kNTiles][4];
+    if (visible) qk_issue(s[0], desc_q, desc_k + stage_step(stage));          // S = Q K^T
+    prefetch(it + Tr::kAhead);
+    if (!visible) continue;
+    cp::wgmma_wait<0>();
+    fence_operands(s[0]);
+    scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
+                softmax_scale, softcap, window_left, window_right);           // P = softmax(S)
+    rescale_o(st, alphas);
+    pack_p(s, p);
+    pv_issue(st.o[0], p[0], desc_v + stage_step(stage));                      // O += P V
+    pv_wait<0>(st.o[0], p[0]);
   }
   cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 

@@ -244,15 +244,12 @@ def test_block_table_holes(block_size):
     _holes_case(128, block_size)
 
 
-# Candidate specializations that the benchmark's --sweep times but TILES does not register
-# (yet): Q fragments in registers, and the PINGPONG schedule (half of the warps run P V one
-# iteration late; 3 stages).  A failure here rules out that candidate only.
+# Other tile shapes of the mma.sync kernel than TILES registers (NOTES_varlen.md measured them:
+# 3 stages and 64-key tiles at D=128, 8 warps at D=64).  A failure here rules out that shape only.
 CANDIDATES = {
-    "q_regs_d64": (64, dict(block_m=128, block_n=64, warps=4, stages=3, q_regs=True)),
-    "q_regs_d128": (128, dict(block_m=128, block_n=128, warps=8, stages=2, q_regs=True)),
-    "pingpong_d64": (64, dict(block_m=128, block_n=64, warps=8, stages=3, pingpong=True)),
-    "pingpong_d128": (128, dict(block_m=128, block_n=128, warps=8, stages=3, pingpong=True)),
-    "pingpong_d128_n64": (128, dict(block_m=128, block_n=64, warps=8, stages=3, pingpong=True)),
+    "d128_n128_w8_s3": (128, dict(block_m=128, block_n=128, warps=8, stages=3)),
+    "d128_n64_w8_s2": (128, dict(block_m=128, block_n=64, warps=8, stages=2)),
+    "d64_n64_w8_s3": (64, dict(block_m=128, block_n=64, warps=8, stages=3)),
 }
 
 
@@ -282,7 +279,7 @@ def _candidate_cases(seed, head_dim):
 # (the earlier default of D=64, two warpgroups, among them).
 WGMMA_CANDIDATES = {
     "d128_1group_n64_s2": (128, dict(block_n=64, stages=2, groups=1)),
-    "d128_n128_s3_overlap": (128, dict(block_n=128, stages=3, overlap=True)),
+    "d128_n128_s3": (128, dict(block_n=128, stages=3)),
     "d64_2groups_n128_s2": (64, dict(block_n=128, stages=2)),
     "d64_1group_n128_s2": (64, dict(block_n=128, stages=2, groups=1)),
 }

@@ -30,22 +30,17 @@ _WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bo
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Tile shape of one head dim: query rows per CTA, keys per tile, warps, K/V pipeline
-    stages, the CTAs per SM that the register allocation must leave room for, whether each
-    warp keeps its Q fragments in registers for the whole key loop, and whether half of the
-    warps run P V one iteration late (``pingpong``: needs 8 warps and 3 stages; varlen.cu)."""
+    """Tile shape of one head dim (mma.sync kernel): query rows per CTA, keys per tile, warps,
+    K/V pipeline stages, and the CTAs per SM that the register allocation must leave room for."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
     min_blocks: int = 1
-    q_regs: bool = False
-    pingpong: bool = False
 
     def label(self) -> str:
-        return (f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}m{self.min_blocks}"
-                + ("q" if self.q_regs else "") + ("p" if self.pingpong else ""))
+        return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}m{self.min_blocks}"
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
@@ -67,13 +62,11 @@ TILES = {
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaTiles:
-    """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, warpgroups per CTA
-    (64 query rows each; one warpgroup lets two CTAs share an SM), and whether P V of a tile
-    overlaps the softmax of the next (``overlap``: needs 3 stages; varlen_wgmma.cu)."""
+    """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, and warpgroups per
+    CTA (64 query rows each; one warpgroup lets two CTAs share an SM)."""
 
     block_n: int
     stages: int
-    overlap: bool = False
     groups: int = 2
 
     @property
@@ -85,7 +78,7 @@ class WgmmaTiles:
         return 128 * self.groups
 
     def label(self) -> str:
-        return f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("o" if self.overlap else "")
+        return f"wg{self.block_m}x{self.block_n}s{self.stages}"
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``WgTraits::kSmemBytes`` in varlen_wgmma.cu computes it."""
@@ -106,7 +99,7 @@ def wgmma_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKe
     """The wgmma specialization (sm_90a) for ``dtype`` and ``head_dim``."""
     tiles = tiles or WGMMA_TILES[head_dim]
     params = (("SCALAR_T", _scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
-              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("OVERLAP", int(tiles.overlap)))
+              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages))
     return KernelKey(WGMMA_SOURCE, params, arch=WGMMA_ARCH)
 
 
@@ -120,8 +113,7 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     params = (("SCALAR_T", _scalar(dtype)), ("HEAD_DIM", head_dim),
               ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
-              ("MIN_BLOCKS", tiles.min_blocks),
-              ("Q_IN_REGS", int(tiles.q_regs)), ("PINGPONG", int(tiles.pingpong)))
+              ("MIN_BLOCKS", tiles.min_blocks))
     return KernelKey(SOURCE, params)
 
 
