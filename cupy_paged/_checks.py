@@ -27,6 +27,7 @@ KERNEL_DTYPES = (np.dtype(np.float16), BF16)
 REFERENCE_DTYPES = KERNEL_DTYPES + (np.dtype(np.float32), np.dtype(np.float64))
 HEAD_DIMS = (32, 64, 96, 128, 256)
 BLOCK_SIZES = tuple(2 ** i for i in range(3, 9))  # 8 .. 256
+WINDOW_CAP = 1 << 30  # windows are clamped to this: wider than any sequence, int32-safe
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
@@ -88,7 +89,9 @@ def check_window(window_size) -> tuple[int, int]:
         raise ValueError(f"window_size must be a pair (left, right) of ints; got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
-    return left, right
+    # A window wider than any sequence is no window bound at all; clamped, it fits the kernels'
+    # int32 index arithmetic (a row position plus the window never overflows).
+    return min(left, WINDOW_CAP), min(right, WINDOW_CAP)
 
 
 def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
@@ -124,6 +127,17 @@ def check_out(out, name: str, shape: tuple, dtype, like):
     if not out.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
     return out
+
+
+def check_cache_pair(k_cache, v_cache, k_name: str = "k_cache", v_name: str = "v_cache") -> None:
+    """Paged caches: the same shape, and C-contiguous, so that the kernels reach every slot
+    (block * block_size + offset) with one stride."""
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k_cache.shape)}; "
+                         f"got {tuple(v_cache.shape)}")
+    for name, cache in ((k_name, k_cache), (v_name, v_cache)):
+        if not cache.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
 
 
 def check_lse(lse_out, shape: tuple, like, wanted: bool):
@@ -250,6 +264,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     check_heads(num_heads, int(k.shape[-2]), "q", "k")
     if paged:
         check_block_size(int(k.shape[1]), "k")
+        check_cache_pair(k, v, "k", "v")
 
     cu_q = check_index(cu_seqlens_q, "cu_seqlens_q", 1, "[batch_size + 1]")
     cu_k = check_index(cu_seqlens_k, "cu_seqlens_k", 1, "[batch_size + 1]")
@@ -376,12 +391,7 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
         check_float(array, name, backend)
         check_contiguous_last(array, name)
     check_same_dtype(q, "q", k_cache=k_cache, v_cache=v_cache, k=k, v=v)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}; "
-                         f"got {tuple(v_cache.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not cache.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
+    check_cache_pair(k_cache, v_cache)
     batch, seqlen_q, num_heads, head_dim = (int(s) for s in q.shape)
     if seqlen_q < 1:
         raise ValueError(f"q must hold at least one query token per sequence; got seqlen_q = {seqlen_q}")
@@ -461,13 +471,9 @@ def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=True):
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
     check_rank(k_cache, "k_cache", (4,), layout)
     check_rank(v_cache, "v_cache", (4,), layout)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}; "
-                         f"got {tuple(v_cache.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(cache, name, backend)
-        if not cache.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
+    check_cache_pair(k_cache, v_cache)
+    check_float(k_cache, "k_cache", backend)
+    check_float(v_cache, "v_cache", backend)
     _, _, num_kv_heads, head_dim = (int(s) for s in k_cache.shape)
     token_layout = f"[num_tokens, num_kv_heads = {num_kv_heads}, head_dim = {head_dim}]"
     for name, array in (("k", k), ("v", v)):

@@ -175,9 +175,18 @@ def _cached_cubin(key: KernelKey) -> pathlib.Path:
     return path
 
 
-@functools.cache
 def get_function(key: KernelKey, kernel: str, dynamic_smem: int = 0):
-    """Kernel ``kernel`` of ``key``'s module, allowed ``dynamic_smem`` bytes of shared memory."""
+    """Kernel ``kernel`` of ``key``'s module on the current device, allowed ``dynamic_smem``
+    bytes of shared memory."""
+    import cupy
+
+    return _device_function(key, kernel, dynamic_smem, cupy.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _device_function(key: KernelKey, kernel: str, dynamic_smem: int, device: int):
+    # The shared-memory limit is an attribute of the function as loaded on one device: another
+    # device gets its own function object, with the limit raised there.
     function = get_module(key).get_function(kernel)
     if dynamic_smem > 48 * 1024:
         function.max_dynamic_shared_size_bytes = dynamic_smem

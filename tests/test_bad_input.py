@@ -87,6 +87,9 @@ CASES = {
                                     ValueError, "block_table"),
     "varlen_paged_block_id_unallocated": (VARLEN, paged_varlen_args(block_table=np.array([[0, -1], [2, -1]], np.int32)),
                                           ValueError, "block_table"),
+    "varlen_paged_cache_strided": (VARLEN, paged_varlen_args(k=randn(RNG, (4, 8, 4, 64), F16)[:, :, ::2],
+                                                             v=randn(RNG, (4, 8, 4, 64), F16)[:, :, ::2]),
+                                   ValueError, "k"),
     "varlen_paged_block_size": (VARLEN, paged_varlen_args(k=randn(RNG, (4, 12, 2, 64), F16),
                                                           v=randn(RNG, (4, 12, 2, 64), F16)), ValueError, "k"),
     "varlen_paged_block_table_rows": (VARLEN, paged_varlen_args(block_table=np.array([[0, 1]], np.int32)),
@@ -161,6 +164,13 @@ def test_mixed_host_and_device_arrays_raise():
         VARLEN(**args)
 
 
+def test_windows_wider_than_any_sequence_are_unbounded():
+    """A window past 2^31 (no int32 fits it) is accepted and means no bound."""
+    wide = (2 ** 40, 2 ** 40)
+    for function, args in ((VARLEN, varlen_args()), (DECODE, decode_args())):
+        np.testing.assert_array_equal(function(**args, window_size=wide), function(**args))
+
+
 def test_lse_out_is_filled_in_place():
     args = decode_args()
     lse = np.full((2, 8, 1), np.nan, np.float32)
@@ -170,3 +180,13 @@ def test_lse_out_is_filled_in_place():
         DECODE(**decode_args(), lse_out=np.empty((2, 8), np.float32))
     with pytest.raises(TypeError, match="^lse_out must have dtype float32"):
         VARLEN(**varlen_args(), lse_out=np.empty((8, 5), np.float16))
+
+
+@pytest.mark.gpu
+def test_windows_wider_than_any_sequence_on_the_gpu():
+    import cupy
+
+    wide = (2 ** 40, 2 ** 40)
+    for function, args in ((VARLEN, varlen_args()), (DECODE, decode_args())):
+        args = {k: cupy.asarray(a) if isinstance(a, np.ndarray) else a for k, a in args.items()}
+        np.testing.assert_array_equal(function(**args, window_size=wide).get(), function(**args).get())

@@ -49,3 +49,20 @@ def test_kernel_runs_on_the_current_stream():
 def test_sanitize_write_kv_cache():
     """A small case for compute-sanitizer: strided inputs, padding slots, a 12-vector row (D=96)."""
     test_kernel_matches_reference(BF16, 96, 8)
+
+
+@pytest.mark.gpu
+def test_head_dim_axis_with_a_stride_is_read_as_values():
+    """k/v whose last axis is not dense (every other element of a wider buffer) are written as
+    the values they hold, as on the CPU backend."""
+    import cupy
+
+    rng = np.random.default_rng(6)
+    k_cache, v_cache = (randn(rng, (4, 16, 2, 64), np.float16) for _ in range(2))
+    wide = randn(rng, (5, 2, 128), np.float16)
+    slots = np.array([3, 17, -1, 40, 63], np.int32)
+    dk, dv = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    cupy_paged.write_kv_cache(dk, dv, cupy.asarray(wide)[..., ::2], cupy.asarray(wide)[..., 1::2], cupy.asarray(slots))
+    cupy_paged.write_kv_cache(k_cache, v_cache, wide[..., ::2], wide[..., 1::2], slots)
+    np.testing.assert_array_equal(cupy.asnumpy(dk), k_cache)
+    np.testing.assert_array_equal(cupy.asnumpy(dv), v_cache)

@@ -33,8 +33,9 @@ import struct
 
 import numpy as np
 
-from .._checks import BF16, HEAD_DIMS, KERNEL_DTYPES, DecodeProblem
+from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem
 from .._compiler import KernelKey, get_function, register_family
+from ._common import cuda_scalar, element_strides, smem_row_bytes, vectorised
 
 SOURCE = "decode.cu"
 THREADS = 128
@@ -45,7 +46,6 @@ MAX_SPLITS = 128        # combine_splits keeps one weight per split in shared me
 # L2 prefetch of each K/V tile one tile ahead of its cp.async (sm_90; a run-time switch in the
 # kernel's parameters, so the benchmark can time the kernel with and without it in one run).
 L2_PREFETCH = False  # measured on the H200: -26% at 64x4096 bs16 (NOTES_decode.md, v4)
-_SCALAR_T = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 
 
 def tile_keys(head_dim: int) -> int:
@@ -55,13 +55,6 @@ def tile_keys(head_dim: int) -> int:
     while keys * 2 * head_dim <= TILE_ELEMS and keys < 128:
         keys *= 2
     return keys
-
-
-def _row_bytes(head_dim: int) -> int:
-    """Bytes of one key row in shared memory (cp::SmemTile: one 16-byte chunk of padding unless
-    the row is a multiple of 128 bytes, which is swizzled instead)."""
-    chunks = head_dim // 8
-    return 16 * (chunks if chunks % 8 == 0 else chunks + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +70,7 @@ class Tiles:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile (decode.cu's Smem)."""
-        return ((2 * self.stages * self.keys + ROWS_PER_CTA) * _row_bytes(head_dim)
+        return ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
                 + self.stages * self.keys * 4)
 
 
@@ -93,7 +86,7 @@ CANDIDATES: dict[int, tuple[Tiles, ...]] = {}
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
     tiles = tiles or TILES[head_dim]
-    return KernelKey(SOURCE, (("SCALAR_T", _SCALAR_T[np.dtype(dtype)]), ("HEAD_DIM", head_dim),
+    return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
                               ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages)))
 
 
@@ -199,19 +192,6 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
 
 # --------------------------------------------------------------------------- launch
 
-def _vectorised(array):
-    """``array`` with a 16-byte aligned base and strides (a copy only when it is not)."""
-    import cupy
-
-    if array.data.ptr % 16 or any(s % 16 for s in array.strides[:-1]):
-        array = cupy.ascontiguousarray(array)
-    return array
-
-
-def _element_strides(array, count: int):
-    return tuple(s // array.itemsize for s in array.strides[:count])
-
-
 # The scalar arguments of paged_decode as one struct (DecodeParams in decode.cu): 9 int64 strides,
 # 14 int32, 2 float32, no padding (136 bytes).  CuPy passes a NumPy array of one element by value.
 _PARAMS = struct.Struct("<9q14i2f")
@@ -286,11 +266,11 @@ def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
     launch = _launch_plan(p, tiles)
     splits = launch.splits
 
-    q = _vectorised(p.q)
+    q = vectorised(p.q)
     null = np.uint64(0)
     if p.k_new is not None:
-        k_new, v_new = _vectorised(p.k_new), _vectorised(p.v_new)
-        k_strides, v_strides = _element_strides(k_new, 3), _element_strides(v_new, 3)
+        k_new, v_new = vectorised(p.k_new), vectorised(p.v_new)
+        k_strides, v_strides = element_strides(k_new, 3), element_strides(v_new, 3)
         seqlen_new = k_new.shape[1]
     else:
         k_new = v_new = null
@@ -306,7 +286,7 @@ def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
     lse = null if p.lse is None else p.lse
     window_left, window_right = p.window
     params = np.frombuffer(_PARAMS.pack(
-        *_element_strides(q, 3), *k_strides, *v_strides,
+        *element_strides(q, 3), *k_strides, *v_strides,
         p.block_table.shape[1], p.k_cache.shape[0], p.k_cache.shape[1], launch.shift,
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
         window_left, window_right, splits, 1 if L2_PREFETCH else 0,

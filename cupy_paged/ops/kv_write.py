@@ -5,6 +5,7 @@ import numpy as np
 
 from .._checks import HEAD_DIMS
 from .._compiler import KernelKey, get_function, register_family
+from ._common import vectorised
 
 SOURCE = "kv_write.cu"
 THREADS = 128  # kThreads of cuda_src/kv_write.cu
@@ -23,11 +24,9 @@ register_family("kv_write", all_keys)
 
 
 def _vector_rows(array):
-    """``array`` [tokens, Hkv, D] with 16-byte aligned rows, and its strides in 16-byte vectors."""
-    import cupy
-
-    if array.data.ptr % 16 or any(s % 16 for s in array.strides[:2]):
-        array = cupy.ascontiguousarray(array)
+    """``array`` [tokens, Hkv, D] as the kernel reads it (``vectorised``: a copy of a view whose last
+    axis is not dense, too), and its token and head strides in 16-byte vectors."""
+    array = vectorised(array)
     return array, np.int64(array.strides[0] // 16), np.int64(array.strides[1] // 16)
 
 

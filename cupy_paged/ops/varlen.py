@@ -14,8 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from .._checks import BF16, HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
+from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
 from .._compiler import KernelKey, get_function, register_family
+from ._common import cuda_scalar, element_strides, is_vectorised, smem_row_bytes, vectorised
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
@@ -25,7 +26,6 @@ WGMMA_ARCH = "sm_90a"
 # Use the wgmma kernel where it can run (compute capability 9.0); tests and the benchmark turn
 # it off to run the mma.sync kernel on the same GPU.
 USE_WGMMA = True
-_WINDOW_CAP = 1 << 30  # windows wider than any sequence are clamped so int32 bounds never overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +44,7 @@ class Tiles:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
-        chunks = head_dim // 8
-        row_bytes = 16 * (chunks if chunks % 8 == 0 else chunks + 1)
+        row_bytes = smem_row_bytes(head_dim)
         return (row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
                 + self.stages * self.block_n)
 
@@ -98,19 +97,15 @@ WGMMA_TILES = {
 def wgmma_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKey:
     """The wgmma specialization (sm_90a) for ``dtype`` and ``head_dim``."""
     tiles = tiles or WGMMA_TILES[head_dim]
-    params = (("SCALAR_T", _scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
+    params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
               ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages))
     return KernelKey(WGMMA_SOURCE, params, arch=WGMMA_ARCH)
-
-
-def _scalar(dtype) -> str:
-    return "__nv_bfloat16" if np.dtype(dtype) == BF16 else "__half"
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
     tiles = tiles or TILES[head_dim]
-    params = (("SCALAR_T", _scalar(dtype)), ("HEAD_DIM", head_dim),
+    params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
               ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
               ("MIN_BLOCKS", tiles.min_blocks))
@@ -137,22 +132,6 @@ def wgmma_available(head_dim: int) -> bool:
             and cupy.cuda.Device().compute_capability == "90")
 
 
-def _aligned(array) -> bool:
-    """16-byte loads need a 16-byte aligned base and strides that are multiples of 16 bytes."""
-    return array.data.ptr % 16 == 0 and all(s % 16 == 0 for s in array.strides[:-1])
-
-
-def _slot_addressable(cache) -> bool:
-    """The kernel addresses a paged cache by slot (block * block_size + offset) with one positive
-    stride: its blocks must be block_size rows apart, as in any C-contiguous cache."""
-    return (_aligned(cache) and cache.strides[1] > 0
-            and cache.strides[0] == cache.shape[1] * cache.strides[1])
-
-
-def _strides(array) -> list[np.int64]:
-    return [np.int64(s // array.itemsize) for s in array.strides]
-
-
 def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
     """Launch the varlen kernel on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
     ``tiles`` (a candidate shape; its type picks the kernel) is for the benchmark's sweep."""
@@ -172,25 +151,25 @@ def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
         function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
         block_m, threads = tiles.block_m, 32 * tiles.warps
 
+    # A paged cache is C-contiguous (_checks), so its slots (block * block_size + offset) are one
+    # positive stride apart, as the kernel addresses them.
     paged = p.block_table is not None
-    usable = _slot_addressable if paged else _aligned
-    q = p.q if _aligned(p.q) else cupy.ascontiguousarray(p.q)
-    k, v = (a if usable(a) else cupy.ascontiguousarray(a) for a in (p.k, p.v))
-    out = p.out if _aligned(p.out) else cupy.empty_like(p.out)
+    q, k, v = vectorised(p.q), vectorised(p.k), vectorised(p.v)
+    out = p.out if is_vectorised(p.out) else cupy.empty_like(p.out)
     null = np.uintp(0)
     if not paged:
-        (k_row, k_head, _), (v_row, v_head, _) = _strides(k), _strides(v)
+        (k_row, k_head, _), (v_row, v_head, _) = element_strides(k), element_strides(v)
         table, table_width, block_shift = null, 0, 0
     else:
-        _, k_row, k_head, _ = _strides(k)
-        _, v_row, v_head, _ = _strides(v)
+        _, k_row, k_head, _ = element_strides(k)
+        _, v_row, v_head, _ = element_strides(v)
         table, table_width = p.block_table, int(p.block_table.shape[1])
         block_shift = int(p.block_size).bit_length() - 1
     kv_rows = int(k.shape[0])  # rows, or blocks when paged
     if kv_rows * (p.block_size or 1) >= 2 ** 31 or max(k_row, v_row) >= 2 ** 31:
         raise ValueError(f"k has {kv_rows} rows/blocks: the kernel indexes rows (slots) with int32")
-    q_row, q_head, _ = _strides(q)
-    left, right = (min(w, _WINDOW_CAP) for w in p.window)
+    q_row, q_head, _ = element_strides(q)
+    left, right = p.window
 
     grid = ((p.max_seqlen_q + block_m - 1) // block_m, num_heads, p.batch)
     function(grid, (threads,),
