@@ -8,11 +8,12 @@ graph can be replayed with each step's plan copied in by one transfer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from . import _plan_kernels
-from ._arrays import CUDA
+from ._arrays import CUDA, to_host
 from .attention import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 
 DECODE, VARLEN = "decode", "varlen"
@@ -67,9 +68,6 @@ class StepPlan:
     sample_mask: np.ndarray
     path: str
     block_size: int
-    # Device copies of the index arrays, made on the first layer whose cache is on the GPU when
-    # the plan was built into NumPy arrays (no PlanBuffers): one upload per step, not per layer.
-    _on_device: "StepPlan | None" = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -81,14 +79,15 @@ class StepPlan:
         """Number of new tokens, all sequences together."""
         return int(self.positions.shape[0])
 
-    @property
+    @functools.cached_property
     def read_index(self):
         """``[sum(seqlens_k)]`` slots of every key of every sequence, for ``PagedAttentionCache.update``.
 
-        Built on demand: only the manual gather path of the source document needs it.
+        Built on first use (once per step, not per layer): only the manual gather path of the
+        source document needs it.
         """
-        table = np.asarray(_to_host(self.block_table))
-        lengths = np.asarray(_to_host(self.seqlens_k), np.int64)
+        table = np.asarray(to_host(self.block_table))
+        lengths = np.asarray(to_host(self.seqlens_k), np.int64)
         out = np.empty(int(lengths.sum()), np.int32)
         _plan_kernels.gather_slots(table, np.arange(table.shape[0]), np.zeros_like(lengths), lengths,
                                    self.block_size, out)
@@ -131,8 +130,6 @@ class StepPlan:
         """
         # The plan's index arrays were built (and are consistent) by build_plan: the per-layer
         # calls skip the host copies of the value checks, so a layer never syncs.
-        if isinstance(self.block_table, np.ndarray) and not isinstance(k_cache, np.ndarray):
-            return self._device_copy().attention(q, k, v, k_cache, v_cache, softmax_scale, **kwargs)
         if self.path == DECODE:
             out = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
                                           cache_seqlens=self.cache_seqlens, block_table=self.block_table,
@@ -146,32 +143,26 @@ class StepPlan:
                                       **kwargs)
 
 
-    def _device_copy(self) -> "StepPlan":
-        """This plan with its index arrays on the current CUDA device (memoised)."""
-        if self._on_device is None:
-            import cupy
-
-            fields = {name: (cupy.asarray(getattr(self, name)) if getattr(self, name) is not None else None)
-                      for name in _INDEX_FIELDS}
-            self._on_device = dataclasses.replace(self, **fields)
-        return self._on_device
-
-
-def _to_host(array):
-    return array if isinstance(array, np.ndarray) else array.get()
-
-
 _INDEX_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "query_lens",
                  "cache_seqlens", "seqlens_k", "logits_indices", "block_table")
 
 
-def _index_arrays(batch: int, tokens: int, width: int, alloc) -> dict:
-    """The plan's int32 index arrays, each made by ``alloc(name, shape)``."""
+def _layout(batch: int, tokens: int, width: int) -> tuple[dict, int]:
+    """Where the plan's int32 index arrays lie in one flat buffer: name -> (offset, shape), and
+    the buffer's length (so that a plan moves to the device in one transfer)."""
     shapes = dict(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
                   cu_seqlens_q=(batch + 1,), cu_seqlens_k=(batch + 1,), query_lens=(batch,),
                   cache_seqlens=(batch,), seqlens_k=(batch,), logits_indices=(batch,),
                   block_table=(batch, width))
-    return {name: alloc(name, shapes[name]) for name in _INDEX_FIELDS}
+    offsets, total = {}, 0
+    for name in _INDEX_FIELDS:
+        offsets[name] = (total, shapes[name])
+        total += int(np.prod(shapes[name]))
+    return offsets, total
+
+
+def _views(buffer, offsets: dict) -> dict:
+    return {name: buffer[o:o + int(np.prod(shape))].reshape(shape) for name, (o, shape) in offsets.items()}
 
 
 def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None,
@@ -206,7 +197,8 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     Returns
     -------
     StepPlan
-        NumPy arrays, or views of ``buffers``' device arrays.
+        Index arrays on the cache's side: NumPy for a CPU cache; for a CUDA cache, views of
+        ``buffers``' device arrays, or of one device array uploaded here in one transfer.
 
     Raises
     ------
@@ -247,7 +239,9 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         if batch_size is not None or num_tokens is not None:
             raise ValueError("batch_size and num_tokens pad a plan into buffers; pass buffers too")
         width = -(-int((context + query).max(initial=0)) // cache.block_size)
-        out = _index_arrays(batch, tokens, width, lambda name, shape: np.empty(shape, np.int32))
+        offsets, total = _layout(batch, tokens, width)
+        packed = np.empty(total, np.int32)
+        out = _views(packed, offsets)
         memo_rows = np.full(batch, _plan_kernels.UNKNOWN_ROW, np.int64)
         memo_versions = np.zeros(batch, np.int64)
     else:
@@ -276,16 +270,23 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         num_sampled = int(np.count_nonzero(sample_mask))
         out["logits_indices"][:num_sampled] = ends[sample_mask] - 1
     out["logits_indices"][num_sampled:] = 0
+    # The decode kernel takes one token per sequence row: padded to more tokens than rows (a
+    # captured size), the step runs on the varlen path.
+    rows_match = buffers is None or num_tokens == batch_size
     if buffers is not None:
         out = buffers.upload(batch_size, num_tokens)
         if batch_size > batch:
             sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
             seq_ids = seq_ids + [None] * (batch_size - batch)
+    elif cache.device == CUDA:  # a cache on the GPU: the plan goes there too, in one transfer
+        import cupy
+
+        out = _views(cupy.asarray(packed), offsets)
     out["logits_indices"] = out["logits_indices"][:num_sampled]
     if input_ids is None:
         out["input_ids"] = None
     return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
-                    sample_mask=sample_mask, path=DECODE if max_q == 1 else VARLEN,
+                    sample_mask=sample_mask, path=DECODE if max_q == 1 and rows_match else VARLEN,
                     block_size=cache.block_size, **out)
 
 
@@ -324,15 +325,8 @@ class PlanBuffers:
         self.max_blocks_per_seq = int(max_blocks_per_seq)
         self.device = device
         self._done = None
-        offsets = {}
-        total = 0
-
-        def place(name, shape):
-            nonlocal total
-            offsets[name] = (total, shape)
-            total += int(np.prod(shape))
-
-        _index_arrays(self.max_batch, self.max_tokens, self.max_blocks_per_seq, place)
+        offsets, total = _layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq)
+        self._table_offset = offsets["block_table"][0]  # the last array: an upload stops early
         if device == CUDA:
             import cupy
 
@@ -342,8 +336,8 @@ class PlanBuffers:
             self._device = cupy.empty(total, np.int32)
         else:
             self._host = self._device = np.empty(total, np.int32)
-        self._host_views = {name: self._host[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in offsets.items()}
-        self._device_views = {name: self._device[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in offsets.items()}
+        self._host_views = _views(self._host, offsets)
+        self._device_views = _views(self._device, offsets)
         self._memo_rows = np.full(self.max_batch, _plan_kernels.UNKNOWN_ROW, np.int64)
         self._memo_versions = np.zeros(self.max_batch, np.int64)
         self._slices: dict = {}  # (side, batch_size, num_tokens) -> views; steady steps reuse one
@@ -365,11 +359,13 @@ class PlanBuffers:
                 self._memo_rows[:batch_size], self._memo_versions[:batch_size])
 
     def upload(self, batch_size: int, num_tokens: int) -> dict:
-        """Copy the host buffer to the device (one transfer); the device views, sliced."""
+        """Copy the host buffer to the device (one transfer, up to the step's last block table
+        row); the device views, sliced."""
         if self._device is not self._host:
             import cupy
 
-            self._device.set(self._host)
+            end = self._table_offset + batch_size * self.max_blocks_per_seq
+            self._device[:end].set(self._host[:end])
             self._done = cupy.cuda.get_current_stream().record()
         return dict(self._sliced("device", batch_size, num_tokens))
 

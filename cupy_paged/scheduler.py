@@ -326,13 +326,14 @@ class Scheduler:
 
     def _plan(self, requests: list, counts: list) -> StepPlan:
         ids = [r.request_id for r in requests]
-        if max(counts) == 1:  # all decodes: one input token each, no slicing
+        if max(counts) == 1:  # one input token each, no slicing
             input_ids = [r.token_ids[r.num_computed] for r in requests]
-            sample = None
         else:
             input_ids = list(itertools.chain.from_iterable(
                 r.token_ids[r.num_computed:r.num_computed + n] for r, n in zip(requests, counts)))
-            sample = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
+        # Only a request whose chunk reaches its last token samples: a one-token chunk in the
+        # middle of a prompt (budget or max_prefill_chunk of 1) does not.
+        sample = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
         return build_plan(self.cache, ids, counts, input_ids, sample, buffers=self.buffers)
 
     def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:

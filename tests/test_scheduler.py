@@ -127,6 +127,17 @@ def test_chunk_limit_and_path_selection():
     assert lens == [[16], [16], [1]]
 
 
+def test_one_token_prompt_chunks_sample_only_at_the_end():
+    """A prompt fed one token a step samples nothing until its last token is computed."""
+    scheduler = make_scheduler(max_batch_tokens=64, max_num_seqs=4, max_prefill_chunk=1)
+    scheduler.add_request(Request("p", [1, 2, 3, 4, 5], 2))
+    samples = []
+    finished = run_to_completion(scheduler, lambda plan: np.full(len(plan.logits_indices), 99),
+                                 on_plan=lambda plan: samples.append(len(plan.logits_indices)))
+    assert samples == [0, 0, 0, 0, 1, 1]
+    assert finished[0].token_ids == [1, 2, 3, 4, 5, 99, 99]
+
+
 def test_prefix_cache_shortens_a_second_prompt():
     scheduler = make_scheduler()
     prompt = list(range(30))
@@ -199,6 +210,11 @@ def test_plan_buffers_track_changed_rows_and_pad():
         assert fixed.cu_seqlens_q.tolist() == fresh.cu_seqlens_q.tolist() + [len(arg)] * (4 - len(arg))
         assert fixed.cache_seqlens[len(arg):].tolist() == [0] * (4 - len(arg))
         assert fixed.batch_size == 4 and fixed.sample_mask.tolist() == [True] * len(arg) + [False] * (4 - len(arg))
+        # 8 padded tokens on 4 rows are no longer one token per row: the varlen path runs it.
+        assert fresh.path == "decode" and fixed.path == "varlen"
+        assert build_plan(cache, arg, 1, buffers=buffers, batch_size=4, num_tokens=4).path == "decode"
+        x = np.ones((8, 1, 32), np.float32)
+        assert fixed.attention(x, x, x, *cache.layer(0)).shape == (8, 1, 32)
         cache.mark_computed(arg, [cache.num_slots(s) for s in arg])
 
 
