@@ -104,7 +104,7 @@ def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
     return scale, softcap
 
 
-def check_alibi(alibi_slopes, num_heads: int, backend: str):
+def check_alibi(alibi_slopes, num_heads: int):
     if alibi_slopes is None:
         return None
     if alibi_slopes.shape not in ((num_heads,), (1, num_heads)):
@@ -197,11 +197,9 @@ class VarlenProblem:
     cu_seqlens_q: object
     cu_seqlens_k: object
     max_seqlen_q: int
-    max_seqlen_k: int
     block_table: object
     softmax_scale: float
-    causal: bool
-    window: tuple[int, int]
+    window: tuple[int, int]  # causal is folded in: a right bound of 0
     softcap: float
     alibi_slopes: object
     out: object
@@ -228,7 +226,7 @@ class VarlenProblem:
         return None if self.block_table is None else int(self.k.shape[1])
 
 
-def _drop_unit_batch(array, name: str):
+def _drop_unit_batch(array):
     """Accept the ``[1, total, H, D]`` form of the source document."""
     if array is not None and array.ndim == 4 and array.shape[0] == 1:
         return array[0]
@@ -242,13 +240,13 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                               alibi_slopes=alibi_slopes, block_table=block_table, out=out, lse_out=lse_out))
     paged = block_table is not None
     unbatched = q.ndim == 4
-    q = _drop_unit_batch(q, "q")
+    q = _drop_unit_batch(q)
     check_rank(q, "q", (3,), "[total_q, num_heads, head_dim] (or [1, total_q, num_heads, head_dim])")
     if paged:
         check_rank(k, "k", (4,), "[num_blocks, block_size, num_kv_heads, head_dim] with block_table")
         check_rank(v, "v", (4,), "[num_blocks, block_size, num_kv_heads, head_dim] with block_table")
     else:
-        k, v = _drop_unit_batch(k, "k"), _drop_unit_batch(v, "v")
+        k, v = _drop_unit_batch(k), _drop_unit_batch(v)
         check_rank(k, "k", (3,), "[total_k, num_kv_heads, head_dim] (or [1, total_k, num_kv_heads, head_dim])")
         check_rank(v, "v", (3,), "[total_k, num_kv_heads, head_dim] (or [1, total_k, num_kv_heads, head_dim])")
     for name, array in (("q", q), ("k", k), ("v", v)):
@@ -307,13 +305,13 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if causal:
         right = 0
     scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
-    slopes = check_alibi(alibi_slopes, num_heads, backend)
-    if out is not None and unbatched and out.ndim == 4 and out.shape[0] == 1:
-        out = out[0]
+    slopes = check_alibi(alibi_slopes, num_heads)
+    if unbatched:
+        out = _drop_unit_batch(out)
     out = check_out(out, "out", (total_q, num_heads, head_dim), q.dtype, q)
     lse = check_lse(lse_out, (num_heads, total_q), q, return_softmax_lse)
-    return VarlenProblem(backend, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, block_table,
-                         scale, bool(causal), (left, right), softcap, slopes, out, lse)
+    return VarlenProblem(backend, q, k, v, cu_q, cu_k, max_seqlen_q, block_table,
+                         scale, (left, right), softcap, slopes, out, lse)
 
 
 # --------------------------------------------------------------------------- decode
@@ -337,8 +335,7 @@ class DecodeProblem:
     cache_seqlens: object
     block_table: object
     softmax_scale: float
-    causal: bool
-    window: tuple[int, int]
+    window: tuple[int, int]  # causal is folded in: a right bound of 0
     softcap: float
     alibi_slopes: object
     num_splits: int
@@ -456,17 +453,17 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
     if causal:
         right = 0
     scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
-    slopes = check_alibi(alibi_slopes, num_heads, backend)
+    slopes = check_alibi(alibi_slopes, num_heads)
     out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, q)
     lse = check_lse(lse_out, (batch, num_heads, seqlen_q), q, return_softmax_lse)
     return DecodeProblem(backend, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
-                         bool(causal), (left, right), softcap, slopes, num_splits, out, lse)
+                         (left, right), softcap, slopes, num_splits, out, lse)
 
 
 # --------------------------------------------------------------------------- cache writes
 
 def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=True):
-    """Checks for ``write_kv_cache``; returns (backend, k, v, slot_mapping as int32)."""
+    """Checks for ``write_kv_cache``; returns (backend, slot_mapping as int32)."""
     backend = backend_of(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping))
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
     check_rank(k_cache, "k_cache", (4,), layout)

@@ -36,7 +36,6 @@ def gather_slots(table, rows, starts, counts, block_size, out):
         for position in range(starts[i], starts[i] + counts[i]):
             out[t] = table[row, position // block_size] * block_size + position % block_size
             t += 1
-    return t
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -48,14 +47,10 @@ def _copy_row(src, dst):
 
 @numba.njit(cache=True, nogil=True)
 def copy_rows(table, rows, out):
-    """``out[i] = table[rows[i], :width]`` (all -1 where ``rows[i]`` is ``PADDING_ROW``)."""
+    """``out[i] = table[rows[i], :width]`` for live rows ``rows``."""
     width = out.shape[1]
     for i in range(out.shape[0]):
-        row = rows[i]
-        if row == PADDING_ROW:
-            out[i, :] = -1
-        else:
-            _copy_row(table[row, :width], out[i])
+        _copy_row(table[rows[i], :width], out[i])
 
 
 @numba.njit(cache=True, nogil=True)

@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, reference
+from . import _checks, ops, reference
 from ._arrays import CUDA, as_array
 
 
 def _arrays(**named):
     return {name: None if obj is None else as_array(obj, name) for name, obj in named.items()}
-
-
-def _cuda_op(family: str):
-    """The CUDA glue module of a kernel family, or a clear error where it is not built yet."""
-    from . import ops
-
-    module = getattr(ops, family, None)
-    if module is None:
-        raise NotImplementedError(f"the CUDA {family} kernel is not available in this build; "
-                                  "pass NumPy arrays to use the CPU reference backend")
-    return module
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -85,7 +74,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                softcap, a["alibi_slopes"], a["block_table"], return_softmax_lse,
                                a["out"], check_values, a["lse_out"])
     if p.backend == CUDA:
-        _cuda_op("varlen").run(p)
+        ops.varlen.run(p)
     else:
         reference.varlen(p)
     result = p.out.reshape(a["q"].shape) if a["q"].ndim == 4 else p.out
@@ -116,7 +105,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         :func:`flash_attn_varlen_func`, with ``Lk = cache_seqlens[b] + seqlen_new``, ``Lq = seqlen_q``
     num_splits : int, split-KV parts per sequence; 0 lets a heuristic choose
     return_softmax_lse : bool, also return the LSE ``[batch_size, num_heads, seqlen_q]`` (float32)
-    out : array like ``q``, optional; with it a CUDA call allocates nothing and never syncs
+    out : array like ``q``, optional; with it and ``check_values=False`` a CUDA call allocates
+        nothing and never syncs (the value checks copy index arrays to the host)
     check_values : bool, as in :func:`flash_attn_varlen_func`
     lse_out : float32 array ``[batch_size, num_heads, seqlen_q]``, optional; a preallocated LSE
         buffer, so that a call asking for the LSE allocates nothing (CUDA graph capture)
@@ -151,7 +141,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                a["alibi_slopes"], num_splits, return_softmax_lse, a["out"],
                                check_values, a["lse_out"])
     if p.backend == CUDA:
-        _cuda_op("decode").run(p)
+        ops.decode.run(p)
     else:
         reference.decode(p)
     return (p.out, p.lse) if return_softmax_lse or lse_out is not None else p.out
@@ -190,6 +180,6 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, check_values=True):
     backend, slots = _checks.prepare_write(a["k_cache"], a["v_cache"], a["k"], a["v"], a["slot_mapping"],
                                            check_values)
     if backend == CUDA:
-        _cuda_op("kv_write").run(a["k_cache"], a["v_cache"], a["k"], a["v"], slots)
+        ops.kv_write.run(a["k_cache"], a["v_cache"], a["k"], a["v"], slots)
     else:
         reference.write_kv_cache(a["k_cache"], a["v_cache"], a["k"], a["v"], slots)

@@ -106,10 +106,6 @@ class BlockPool:
         """Blocks registered in the prefix cache, owned or free."""
         return len(self._block_of_hash)
 
-    def is_cached(self, block: int) -> bool:
-        """True when ``block`` is registered in the prefix cache."""
-        return self._key_of_block[int(block)] is not None
-
     # ------------------------------------------------------------------ allocate / share / release
 
     def allocate(self, count: int) -> np.ndarray:

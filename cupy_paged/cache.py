@@ -364,16 +364,22 @@ class PagedAttentionCache:
         blocks, parent = [], None
         if not self.enable_prefix_caching:
             return blocks, parent
-        bs = self.block_size
-        for j in range((len(token_ids) - 1) // bs):
-            tokens = _token_tuple(token_ids, j * bs, (j + 1) * bs)
-            block_hash = chain_hash(parent, tokens)
+        for _, tokens, block_hash in self._block_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size, None):
             block = self.pool.lookup(block_hash, tokens)
             if block < 0:
                 break
             blocks.append(block)
             parent = block_hash
         return blocks, parent
+
+    def _block_hashes(self, token_ids, first: int, last: int, parent):
+        """(index, tokens, chained hash) of full blocks ``first .. last - 1`` of ``token_ids``,
+        the chain starting from ``parent`` (the hash of block ``first - 1``, or None)."""
+        bs = self.block_size
+        for j in range(first, last):
+            tokens = _token_tuple(token_ids, j * bs, (j + 1) * bs)
+            parent = chain_hash(parent, tokens)
+            yield j, tokens, parent
 
     def allocate(self, seq_id, token_ids, num_new_tokens: int | None = None, reserve: int = 0) -> int:
         """Start a sequence: reuse its longest cached prefix, reserve slots for the rest.
@@ -599,13 +605,11 @@ class PagedAttentionCache:
             self._hash_full_blocks(row)
 
     def _hash_full_blocks(self, row: int) -> None:
-        bs, tokens, parent = self.block_size, self._tokens[row], self._last_hash[row]
-        for j in range(int(self._num_hashed[row]), int(self._num_computed[row]) // bs):
-            block_tokens = _token_tuple(tokens, j * bs, (j + 1) * bs)
-            parent = chain_hash(parent, block_tokens)
+        parent, last = self._last_hash[row], int(self._num_computed[row]) // self.block_size
+        for j, block_tokens, parent in self._block_hashes(self._tokens[row], int(self._num_hashed[row]), last, parent):
             self.pool.register(int(self.tables[row, j]), parent, block_tokens)
         self._last_hash[row] = parent
-        self._num_hashed[row] = int(self._num_computed[row]) // bs
+        self._num_hashed[row] = last
 
     def free(self, seq_id) -> None:
         """Drop a sequence; blocks nobody else holds become free (cached ones stay cached).

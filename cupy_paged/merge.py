@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._arrays import CUDA, as_array, backend_of
-from ._checks import BF16, HEAD_DIMS
+from ._checks import BF16, HEAD_DIMS, check_out
 
 _FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))
 _KERNEL_NAME = {np.dtype(np.float16): "merge_states_float16", BF16: "merge_states_bfloat16",
@@ -86,12 +86,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if lse.dtype != np.float32:
             raise TypeError(f"{name} must have dtype float32; got {lse.dtype}")
-    if out is not None:
-        if out.shape != out_a.shape or out.dtype != out_a.dtype:
-            raise ValueError(f"out must have the shape and dtype of out_a ({tuple(out_a.shape)}, "
-                             f"{out_a.dtype}); got {tuple(out.shape)}, {out.dtype}")
-        if not out.flags.c_contiguous:
-            raise ValueError("out must be C-contiguous")
+    out = check_out(out, "out", tuple(out_a.shape), out_a.dtype, out_a)
     if backend == CUDA:
         return _merge_cuda(out_a, lse_a, out_b, lse_b, out, tokens, seqlen)
     return _merge_numpy(out_a, lse_a, out_b, lse_b, out)
@@ -117,8 +112,6 @@ def _merge_numpy(out_a, lse_a, out_b, lse_b, out):
         merged += np.where(contributes[..., None], share * part.astype(np.float64), 0.0)
     merged_lse = np.where(seen, safe + np.log(np.where(seen, total, 1.0)), -np.inf).astype(np.float32)
     lse = np.ascontiguousarray(merged_lse.T if out_a.ndim == 3 else merged_lse.transpose(0, 2, 1))
-    if out is None:
-        out = np.empty(out_a.shape, out_a.dtype)
     out[...] = merged.astype(out_a.dtype)
     return out, lse
 
@@ -132,8 +125,6 @@ def _merge_cuda(out_a, lse_a, out_b, lse_b, out, tokens: int, seqlen: int):
     heads, dim = int(out_a.shape[-2]), int(out_a.shape[-1])
     a, b = cupy.ascontiguousarray(out_a), cupy.ascontiguousarray(out_b)
     lse_a, lse_b = cupy.ascontiguousarray(lse_a), cupy.ascontiguousarray(lse_b)
-    if out is None:
-        out = cupy.empty(out_a.shape, out_a.dtype)
     lse = cupy.empty(lse_a.shape, np.float32)
     # The merge kernels ride along in every decode specialization (head_dim is a run-time
     # argument for them): reuse the one this dtype / head dim would launch anyway.

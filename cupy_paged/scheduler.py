@@ -266,20 +266,21 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an older request earlier in this loop
             count = min(request.num_tokens - request.num_computed, budget, chunk_limit)
-            count = self._grow_or_preempt(request, count, scheduled)
+            count, released = self._grow_or_preempt(request, count, scheduled)
             if count:
                 scheduled[request] = count
-            # Recounted: a preempted victim may have been scheduled, and its tokens are back.
-            budget = self.config.max_batch_tokens - sum(scheduled.values())
+            budget += released - count  # a preempted victim's scheduled tokens are back
         return budget
 
-    def _grow_or_preempt(self, request: Request, count: int, scheduled: dict) -> int:
-        """Reserve ``count`` slots for ``request``, shrinking the chunk or preempting newer requests."""
+    def _grow_or_preempt(self, request: Request, count: int, scheduled: dict) -> tuple[int, int]:
+        """Reserve ``count`` slots for ``request``, shrinking the chunk or preempting newer requests.
+        Returns the slots reserved and the tokens of preempted requests taken out of ``scheduled``."""
         cache = self.cache
+        released = 0
         while True:
             try:
                 cache.grow([request.request_id], count)
-                return count
+                return count, released
             except CacheFull:
                 pass
             # A smaller chunk that fits now beats preempting anyone.
@@ -291,9 +292,8 @@ class Scheduler:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
-                return 0
-            if victim in scheduled:
-                del scheduled[victim]  # its reserved slots went with its blocks
+                return 0, released
+            released += scheduled.pop(victim, 0)  # its reserved slots went with its blocks
 
     def _admit_waiting(self, scheduled: dict, budget: int) -> None:
         """Admit waiting requests first come first served while budget, seats and blocks last."""
@@ -369,9 +369,8 @@ class Scheduler:
         self.cache.mark_computed([r.request_id for r in requests], computed)
         finished = []
         for request, token in zip(sampling, sampled):
-            tokens = request.token_ids
-            tokens.append(token)
-            if len(tokens) - len(request.prompt_token_ids) >= request.max_new_tokens or token == request.eos_token_id:
+            request.token_ids.append(token)
+            if request.num_tokens >= request.max_tokens or token == request.eos_token_id:
                 finished.append(request)
         for request in finished:
             request.status = RequestStatus.FINISHED

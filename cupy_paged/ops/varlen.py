@@ -11,6 +11,7 @@ are run-time arguments, so a fresh machine compiles at most one module per (dtyp
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -129,7 +130,25 @@ def wgmma_available(head_dim: int) -> bool:
     import cupy
 
     return (USE_WGMMA and head_dim in WGMMA_TILES
-            and cupy.cuda.Device().compute_capability == "90")
+            and _compute_capability(cupy.cuda.runtime.getDevice()) == "90")
+
+
+@functools.cache
+def _compute_capability(device: int) -> str:
+    import cupy
+
+    return cupy.cuda.Device(device).compute_capability
+
+
+@functools.lru_cache(maxsize=512)
+def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
+    """(kernel, dynamic shared memory, query rows per CTA, threads) of a tile shape: what a
+    call's shapes decide, looked up once per (device, dtype, head dim, shape)."""
+    smem = tiles.smem_bytes(head_dim)
+    if isinstance(tiles, WgmmaTiles):
+        return (get_function(wgmma_key(dtype, head_dim, tiles), WGMMA_KERNEL, smem), smem,
+                tiles.block_m, tiles.threads)
+    return get_function(kernel_key(dtype, head_dim, tiles), KERNEL, smem), smem, tiles.block_m, 32 * tiles.warps
 
 
 def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
@@ -143,13 +162,7 @@ def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
     head_dim, num_heads = p.head_dim, p.num_heads
     if tiles is None:
         tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim) else TILES[head_dim]
-    smem = tiles.smem_bytes(head_dim)
-    if isinstance(tiles, WgmmaTiles):
-        function = get_function(wgmma_key(p.q.dtype, head_dim, tiles), WGMMA_KERNEL, smem)
-        block_m, threads = tiles.block_m, tiles.threads
-    else:
-        function = get_function(kernel_key(p.q.dtype, head_dim, tiles), KERNEL, smem)
-        block_m, threads = tiles.block_m, 32 * tiles.warps
+    function, smem, block_m, threads = _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, head_dim, tiles)
 
     # A paged cache is C-contiguous (_checks), so its slots (block * block_size + offset) are one
     # positive stride apart, as the kernel addresses them.
