@@ -48,7 +48,7 @@ import cupy_paged  # noqa: E402
 from cupy_paged._checks import BF16  # noqa: E402
 from cupy_paged._compiler import get_function  # noqa: E402
 from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops.varlen import TILES, WGMMA_TILES, Tiles, WgmmaTiles, kernel_key, wgmma_key  # noqa: E402
+from cupy_paged.ops.varlen import TILES, WGMMA_TILES, WgmmaTiles, kernel_key, wgmma_key  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
@@ -390,7 +390,7 @@ def resources() -> list[dict]:
         head_dim = dict(key.params)["HEAD_DIM"]
         tiles = WGMMA_TILES[head_dim] if key.arch else TILES[head_dim]
         smem = tiles.smem_bytes(head_dim)
-        fn = get_function(*key_of(tiles, head_dim), smem)
+        fn = get_function(key, varlen_ops.WGMMA_KERNEL if key.arch else varlen_ops.KERNEL, smem)
         regs = fn.num_regs
         warps = 4 * tiles.groups if key.arch else tiles.warps
         by_regs = regs_sm // (warps * 32 * math.ceil(regs / 8) * 8)
@@ -402,11 +402,11 @@ def resources() -> list[dict]:
 
 
 def warm_all() -> None:
-    """Compile every registered varlen specialization and the sweep's shapes, one process each."""
+    """Compile the sweep's shapes, one process each (``python -m cupy_paged warm`` builds the
+    registered ones)."""
     import multiprocessing
 
-    keys = (varlen_ops.all_keys() + varlen_ops.all_wgmma_keys()
-            + [key_of(t, d)[0] for d, shapes in SWEEP.items() for t in shapes])
+    keys = [key_of(t, d)[0] for d, shapes in SWEEP.items() for t in shapes]
     with multiprocessing.get_context("spawn").Pool() as pool:
         pool.map(_warm_one, keys)
 

@@ -20,7 +20,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ._arrays import CPU, CUDA, backend_of, to_host, xp_of
+from ._arrays import CUDA, backend_of, to_host, xp_of
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_DTYPES = (np.dtype(np.float16), BF16)

@@ -85,7 +85,8 @@ def main() -> int:
           f"({paths['varlen']} varlen, {paths['decode']} decode) on the {where}: {seconds:.2f} s")
     print(f"preemptions: {scheduler.num_preemptions}; free blocks at the end: {cache.pool.num_free} "
           f"of {cache.num_blocks}")
-    print("request 0 generated:", finished[0].output_token_ids if finished else [])
+    first = next((r for r in finished if r.request_id == 0), None)
+    print("request 0 generated:", first.output_token_ids if first else [])
     return 0
 
 

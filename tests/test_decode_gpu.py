@@ -185,7 +185,8 @@ def test_sanitize_holes_never_read_or_written():
     case["block_table"][2, :] = -1
     case["cache_seqlens"][3] = 5_000  # past the table's columns
     dev = {name: cupy.asarray(value) for name, value in case.items()}
-    out = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, check_values=False, num_splits=3)
+    out = poisoned(case["q"].shape, case["q"].dtype, cupy)  # NaN: an element left unwritten fails
+    cupy_paged.flash_attn_with_kvcache(**dev, causal=True, check_values=False, num_splits=3, out=out)
     assert not np.isnan(to_numpy(out)).any()
 
 
@@ -280,8 +281,11 @@ def test_sanitize_l2_prefetch_changes_nothing():
         try:
             for splits in (1, 3):
                 dev = {name: cupy.asarray(value) for name, value in case.items()}
+                # A fresh NaN buffer each run: the pool would otherwise hand back the last run's
+                # memory, and an element neither run writes would compare equal.
                 out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits,
-                                                             return_softmax_lse=True, check_values=False)
+                                                             return_softmax_lse=True, check_values=False,
+                                                             out=poisoned(case["q"].shape, case["q"].dtype, cupy))
                 results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
         finally:
             decode.L2_PREFETCH = saved

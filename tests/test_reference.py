@@ -1,5 +1,6 @@
 """The CPU reference backend against the plain float64 attention of tests/naive.py."""
 import itertools
+import zlib
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def _check_varlen(rng, lengths_q, lengths_k, num_heads, num_kv_heads, head_dim, 
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_varlen_matches_naive(option, heads, head_dim):
-    rng = np.random.default_rng(hash((option, heads, head_dim)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{option}-{heads}-{head_dim}".encode()))  # the same every run
     # Empty, single-token, square, q shorter than k (chunked prefill) and q longer than k.
     _check_varlen(rng, [0, 1, 9, 4, 13, 3], [5, 1, 9, 17, 6, 0], *heads, head_dim, OPTIONS[option])
 
