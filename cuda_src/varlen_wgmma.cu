@@ -84,24 +84,18 @@ __device__ __forceinline__ void qk_issue(float (&s)[Tr::kNTiles][4], u64 desc_q,
   cp::wgmma_commit();
 }
 
-template <int N>
-__device__ __forceinline__ void fence_operands(float (&x)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) cp::fence_operand(x[i][e]);
-}
-template <int N>
-__device__ __forceinline__ void fence_operands(u32 (&x)[N][4]) {
+// Pins every register of a fragment array (cp::fence_operand: float or u32) at this point.
+template <typename X, int N>
+__device__ __forceinline__ void fence_operands(X (&x)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) cp::fence_operand(x[i][e]);
 }
 
-// O += P V for this warpgroup: issued, not waited for.  Until the wait, neither O nor P may be
-// touched (pv_wait fences both).
-__device__ __forceinline__ void pv_issue(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v) {
+// O += P V for this warpgroup, waited for: the next iteration rescales O and reuses the stage.
+// Neither O nor P may be touched while it runs, hence the fences on both sides of it.
+__device__ __forceinline__ void pv_run(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v) {
   fence_operands(o);
   fence_operands(p);
   cp::wgmma_fence();
@@ -109,13 +103,7 @@ __device__ __forceinline__ void pv_issue(float (&o)[Tr::kDTiles][4], PFragsWg& p
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)  // keys 16 kk .. + 15: two 8-row groups of V
     cp::Wgmma<Tr::kHeadDim>::rs(o, p[kk], desc_v + ((kk * 16 * 128) >> 4), T());
   cp::wgmma_commit();
-}
-
-// Waits until at most kPending wgmma groups of this warpgroup are in flight; the last of them is
-// a P V: O and P are usable again when kPending is 0.
-template <int kPending>
-__device__ __forceinline__ void pv_wait(float (&o)[Tr::kDTiles][4], PFragsWg& p) {
-  cp::wgmma_wait<kPending>();
+  cp::wgmma_wait<0>();
   fence_operands(o);
   fence_operands(p);
 }
@@ -206,8 +194,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
                 softmax_scale, softcap, window_left, window_right);           // P = softmax(S)
     rescale_o(st, alphas);
     pack_p(s, p);
-    pv_issue(st.o[0], p[0], desc_v + stage_step(stage));                      // O += P V
-    pv_wait<0>(st.o[0], p[0]);
+    pv_run(st.o[0], p[0], desc_v + stage_step(stage));                        // O += P V
   }
   cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
