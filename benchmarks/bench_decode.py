@@ -171,11 +171,10 @@ def torch_stream_sync():
         pass
 
 
-def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, prefetch=None, shuffle=True):
-    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``prefetch`` and
-    ``shuffle`` make the comparison rows (forced split count, the L2 prefetch switched the other
-    way from the package default ``ops.decode.L2_PREFETCH``, block table in address order); their
-    names say which.  ``prefetch=None`` runs the package default."""
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, tiles=None, shuffle=True):
+    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``tiles`` and
+    ``shuffle`` make the comparison rows (forced split count, another pipeline shape than
+    ``ops.decode.TILES``, block table in address order); their names say which."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
     q, k, v, table, lens = sets[0]
     problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
@@ -186,17 +185,17 @@ def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits
 
     name = f"{batch}x{context} bs{block_size}"
     name += f" splits={num_splits}" if num_splits else ""
-    name += {None: "", True: " prefetch", False: " no-prefetch"}[prefetch]
+    name += f" {tiles.label()}" if tiles else ""
     name += "" if shuffle else " sorted"
     call = ours(sets, num_splits)
-    saved = decode_ops.L2_PREFETCH
-    decode_ops.L2_PREFETCH = saved if prefetch is None else prefetch
+    registered = decode_ops.TILES[DIM]
+    decode_ops.TILES[DIM] = tiles or registered
     try:
         result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call),
-                  "single_call": tbps(call, chain=0), "num_splits": splits, "l2_prefetch": decode_ops.L2_PREFETCH,
+                  "single_call": tbps(call, chain=0), "num_splits": splits, "tiles": decode_ops.TILES[DIM].label(),
                   "peers": {}, "peers_single_call": {}}
     finally:
-        decode_ops.L2_PREFETCH = saved
+        decode_ops.TILES[DIM] = registered
     del sets, call
     if with_peers:
         for name, fn in peers(batch, context).items():
@@ -274,24 +273,47 @@ def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
         except Exception as error:  # noqa: BLE001 - a failing candidate is reported, the sweep goes on
             result = {"value": float("nan"), "error": f"{type(error).__name__}: {str(error)[:200]}"}
         row["shapes"][tiles.label()] = result
-        print(f"  sweep {name:22} {tiles.label():8} {result}", flush=True)
+        print(f"  sweep {name:22} {tiles.label():15} {result}", flush=True)
     return row
+
+
+def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
+    """Microseconds per call (no split) against tiles per CTA, at one wave (batch 32: 256 CTAs)
+    and two (batch 64), with a least-squares line: the slope is the time of a tile, the intercept
+    a CTA's fixed cost (start-up, drain, epilogue) per wave."""
+    rows = []
+    for batch in batches:
+        points = []
+        for context in contexts:
+            sets = make_paged(rng, batch, context, 16)
+            ms = median_ms(ours(sets, 1), reps=reps)
+            points.append((context // decode_ops.TILES[DIM].keys, ms * 1e3))
+            del sets
+            cupy.get_default_memory_pool().free_all_blocks()
+        tiles, us = (np.array(v, dtype=float) for v in zip(*points))
+        slope, intercept = np.polyfit(tiles, us, 1)
+        rows.append({"batch": batch, "points": points, "us_per_tile": round(float(slope), 3),
+                     "fixed_us": round(float(intercept), 2)})
+        print(f"fixed cost, batch {batch} ({batch * KV_HEADS} CTAs): "
+              + ", ".join(f"{t} tiles {u:.1f} us" for t, u in points)
+              + f"; fit {slope:.3f} us/tile + {intercept:.2f} us", flush=True)
+    return rows
 
 
 def print_sweep(sweep, cases):
     """The sweep's table: TB/s per shape, as a ratio of the registered shape and of cuDNN
     (the 64x4096 bs16 row's peer of the main table)."""
     cudnn = next((c["peers"].get(CUDNN) for c in cases if c["name"] == "64x4096 bs16"), None) or float("nan")
-    print(f"\n{'sweep case':20} {'shape':8} {'TB/s':>7} {'x reg.':>7} {'x cuDNN':>8} {'regs':>5} {'local':>6} "
+    print(f"\n{'sweep case':20} {'shape':15} {'TB/s':>7} {'x reg.':>7} {'x cuDNN':>8} {'regs':>5} {'local':>6} "
           f"{'smem':>7} {'CTA/SM':>6} maxdiff")
     for row in sweep:
         base = row["shapes"][row["registered"]]["value"]
         for label, r in row["shapes"].items():
             if "error" in r:
-                print(f"{row['name']:20} {label:8} {'failed':>7}  {r['error']}")
+                print(f"{row['name']:20} {label:15} {'failed':>7}  {r['error']}")
                 continue
             mark = "*" if label == row["registered"] else " "
-            print(f"{row['name']:20} {label + mark:8} {r['value']:7.3f} {r['value'] / base:7.3f} {r['value'] / cudnn:8.3f} "
+            print(f"{row['name']:20} {label + mark:15} {r['value']:7.3f} {r['value'] / base:7.3f} {r['value'] / cudnn:8.3f} "
                   f"{r['registers']:5} {r['local_bytes']:6} {r['smem']:7} {r['ctas_per_sm']:6} {r['maxdiff']:.2e}")
 
 
@@ -299,6 +321,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "decode.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--fixed-cost", action="store_true",
+                        help="then time calls against tiles per CTA at one and two waves (last)")
     parser.add_argument("--sweep", action="store_true",
                         help="then time ops.decode.CANDIDATES against the registered tile shape (last)")
     args = parser.parse_args(argv)
@@ -317,15 +341,12 @@ def main(argv=None):
     for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
-    # Comparison rows, same run: the L2 prefetch the other way from the default, the block
-    # table in address order at bs16 and bs256 (both then read exactly the same addresses: if
-    # they differ, the kernel depends on the block size; if both are slow, the sorted layout is),
-    # other split counts.
-    other = {"prefetch": not decode_ops.L2_PREFETCH}
+    # Comparison rows, same run: the block table in address order at bs16 and bs256 (both then
+    # read exactly the same addresses: if they differ, the kernel depends on the block size; if
+    # both are slow, the sorted layout is), other split counts.
     for batch, context, block_size, options in (
-            (64, 4096, 16, other),
             (64, 4096, 16, {"shuffle": False}), (64, 4096, 256, {"shuffle": False}),
-            (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 64}),
+            (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 33}), (1, 131072, 16, {"num_splits": 64}),
             (1, 131072, 16, {"num_splits": 128})):
         cases.append(bandwidth_case(rng, batch, context, block_size, False, reps, **options))
         print(cases[-1], flush=True)
@@ -354,6 +375,10 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
         print_sweep(sweep, cases)
+    if args.fixed_cost:
+        report["fixed_cost"] = fixed_cost_case(rng, reps)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def print_table(cases):

@@ -4,14 +4,25 @@
 # finished comes back even if the call is cut short) under its own time limit; a short table
 # prints last.
 #   usage (repository root): bash benchmarks/device_run.sh [warm tests bench sanitize ...]
+#   (bench = bench_decode bench_varlen; each can also run alone)
 #   per-step limits in seconds: T_WARM T_TESTS T_BENCH (T_BENCH_DECODE for the decode benchmark
 #   alone) T_SANITIZE; extra arguments: TEST_ARGS,
-#   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10)
+#   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10), SANITIZE_ARGS
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 steps=${*:-warm tests bench sanitize}
+steps=${steps//bench /bench_decode bench_varlen }
+[[ $steps == *bench ]] && steps="${steps%bench}bench_decode bench_varlen"
+collect_results() {  # one file for every results/*.json, since the device returns few files
+  python3 - "$OUT/results.json" <<'PY'
+import json, pathlib, sys
+found = {p.name: json.loads(p.read_text()) for p in sorted(pathlib.Path("benchmarks/results").glob("*.json"))
+         if p.name in ("decode.json", "varlen.json")}
+pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
+PY
+}
 summary=()
 
 run_step() {  # name, log file (under $OUT, appended: the device returns few files), time limit (s), command...
@@ -30,25 +41,21 @@ for step in $steps; do
           [[ " ${BENCH_VARLEN_ARGS:-} " == *" --sweep "* ]] &&
             run_step warm_sweep warm "${T_WARM:-150}" python3 benchmarks/bench_varlen.py --warm ;;
     tests) run_step tests tests "${T_TESTS:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} ;;
-    bench)
+    bench_decode)
       # Only what this run writes comes back: no committed result may pass for a new one.
-      rm -f benchmarks/results/decode.json benchmarks/results/varlen.json
+      rm -f benchmarks/results/decode.json
       run_step bench_decode bench_decode "${T_BENCH_DECODE:-${T_BENCH:-150}}" python3 benchmarks/bench_decode.py ${BENCH_DECODE_ARGS:---quick}
+      collect_results ;;
+    bench_varlen)
+      rm -f benchmarks/results/varlen.json
       run_step bench_varlen bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py ${BENCH_VARLEN_ARGS:---reps 10}
-      # one file for every results/*.json, since the device returns few files
-      python3 - "$OUT/results.json" <<'PY'
-import json, pathlib, sys
-found = {p.name: json.loads(p.read_text()) for p in sorted(pathlib.Path("benchmarks/results").glob("*.json"))
-         if p.name in ("decode.json", "varlen.json")}
-pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
-PY
-      ;;
+      collect_results ;;
     sanitize)
       run_step memcheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic"
+        python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-}
       run_step racecheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ;;
-    *) echo "unknown step: $step (steps: warm tests bench sanitize)" >&2; exit 2 ;;
+        python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-} ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen sanitize)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -1,15 +1,18 @@
-"""Four kernel launches for ``ncu``: where does paged K/V cost time?
+"""Kernel launches for ``ncu``: where does paged attention spend its time?
 
-1. decode, 64 x 4096, block size 16, table in address order;
-2. decode, the same keys at block size 256, table in address order (both read exactly the same
-   addresses, so any difference between 1 and 2 is the kernel's, not the memory's);
-3. varlen (registered kernel), causal D=128, 8 x 4096, contiguous K/V;
-4. the same keys through a shuffled block table, block size 16.
+Each argument is one case; without arguments, the four of NOTES_decode.md (v6):
+  ``decode:BATCHxCONTEXT:bsN[:splits=S][:sorted]``  flash_attn_with_kvcache, bf16, GQA 32/8,
+      D=128 (the decode benchmark's inputs); ``sorted`` puts each table in address order
+  ``varlen``, ``varlen-paged``  causal D=128, 8 x 4096, contiguous K/V or through a shuffled
+      block table of block size 16
+The defaults: decode:64x4096:bs16:sorted decode:64x4096:bs256:sorted varlen varlen-paged
+(the two sorted decode cases read exactly the same addresses, so any difference between them
+is the kernel's, not the memory's).
 
-Each is run once untimed (compilation), then once more: profile with
-``ncu --clock-control none -k regex:"paged_decode|varlen_fwd" --launch-skip 4 --launch-count 4
---section SpeedOfLight --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis
-python3 benchmarks/profile_paged.py``.
+Every case runs once untimed (compilation), then once more.  Profile the second round, e.g.
+``ncu --clock-control none -k regex:"paged_decode|combine_splits|varlen_fwd" --launch-skip N
+--section SpeedOfLight python3 benchmarks/profile_paged.py CASES`` with N the first round's
+launch count (printed; a split decode launches two kernels).
 """
 from __future__ import annotations
 
@@ -25,28 +28,52 @@ import bench_decode  # noqa: E402
 import bench_varlen  # noqa: E402
 
 import cupy_paged  # noqa: E402
+from cupy_paged.ops import decode as decode_ops  # noqa: E402
+
+DEFAULT = ["decode:64x4096:bs16:sorted", "decode:64x4096:bs256:sorted", "varlen", "varlen-paged"]
 
 
-def main() -> int:
+def decode_case(rng, spec):
+    """(call, launches per call) of one ``decode:...`` spec."""
+    import cupy
+
+    _, shape, block, *options = spec.split(":")
+    batch, context = (int(x) for x in shape.split("x"))
+    splits = next((int(o.split("=")[1]) for o in options if o.startswith("splits=")), 0)
+    (q, k, v, table, lens), = bench_decode.make_paged(rng, batch, context, int(block[2:]),
+                                                      shuffle="sorted" not in options)
+    out = cupy.empty_like(q)
+
+    def call():
+        cupy_paged.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, out=out,
+                                           num_splits=splits, check_values=False)
+    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
+                                                0.0, None, splits, False, out, check_values=False)
+    return call, 1 + (decode_ops.plan(problem) > 1)
+
+
+def main(argv: list[str]) -> int:
     import cupy
 
     rng = np.random.default_rng(0)
-    calls = []
-    for block_size in (16, 256):
-        (q, k, v, table, lens), = bench_decode.make_paged(rng, 64, 4096, block_size, shuffle=False)
-        out = cupy.empty_like(q)
-        calls.append(lambda q=q, k=k, v=v, t=table, n=lens, o=out: cupy_paged.flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=n, block_table=t, out=o, check_values=False))
-    batch = bench_varlen.Batch([4096] * 8, [4096] * 8, 128)
-    calls.append(batch.ours())
-    calls.append(batch.ours(paged=batch.paged(16)))
-    for rounds in range(2):  # the first round compiles and warms; ncu skips its 4 launches
+    calls, launches = [], 0
+    for spec in argv or DEFAULT:
+        if spec.startswith("decode:"):
+            call, count = decode_case(rng, spec)
+        elif spec in ("varlen", "varlen-paged"):
+            batch = bench_varlen.Batch([4096] * 8, [4096] * 8, 128)
+            call, count = batch.ours(paged=batch.paged(16) if spec == "varlen-paged" else None), 1
+        else:
+            raise SystemExit(f"unknown case {spec!r}: see the docstring")
+        calls.append(call)
+        launches += count
+    for _ in range(2):  # the first round compiles and warms; ncu skips its launches
         for call in calls:
             call()
         cupy.cuda.get_current_stream().synchronize()
-    print("4 x 2 launches done")
+    print(f"{len(calls)} cases x 2 rounds done; launches per round: {launches}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

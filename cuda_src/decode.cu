@@ -12,16 +12,15 @@
 // (query head of the GQA group, query token) pair; a row group is the 16 rows of an mma A operand
 // (padding rows are zero), so with group * seqlen_q <= 16 every K/V byte is read once.  K/V tiles
 // go global -> shared memory through cp.async (swizzled rows, see cp::SmemTile), STAGES - 1 tiles in
-// flight while one is computed; the block ids of the tile after next are loaded one iteration
-// ahead so that no cp.async waits on a block-table read.  Each warp takes TILE_KEYS / 4 keys of a
-// tile in groups of 16 and runs them on tensor cores:
+// flight while one is computed.  No cp.async waits on a block-table read: the ids of a tile
+// travel in the cp.async group issued STAGES - 1 tiles before the tile's own, so the pipeline's
+// wait covers them and a table read gets the same latency budget as the data it addresses
+// (NOTES_decode.md, v7: reading them into registers one iteration ahead cost 14% at block 16).
+// Each warp takes TILE_KEYS / 4 keys of a tile in groups of 16 and runs them on tensor cores:
 //   S[16 x 16] = Q K^T      mma m16n8k16, Q fragments by ldmatrix, K fragments by ldmatrix
 //   online softmax          on the accumulator fragments, log2 domain (S scaled by scale * log2 e)
 //   O[16 x D] += P V        P re-packed from the accumulators, V fragments by ldmatrix.trans
 // Each warp keeps its own (m, l, O); the four are merged through shared memory at the end.
-// On sm_90 each tile's cached K/V rows are also prefetched into L2 one tile before their cp.async
-// (cp.async.bulk.prefetch, a run-time switch in DecodeParams), a fourth stage that costs no
-// shared memory.
 // With num_splits > 1 each split covers a contiguous key range and writes a normalised partial
 // output and its LSE to a float32 workspace; combine_splits merges them (flash-decoding).
 //
@@ -41,6 +40,9 @@ using cp::u32;
 constexpr int kHeadDim = HEAD_DIM;
 constexpr int kTileKeys = TILE_KEYS;
 constexpr int kStages = STAGES;
+// Tiles whose ids are in shared memory at once: ids run STAGES - 1 tiles ahead of the data,
+// which runs STAGES - 1 tiles ahead of the math.
+constexpr int kIdSlots = 2 * (kStages - 1);
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 16;  // query rows per CTA: the M of mma.m16n8k16
@@ -70,14 +72,17 @@ static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues
 // of the kStages - 2 tiles issued but not yet voted on (`pending` in the kernel).
 static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
 
-// Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile.
-// The first bytes are reused for the cross-warp merge at the end.
+// Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile,
+// the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry.  The first bytes are reused for the
+// cross-warp merge at the end.
 struct Smem {
   static constexpr int kStageBytes = Tile::bytes(kTileKeys);
   static constexpr int kV = kStages * kStageBytes;
   static constexpr int kFlags = 2 * kStages * kStageBytes;
   static constexpr int kQ = kFlags + kStages * kTileKeys * 4;
-  static constexpr int kBytes = kQ + Tile::bytes(kRows);
+  static constexpr int kIds = kQ + Tile::bytes(kRows);
+  static constexpr int kSeqlen = kIds + kIdSlots * kTileKeys * 4;  // cache_seqlens[b], 16 bytes
+  static constexpr int kBytes = kSeqlen + 16;
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
   static_assert(kMergeBytes <= kFlags, "merge scratch must fit in the pipeline buffers");
 };
@@ -154,29 +159,29 @@ __device__ __forceinline__ bool issue_tile(const KeySource& src, int start, int 
   return all_ok;
 }
 
-__device__ __forceinline__ void load_blocks(const KeySource& src, int start, int (&blocks)[kPasses]) {
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) blocks[p] = src.block_of(start + pass_key(p));
+// The block-table entries of the tile at `start` -> its id slot (`slot`, a shared-memory
+// address), one 4-byte cp.async per key.  Keys from `limit` on and keys past the table read
+// nothing (the slot gets 0, which read_blocks discards).
+__device__ __forceinline__ void issue_ids(const KeySource& src, int start, int limit, u32 slot) {
+  for (int key = threadIdx.x; key < kTileKeys; key += kThreads) {
+    const int j = start + key;
+    const int col = src.column(j);
+    const bool ok = j < limit && col < src.max_blocks;
+    cp::cp_async_4(slot + 4 * key, src.table_row + (ok ? col : 0), ok);
+  }
 }
 
-// Asks L2 for the cached K and V rows of the tile at `start` (block ids in `blocks`), one tile
-// ahead of its cp.async: the bulk copy engine fetches them without holding load slots of the
-// SM, so DRAM and page-walk latency overlap one more tile.  A hint only: nothing waits for it,
-// and it touches only rows the tile's cp.async reads (keys of the range, cached, in a block).
-// The first lane of each key's lane group asks for the key's K row and V row.
-__device__ __forceinline__ void prefetch_tile(const KeySource& src, int start, int end, const int (&blocks)[kPasses]) {
-#if __CUDA_ARCH__ >= 900
-  if (threadIdx.x % kChunkLanes != 0) return;
+// This thread's block ids of the tile at `start` from its id slot, -1 for a hole.
+__device__ __forceinline__ void read_blocks(const KeySource& src, int start, const int* slot, int (&blocks)[kPasses]) {
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
-    const int j = start + pass_key(p);
-    if (j < end && j < src.cached && blocks[p] >= 0) {
-      const long long at = src.cache_vec(blocks[p], j, 0);
-      cp::prefetch_l2_bulk(src.k_cache + at, kChunks * 16);
-      cp::prefetch_l2_bulk(src.v_cache + at, kChunks * 16);
-    }
+    const int key = pass_key(p);
+    const int j = start + key;
+    const int id = slot[key];
+    const bool ok = j < src.cached && src.column(j) < src.max_blocks &&
+                    static_cast<unsigned>(id) < static_cast<unsigned>(src.num_blocks);
+    blocks[p] = ok ? id : -1;
   }
-#endif
 }
 
 // Scalar arguments of paged_decode, passed as one struct by value (ops/decode.py packs it with
@@ -188,7 +193,7 @@ struct DecodeParams {
   int max_blocks, num_blocks, block_size, block_shift;
   int seqlen_q, seqlen_new, num_heads, num_kv_heads;
   int num_rows, row_groups, win_left, win_right;
-  int num_splits, prefetch;               // prefetch != 0: L2 prefetch one tile ahead (sm_90)
+  int num_splits, unused;                 // unused: pads the struct to its 8-byte alignment
   float softmax_scale, softcap;
 };
 static_assert(sizeof(DecodeParams) == 9 * 8 + 14 * 4 + 2 * 4, "DecodeParams must match the host's struct.pack layout");
@@ -220,12 +225,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   const int win_left = params.win_left, win_right = params.win_right;
   const int num_splits = params.num_splits;
   const float softmax_scale = params.softmax_scale, softcap = params.softcap;
-  const bool prefetch = params.prefetch != 0;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const u32 ks = cp::smem_address(smem_raw);
   const u32 vs = ks + Smem::kV;
   const u32 qs = ks + Smem::kQ;
   int* flags = reinterpret_cast<int*>(smem_raw + Smem::kFlags);
+  const int* ids = reinterpret_cast<const int*>(smem_raw + Smem::kIds);  // [kIdSlots][kTileKeys]
+  const u32 ids_s = ks + Smem::kIds;
 
   const int row_group = blockIdx.x % row_groups;
   const int split = blockIdx.x / row_groups;
@@ -250,23 +256,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   src.block_shift = block_shift;
   src.num_kv_heads = num_kv_heads;
   src.kv_head = kv_head;
-  src.cached = max(cache_seqlens[b], 0);
-  const int num_keys = src.cached + seqlen_new;  // Lk
-
-  // Fused append: split 0 / row group 0 writes this kv head's new tokens into the cache.
-  if (seqlen_new > 0 && split == 0 && row_group == 0) {
-    for (int index = threadIdx.x; index < seqlen_new * kChunks; index += kThreads) {
-      const int tok = index / kChunks, v = index % kChunks;
-      const int j = src.cached + tok;
-      const int col = src.column(j);
-      if (col >= max_blocks) continue;
-      const int id = __ldg(src.table_row + col);
-      if (id < 0 || id >= num_blocks) continue;
-      const long long at = src.cache_vec(id, j, v);
-      k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];
-      v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + tok * vn_token)[v];
-    }
+  // Prologue, first round trip: cache_seqlens[b] and the Q tile [16 rows][D] (padding rows zero)
+  // -> shared memory by cp.async, so that both are in flight together.
+  if (threadIdx.x == 0) cp::cp_async_4(ks + Smem::kSeqlen, cache_seqlens + b, true);
+  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
+    const int r = index / kChunks, c = index % kChunks;
+    const int row = row_group * kRows + r;
+    const bool real = row < num_rows;
+    const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
+    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + b * q_batch + (row % seqlen_q) * q_token +
+                                                      (kv_head * group + row / seqlen_q) * q_head) + c;
+    cp::cp_async_16(qs + Tile::offset(r, c), qp, real);
   }
+  cp::cp_async_commit();
+  cp::cp_async_wait<0>();
+  __syncthreads();
+  src.cached = max(*reinterpret_cast<const int*>(smem_raw + Smem::kSeqlen), 0);
+  const int num_keys = src.cached + seqlen_new;  // Lk
 
   // Rows of the CTA: row r is (group head, query token) = divmod(row_group * 16 + r, seqlen_q),
   // bottom-right aligned (query i sits at key i + Lk - Sq).  The keys every real row sees bound the
@@ -307,31 +313,47 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   const int end = min(start + per_split, num_keys);
   const int num_tiles = (end - start + kTileKeys - 1) / kTileKeys;
 
-  // Q tile [16 rows][D] into shared memory (padding rows zero); ordered by the prologue barrier.
-  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
-    const int r = index / kChunks, c = index % kChunks;
-    const int row = row_group * kRows + r;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (row < num_rows) {
-      const int head = kv_head * group + row / seqlen_q;
-      const T* qp = q + b * q_batch + (row % seqlen_q) * q_token + head * q_head;
-      value = reinterpret_cast<const cp::Vec8*>(qp)[c].raw;
-    }
-    *reinterpret_cast<uint4*>(smem_raw + Smem::kQ + Tile::offset(r, c)) = value;
-  }
+  // Prologue, second round trip: the block ids of the first tiles (NOTES_decode.md, v9: issuing
+  // them with the first round trip where the keys start at 0 gained nothing).
+  const int id_limit = min(end, src.cached);  // keys whose block ids are read
+  for (int s = 0; s < kStages - 1 && s < num_tiles; ++s) issue_ids(src, start + s * kTileKeys, id_limit, ids_s + s * kTileKeys * 4);
+  cp::cp_async_commit();
+  cp::cp_async_wait<0>();
+  __syncthreads();
 
+  // Block ids of the tile about to be issued (in their slot: their group has landed), then the
+  // tile; the ids of tile + kStages - 1 join this tile's group.
   int blocks[kPasses];
-  load_blocks(src, start, blocks);
+  auto issue = [&](int tile) -> bool {
+    const int tile_start = start + tile * kTileKeys;
+    read_blocks(src, tile_start, ids + (tile % kIdSlots) * kTileKeys, blocks);
+    const int ahead = tile + kStages - 1;
+    if (ahead < num_tiles) issue_ids(src, start + ahead * kTileKeys, id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
+    return k_new ? issue_tile<true>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags)
+                 : issue_tile<false>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags);
+  };
   bool issued_ok[kStages - 1] = {};  // this thread's keys of tile s all loaded
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) {
-      issued_ok[s] = k_new ? issue_tile<true>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags)
-                           : issue_tile<false>(src, start + s * kTileKeys, end, s, blocks, ks, vs, flags);
-      load_blocks(src, start + (s + 1) * kTileKeys, blocks);
-    }
+    if (s < num_tiles) issued_ok[s] = issue(s);
     cp::cp_async_commit();
   }
+  // Fused append, once the first tiles are in flight: split 0 / row group 0 writes this kv
+  // head's new tokens into the cache (slots no CTA of this launch reads).
+  if (seqlen_new > 0 && split == 0 && row_group == 0) {
+    for (int index = threadIdx.x; index < seqlen_new * kChunks; index += kThreads) {
+      const int tok = index / kChunks, v = index % kChunks;
+      const int j = src.cached + tok;
+      const int col = src.column(j);
+      if (col >= max_blocks) continue;
+      const int id = __ldg(src.table_row + col);
+      if (id < 0 || id >= num_blocks) continue;
+      const long long at = src.cache_vec(id, j, v);
+      k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];
+      v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + tok * vn_token)[v];
+    }
+  }
+
   // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
   // iteration t votes on tile t + 1 (issued at least one iteration earlier), so one vote is kept
   // in hand.  At the top of iteration t, pending[i] is this thread's flag of tile t + 1 + i (the
@@ -347,9 +369,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) cp::ldmatrix_x4(qa[kQInRegs ? kk : 0], qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
   }
-  // Tile 2 (cp.async in iteration 0) into L2 while tile 0 lands: `blocks` holds its ids when
-  // num_tiles > 2 (the prologue loaded them after issuing tile 1).
-  if (prefetch && kStages - 1 < num_tiles) prefetch_tile(src, start + (kStages - 1) * kTileKeys, end, blocks);
   // Per-lane parts of the ldmatrix addresses of a 16-key group (see mma.cuh for the fragment layouts).
   const int k_row = (lane >> 4) * 8 + (lane & 7), k_chunk = (lane >> 3) & 1;  // B of Q K^T
   const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk = lane >> 4;  // B of P V (.trans)
@@ -369,11 +388,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 #pragma unroll
     for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
     const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-    if (next < num_tiles) {
-      pending[kStages - 3] = k_new ? issue_tile<true>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags)
-                                   : issue_tile<false>(src, start + next * kTileKeys, end, next % kStages, blocks, ks, vs, flags);
-      load_blocks(src, start + (next + 1) * kTileKeys, blocks);
-    }
+    if (next < num_tiles) pending[kStages - 3] = issue(next);
     cp::cp_async_commit();
 
     const int stage = tile % kStages;
@@ -475,10 +490,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
         cp::mma_16816(o[2 * dp + 1], pa, bv[2], bv[3], T());
       }
     }
-    // L2 prefetch of tile + 3, which the next iteration hands to cp.async: `blocks` holds its ids
-    // (loaded above, before this tile's math, so they have arrived).  When next >= num_tiles the
-    // ids were not reloaded, but then tile + 3 >= num_tiles too and nothing is prefetched.
-    if (prefetch && tile + kStages < num_tiles) prefetch_tile(src, start + (tile + kStages) * kTileKeys, end, blocks);
   }
   cp::cp_async_wait<0>();
   __syncthreads();  // pipeline drained: its buffers become the merge scratch
@@ -535,64 +546,74 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 }
 
 // combine_splits: out = sum_s w_s * part_out[s] with w_s = exp(lse_s - lse) and
-// lse = log(sum_s exp(lse_s)).  One warp per (b, i, h) row; 4 rows per 128-thread CTA.
-extern "C" __global__ void __launch_bounds__(128) combine_splits(
+// lse = log(sum_s exp(lse_s)).  One CTA per (b, i, h) row.  Thread s reads LSE s (at most
+// kThreads splits); warp w then sums splits w, w + 4, ..., all its loads issued before their FMAs,
+// and the four warps' sums meet in shared memory.  A row costs two memory round trips whatever
+// the split count (v1-v7: one warp per row, one round trip per 8 splits: 6.6 us at 32 splits).
+extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, int num_splits,
     long long rows_total, int seqlen_q, int num_heads,
     T* __restrict__ out, float* __restrict__ lse) {
-  constexpr int kMaxSplits = 128;
-  __shared__ float weights[4][kMaxSplits];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long row = (long long)blockIdx.x * 4 + warp;
-  if (row >= rows_total) return;  // whole warps leave together; no block barrier below
-  float m_all = -inf();
-  for (int s = lane; s < num_splits; s += 32) m_all = fmaxf(m_all, part_lse[s * rows_total + row]);
-  m_all = cp::warp_max(m_all);
-  const float m_use = m_all == -inf() ? 0.f : m_all;
-  float total = 0.f;
-  for (int s = lane; s < num_splits; s += 32) {
-    const float w = __expf(part_lse[s * rows_total + row] - m_use);
-    weights[warp][s] = w;
-    total += w;
-  }
-  total = cp::warp_sum(total);
-  __syncwarp();
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  // Lane l sums elements d = l + 32 e of the row.  Loads of kUnroll splits are issued before
-  // their FMAs, so a row costs num_splits / kUnroll memory round trips (v3: one per 4 splits and
-  // element column).  Each element still sums s = 0, 1, ... in order: the same result as v3.
   constexpr int kPerLane = kHeadDim / 32;
-  constexpr int kUnroll = 8;
+  constexpr int kUnroll = 8;  // splits in flight per warp
   static_assert(kHeadDim % 32 == 0, "a warp covers a row in whole 32-element columns");
+  __shared__ float weights[kThreads];
+  __shared__ float warp_max[kWarps], warp_sum[kWarps];
+  __shared__ float partial[kWarps][kHeadDim];
+  const long long row = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int own = threadIdx.x;  // the split whose LSE this thread reads
+  const float own_lse = own < num_splits ? part_lse[own * rows_total + row] : -inf();
+  const float m = cp::warp_max(own_lse);
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  float m_all = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) m_all = fmaxf(m_all, warp_max[w]);
+  const float m_use = m_all == -inf() ? 0.f : m_all;
+  const float own_weight = own < num_splits ? __expf(own_lse - m_use) : 0.f;
+  weights[own] = own_weight;
+  const float sum = cp::warp_sum(own_weight);
+  if (lane == 0) warp_sum[warp] = sum;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += warp_sum[w];
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  // Lane l of warp w sums elements d = l + 32 e over splits w, w + kWarps, ... (a split with
+  // weight 0 -- LSE -inf, no key seen -- is skipped, never multiplied).
   const float* row_part = part_out + row * kHeadDim + lane;
   const long long split_stride = rows_total * kHeadDim;
   float acc[kPerLane];
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
-  int s = 0;
-  for (; s + kUnroll <= num_splits; s += kUnroll) {
+  for (int first = warp; first < num_splits; first += kWarps * kUnroll) {
     float x[kUnroll][kPerLane];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u) {
+      const int s = first + u * kWarps;
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) x[u][e] = row_part[(s + u) * split_stride + 32 * e];
+      for (int e = 0; e < kPerLane; ++e) x[u][e] = s < num_splits ? row_part[s * split_stride + 32 * e] : 0.f;
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const float w = weights[warp][s + u];
+      const int s = first + u * kWarps;
+      const float w = s < num_splits ? weights[s] : 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e)
         if (w > 0.f) acc[e] = fmaf(w, x[u][e], acc[e]);
     }
   }
-  for (; s < num_splits; ++s) {
-    const float w = weights[warp][s];
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e)
-      if (w > 0.f) acc[e] = fmaf(w, row_part[s * split_stride + 32 * e], acc[e]);
+  for (int e = 0; e < kPerLane; ++e) partial[warp][lane + 32 * e] = acc[e];
+  __syncthreads();
+  for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
+    float value = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) value += partial[w][d];
+    out[row * kHeadDim + d] = cp::from_float<T>(value * inv);
   }
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) out[row * kHeadDim + lane + 32 * e] = cp::from_float<T>(acc[e] * inv);
-  if (lse && lane == 0) {
+  if (lse && threadIdx.x == 0) {
     const long long h = row % num_heads, bi = row / num_heads;
     const long long b = bi / seqlen_q, i = bi % seqlen_q;
     lse[(b * num_heads + h) * seqlen_q + i] = total > 0.f ? m_all + __logf(total) : -inf();

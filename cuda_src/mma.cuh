@@ -28,12 +28,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Asks L2 to fetch `bytes` (a multiple of 16) from global memory at `src` (16-byte aligned) through
-// the bulk copy engine (sm_90).  A hint: no completion to wait for, nothing written to the SM.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
-#endif
+// 4-byte global -> shared copy (through L1: cp.async takes only 16 bytes with .cg); with
+// fill == false it reads nothing and writes zeros.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool fill) {
+  const int src_bytes = fill ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
 }
 
 // Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.

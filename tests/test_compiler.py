@@ -46,6 +46,23 @@ def test_every_specialization_compiles(key, arch):
         assert kernel.spill_stores == kernel.spill_loads == 0, f"{kernel.kernel} spills"
 
 
+def _candidate_keys():
+    """The kernel keys of the shapes the benchmarks' sweeps time against the registered ones."""
+    from cupy_paged._checks import BF16
+    from cupy_paged.ops import decode
+
+    return [decode.kernel_key(BF16, head_dim, tiles)
+            for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
+
+
+@pytest.mark.parametrize("key", _candidate_keys(), ids=str)
+def test_sweep_candidates_compile(key):
+    """A candidate shape reaches the GPU only in a sweep: it must build, unspilled, before that."""
+    for arch in key.archs():
+        report = _compiler.compile_offline(key, arch)
+        assert all(k.spill_stores == k.spill_loads == 0 for k in report.kernels), f"{key} spills on {arch}"
+
+
 def test_pinned_architecture_keys():
     pinned = [key for key in KEYS if key.arch]
     assert pinned and all(key.arch == "sm_90a" and key.archs() == ("sm_90a",) for key in pinned)

@@ -14,6 +14,7 @@ import pytest
 
 import cupy_paged
 from _util import BF16, assert_close, poisoned, randn, to_numpy
+from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 F16 = np.dtype(np.float16)
@@ -264,9 +265,46 @@ def test_params_struct_matches_kernel_source():
     assert decode._PARAMS.size == decode._PARAMS_DTYPE.itemsize == 136
 
 
-def test_sanitize_l2_prefetch_changes_nothing():
-    """Long sequences (many tiles per CTA, so the L2 prefetch runs), holes in the middle of a table,
-    new tokens and splits: outputs, LSE and caches are bitwise those of the kernel without prefetch."""
+def expected_with_holes(case, window=(-1, -1)):
+    """(out, lse, k_cache, v_cache) of a decode with ``seqlen_q = 1`` whose block table may hold
+    holes (ids outside the cache, keys past the table row), from the naive float64 attention: a
+    key in a hole is masked, a new token is appended only where its slot exists."""
+    q, k_cache, v_cache = case["q"], case["k_cache"].copy(), case["v_cache"].copy()
+    table, lens = case["block_table"], case["cache_seqlens"]
+    num_blocks, block_size = k_cache.shape[:2]
+    seqlen_new = case["k"].shape[1] if "k" in case else 0
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        cached = int(lens[b])
+        num_keys = cached + seqlen_new
+        j = np.arange(num_keys)
+        col = j // block_size
+        ids = np.where(col < table.shape[1], table[b, np.minimum(col, table.shape[1] - 1)], -1)
+        in_cache = (ids >= 0) & (ids < num_blocks)
+        keys = np.zeros((num_keys,) + k_cache.shape[2:], k_cache.dtype)
+        values = np.zeros_like(keys)
+        old = (j < cached) & in_cache
+        keys[old], values[old] = k_cache[ids[old], j[old] % block_size], v_cache[ids[old], j[old] % block_size]
+        if seqlen_new:
+            keys[cached:], values[cached:] = case["k"][b], case["v"][b]
+            new = (j >= cached) & in_cache
+            k_cache[ids[new], j[new] % block_size] = keys[new]
+            v_cache[ids[new], j[new] % block_size] = values[new]
+        keep = old | (j >= cached)
+        if window[0] >= 0:
+            keep &= j >= num_keys - 1 - window[0]
+        out, lse = naive_attention(q[b], keys[keep], values[keep], 1 / np.sqrt(q.shape[-1]))
+        outs.append(out)
+        lses.append(lse)
+    return np.stack(outs), np.stack(lses), k_cache, v_cache
+
+
+def test_sanitize_holes_staged_ids(monkeypatch):
+    """Block ids are staged in shared memory two tiles ahead of their data (decode.cu): long
+    sequences (many tiles per CTA, every id slot reused), holes in the middle of a table, an id
+    past the cache, a sequence longer than its table row, a window that starts inside a block,
+    new tokens, splits; every CANDIDATES shape too.  Against the naive float64 attention with the
+    holes masked, and the whole caches bitwise."""
     import cupy
 
     from cupy_paged.ops import decode
@@ -275,26 +313,20 @@ def test_sanitize_l2_prefetch_changes_nothing():
     case = make_case(rng, BF16, 128, 8, 2, 16, [1500, 999, 300, 17], 1, 1)
     case["block_table"][0, 20:23] = -1      # a hole of 48 keys inside sequence 0
     case["block_table"][1, 10] = 1_000_000  # an id past the cache
-    results = []
-    for prefetch in (False, True):
-        saved, decode.L2_PREFETCH = decode.L2_PREFETCH, prefetch
-        try:
-            for splits in (1, 3):
-                dev = {name: cupy.asarray(value) for name, value in case.items()}
-                # A fresh NaN buffer each run: the pool would otherwise hand back the last run's
-                # memory, and an element neither run writes would compare equal.
-                out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits,
-                                                             return_softmax_lse=True, check_values=False,
-                                                             out=poisoned(case["q"].shape, case["q"].dtype, cupy))
-                results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
-        finally:
-            decode.L2_PREFETCH = saved
-    for without, with_prefetch in zip(results[:2], results[2:]):
-        for a, b in zip(without, with_prefetch):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    assert not np.isnan(results[0][0]).any()
-    # Without holes, the prefetching kernel matches the reference.
-    check(make_case(rng, F16, 64, 16, 2, 32, [4000, 257, 0], 1, 2), causal=True)
+    case["cache_seqlens"][2] = case["block_table"].shape[1] * 16 + 40  # keys past its table row
+    for tiles in (decode.TILES[128],) + decode.CANDIDATES.get(128, ()):
+        monkeypatch.setitem(decode.TILES, 128, tiles)
+        for splits, window in ((1, (-1, -1)), (3, (-1, -1)), (1, (700, 0))):
+            ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case, window)
+            dev = {name: cupy.asarray(value) for name, value in case.items()}
+            out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits, window_size=window,
+                                                         return_softmax_lse=True, check_values=False,
+                                                         out=poisoned(case["q"].shape, case["q"].dtype, cupy))
+            what = f"{tiles.label()} splits={splits} window={window}"
+            assert_close(out, ref_out, BF16, what=what)
+            assert_close(lse, ref_lse, np.float32, what=f"{what} lse", rtol=LSE_RTOL)
+            assert np.array_equal(to_numpy(dev["k_cache"]).view(np.uint16), ref_k.view(np.uint16)), what
+            assert np.array_equal(to_numpy(dev["v_cache"]).view(np.uint16), ref_v.view(np.uint16)), what
 
 
 def test_launch_plans_follow_shapes():

@@ -42,10 +42,7 @@ THREADS = 128
 ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA, mma M
 STAGES = 3              # cp.async pipeline depth
 TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
-MAX_SPLITS = 128        # combine_splits keeps one weight per split in shared memory
-# L2 prefetch of each K/V tile one tile ahead of its cp.async (sm_90; a run-time switch in the
-# kernel's parameters, so the benchmark can time the kernel with and without it in one run).
-L2_PREFETCH = False  # measured on the H200: -26% at 64x4096 bs16 (NOTES_decode.md, v4)
+MAX_SPLITS = 128        # combine_splits: one thread per split's LSE (THREADS)
 
 
 def tile_keys(head_dim: int) -> int:
@@ -59,8 +56,8 @@ def tile_keys(head_dim: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 64, 16 per warp) and
-    cp.async stages (at least 3: decode.cu's loaded-tile vote); ``stages - 1`` tiles in flight."""
+    """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 64, 16 per warp),
+    and cp.async stages (at least 3: decode.cu's loaded-tile vote; ``stages - 1`` tiles in flight)."""
 
     keys: int
     stages: int = STAGES
@@ -69,9 +66,11 @@ class Tiles:
         return f"k{self.keys}s{self.stages}"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory: K and V stages, one flag per key, the Q tile (decode.cu's Smem)."""
+        """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
+        16 bytes for the sequence's length (decode.cu's Smem)."""
+        id_slots = 2 * (self.stages - 1)
         return ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
-                + self.stages * self.keys * 4)
+                + (self.stages + id_slots) * self.keys * 4 + 16)
 
 
 # The registered shape of each head dim (the keys ``all_keys`` lists).
@@ -79,7 +78,8 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # Head dim -> shapes that ``bench_decode.py --sweep`` times against TILES and the GPU tests check
 # (NOTES_decode.md, v5: bytes in flight per SM against warps per SM at D = 128).
 # v5's shapes -- Tiles(64, 4), Tiles(64, 6), Tiles(128, 3): more bytes in flight, one CTA per SM --
-# ran 32-45% slower than the registered shape on the H200; none is pending now.
+# ran 32-45% slower than the registered shape on the H200.  v7-v9 compared kernel variants the
+# same way (NOTES_decode.md); none is pending now.
 CANDIDATES: dict[int, tuple[Tiles, ...]] = {}
 
 
@@ -289,7 +289,7 @@ def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
         *element_strides(q, 3), *k_strides, *v_strides,
         p.block_table.shape[1], p.k_cache.shape[0], p.k_cache.shape[1], launch.shift,
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
-        window_left, window_right, splits, 1 if L2_PREFETCH else 0,
+        window_left, window_right, splits, 0,
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
     launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
@@ -297,6 +297,6 @@ def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
                    p.out, lse, part_out, part_lse),
                   shared_mem=launch.smem)
     if splits > 1:
-        launch.combine((-(-rows_total // 4),), (THREADS,),
+        launch.combine((rows_total,), (THREADS,),
                        (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
                         np.int32(num_heads), p.out, lse))
