@@ -277,10 +277,11 @@ def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
     return row
 
 
-def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
+def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 16384)):
     """Microseconds per call (no split) against tiles per CTA, at one wave (batch 32: 256 CTAs)
     and two (batch 64), with a least-squares line: the slope is the time of a tile, the intercept
-    a CTA's fixed cost (start-up, drain, epilogue) per wave."""
+    a CTA's fixed cost (start-up, drain, epilogue) per wave.  Contexts start at 32 tiles: below
+    that a call is shorter than the host's launch path and the chain times the host."""
     rows = []
     for batch in batches:
         points = []
