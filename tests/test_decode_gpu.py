@@ -21,6 +21,18 @@ F16 = np.dtype(np.float16)
 LSE_RTOL = 2e-3
 
 
+@pytest.fixture(autouse=True, params=["one-wave", "3-ctas"])
+def grid(request, monkeypatch):
+    """Every test twice: persistent CTAs as launched (most test problems fit one wave: one item
+    per CTA), and at most 3 CTAs, so that each takes many items and the next item's first tiles
+    load while the current one ends (decode.cu's overlap), whatever the problem's size."""
+    from cupy_paged.ops import decode
+
+    if request.param == "3-ctas":
+        monkeypatch.setattr(decode, "_GRID_CAP", 3)
+    return request.param
+
+
 def make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, cache_seqlens, seqlen_q,
               seqlen_new, spare_blocks=3, extra_columns=1):
     """NumPy inputs of one decode call with a shuffled block table padded with -1."""
@@ -108,6 +120,19 @@ def test_decode_matches_reference(case_id, dtype, head_dim, num_heads, num_kv_he
     if options.pop("alibi", False):
         options["alibi_slopes"] = rng.uniform(0.01, 0.5, num_heads).astype(np.float32)
     check(case, **options)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 128), (F16, 64), (BF16, 256), (F16, 32), (BF16, 96)],
+                         ids=["bf16-d128", "f16-d64", "bf16-d256", "f16-d32", "bf16-d96"])
+@pytest.mark.parametrize("splits,seqlen_q", [(1, 1), (3, 1), (1, 4)], ids=["nosplit", "splits3", "sq4"])
+def test_items_of_mixed_lengths(dtype, head_dim, splits, seqlen_q):
+    """Long items (the next one's first tiles load during their last ones), short ones (started
+    from scratch), empty ones and tile boundaries next to each other in one launch, with new
+    tokens; with the 3-CTA grid each CTA takes about a third of them in turn."""
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{head_dim}{splits}{seqlen_q}".encode()))
+    seqlens = [2000, 0, 700, 1, 1500, 383, 384, 385, 100, 1100]
+    case = make_case(rng, dtype, head_dim, 8, 2, 16, seqlens, seqlen_q, 1)
+    check(case, causal=True, num_splits=splits)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
