@@ -171,12 +171,10 @@ def torch_stream_sync():
         pass
 
 
-def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, tiles=None, shuffle=True,
-                   persistent=None):
-    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``tiles``,
-    ``shuffle`` and ``persistent`` make the comparison rows (forced split count, another pipeline
-    shape than ``ops.decode.TILES``, block table in address order, ``ops.decode.PERSISTENT``
-    switched); their names say which."""
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, tiles=None, shuffle=True):
+    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``tiles`` and
+    ``shuffle`` make the comparison rows (forced split count, another pipeline shape than
+    ``ops.decode.TILES``, block table in address order); their names say which."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
     q, k, v, table, lens = sets[0]
     problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
@@ -189,17 +187,15 @@ def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits
     name += f" splits={num_splits}" if num_splits else ""
     name += f" {tiles.label()}" if tiles else ""
     name += "" if shuffle else " sorted"
-    name += "" if persistent is None else f" persistent={persistent}"
     call = ours(sets, num_splits)
-    registered, default = decode_ops.TILES[DIM], decode_ops.PERSISTENT
+    registered = decode_ops.TILES[DIM]
     decode_ops.TILES[DIM] = tiles or registered
-    decode_ops.PERSISTENT = default if persistent is None else persistent
     try:
         result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call),
                   "single_call": tbps(call, chain=0), "num_splits": splits, "tiles": decode_ops.TILES[DIM].label(),
-                  "persistent": decode_ops.PERSISTENT, "peers": {}, "peers_single_call": {}}
+                  "peers": {}, "peers_single_call": {}}
     finally:
-        decode_ops.TILES[DIM], decode_ops.PERSISTENT = registered, default
+        decode_ops.TILES[DIM] = registered
     del sets, call
     if with_peers:
         for name, fn in peers(batch, context).items():
@@ -287,9 +283,7 @@ def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 163
     a CTA's fixed cost (start-up, drain, epilogue) per wave.  Contexts start at 32 tiles: below
     that a call is shorter than the host's launch path and the chain times the host."""
     rows = []
-    default = decode_ops.PERSISTENT
-    for persistent, batch in ((p, b) for p in (default, not default) for b in batches):
-        decode_ops.PERSISTENT = persistent
+    for batch in batches:
         points = []
         for context in contexts:
             sets = make_paged(rng, batch, context, 16)
@@ -299,12 +293,11 @@ def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 163
             cupy.get_default_memory_pool().free_all_blocks()
         tiles, us = (np.array(v, dtype=float) for v in zip(*points))
         slope, intercept = np.polyfit(tiles, us, 1)
-        rows.append({"batch": batch, "persistent": persistent, "points": points,
-                     "us_per_tile": round(float(slope), 3), "fixed_us": round(float(intercept), 2)})
-        print(f"fixed cost, persistent={persistent}, batch {batch} ({batch * KV_HEADS} items): "
+        rows.append({"batch": batch, "points": points, "us_per_tile": round(float(slope), 3),
+                     "fixed_us": round(float(intercept), 2)})
+        print(f"fixed cost, batch {batch} ({batch * KV_HEADS} CTAs): "
               + ", ".join(f"{t} tiles {u:.1f} us" for t, u in points)
               + f"; fit {slope:.3f} us/tile + {intercept:.2f} us", flush=True)
-    decode_ops.PERSISTENT = default
     return rows
 
 
@@ -349,13 +342,10 @@ def main(argv=None):
     for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
-    # Comparison rows, same run: one CTA per item instead of persistent CTAs (v1-v9), the block
-    # table in address order at bs16 and bs256 (both then read exactly the same addresses: if
-    # they differ, the kernel depends on the block size; if both are slow, the sorted layout is),
-    # other split counts.
-    other = {"persistent": not decode_ops.PERSISTENT}
+    # Comparison rows, same run: the block table in address order at bs16 and bs256 (both then
+    # read exactly the same addresses: if they differ, the kernel depends on the block size; if
+    # both are slow, the sorted layout is), other split counts.
     for batch, context, block_size, options in (
-            (64, 4096, 16, other), (256, 2048, 16, other), (8, 32768, 16, other), (1, 131072, 16, other),
             (64, 4096, 16, {"shuffle": False}), (64, 4096, 256, {"shuffle": False}),
             (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 33}), (1, 131072, 16, {"num_splits": 64}),
             (1, 131072, 16, {"num_splits": 128})):

@@ -8,11 +8,9 @@
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
-// paged_decode: CTAs of 4 warps work through items, one (row group, split, kv head, sequence)
-// each; CTA c takes items c, c + gridDim.x, ... (ops/decode.py launches as many CTAs as are
-// resident at once, or one per item).  A "row" is one (query head of the GQA group, query token)
-// pair; a row group is the 16 rows of an mma A operand (padding rows are zero), so with
-// group * seqlen_q <= 16 every K/V byte is read once.  K/V tiles
+// paged_decode: one CTA of 4 warps per (row group, split, kv head, sequence).  A "row" is one
+// (query head of the GQA group, query token) pair; a row group is the 16 rows of an mma A operand
+// (padding rows are zero), so with group * seqlen_q <= 16 every K/V byte is read once.  K/V tiles
 // go global -> shared memory through cp.async (swizzled rows, see cp::SmemTile), STAGES - 1 tiles in
 // flight while one is computed.  No cp.async waits on a block-table read: the ids of a tile
 // travel in the cp.async group issued STAGES - 1 tiles before the tile's own, so the pipeline's
@@ -22,11 +20,7 @@
 //   S[16 x 16] = Q K^T      mma m16n8k16, Q fragments by ldmatrix, K fragments by ldmatrix
 //   online softmax          on the accumulator fragments, log2 domain (S scaled by scale * log2 e)
 //   O[16 x D] += P V        P re-packed from the accumulators, V fragments by ldmatrix.trans
-// Each warp keeps its own (m, l, O); the four are merged through shared memory at the end of
-// an item.  Items follow each other without draining the pipeline: while an item's last
-// STAGES - 1 tiles are computed, the next item's first tiles load into the stages it frees (its
-// length, Q and first block ids having been fetched during the item), so a CTA pays the pipeline's
-// fill and drain once, not per item (NOTES_decode.md, v10).
+// Each warp keeps its own (m, l, O); the four are merged through shared memory at the end.
 // With num_splits > 1 each split covers a contiguous key range and writes a normalised partial
 // output and its LSE to a float32 workspace; combine_splits merges them (flash-decoding).
 //
@@ -78,22 +72,19 @@ static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues
 // of the kStages - 2 tiles issued but not yet voted on (`pending` in the kernel).
 static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
 
-// Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), two Q
-// tiles, the block ids of tiles (a ring of kIdSlots, and an item's first kStages - 1), the
-// merge's m and l, two items' cache_seqlens entries.
+// Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile,
+// the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry.  The first bytes are reused for the
+// cross-warp merge at the end.
 struct Smem {
   static constexpr int kStageBytes = Tile::bytes(kTileKeys);
   static constexpr int kV = kStages * kStageBytes;
   static constexpr int kFlags = 2 * kStages * kStageBytes;
-  static constexpr int kQ = kFlags + kStages * kTileKeys * 4;        // two Q tiles (this item's, the next's)
-  static constexpr int kQBytes = Tile::bytes(kRows);
-  static constexpr int kIds = kQ + 2 * kQBytes;                      // ring of kIdSlots tiles' ids
-  static constexpr int kHeadIds = kIds + kIdSlots * kTileKeys * 4;  // ids of an item's first kStages - 1 tiles
-  static constexpr int kMergeML = kHeadIds + (kStages - 1) * kTileKeys * 4;  // m and l of the merge
-  static constexpr int kSeqlen = kMergeML + kWarps * kRows * 2 * 4;  // cache_seqlens of two items, 16 bytes
+  static constexpr int kQ = kFlags + kStages * kTileKeys * 4;
+  static constexpr int kIds = kQ + Tile::bytes(kRows);
+  static constexpr int kSeqlen = kIds + kIdSlots * kTileKeys * 4;  // cache_seqlens[b], 16 bytes
   static constexpr int kBytes = kSeqlen + 16;
-  // The merge's O partials: two warps' in the K half of a stage, two in its V half.
-  static_assert(2 * kRows * kHeadDim * 4 <= kStageBytes, "a stage half holds two warps' O partials");
+  static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
+  static_assert(kMergeBytes <= kFlags, "merge scratch must fit in the pipeline buffers");
 };
 
 // Where the keys of one sequence live: the cache through the block table, the new tokens in k_new.
@@ -202,7 +193,7 @@ struct DecodeParams {
   int max_blocks, num_blocks, block_size, block_shift;
   int seqlen_q, seqlen_new, num_heads, num_kv_heads;
   int num_rows, row_groups, win_left, win_right;
-  int num_splits, batch;
+  int num_splits, unused;                 // unused: pads the struct to its 8-byte alignment
   float softmax_scale, softcap;
 };
 static_assert(sizeof(DecodeParams) == 9 * 8 + 14 * 4 + 2 * 4, "DecodeParams must match the host's struct.pack layout");
@@ -227,429 +218,329 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   const long long kn_batch = params.kn_batch, kn_token = params.kn_token, kn_head = params.kn_head;
   const long long vn_batch = params.vn_batch, vn_token = params.vn_token, vn_head = params.vn_head;
   const int max_blocks = params.max_blocks, num_blocks = params.num_blocks;
+  const int block_size = params.block_size, block_shift = params.block_shift;
   const int seqlen_q = params.seqlen_q, seqlen_new = params.seqlen_new;
   const int num_heads = params.num_heads, num_kv_heads = params.num_kv_heads;
   const int num_rows = params.num_rows, row_groups = params.row_groups;
   const int win_left = params.win_left, win_right = params.win_right;
-  const int num_splits = params.num_splits, batch = params.batch;
+  const int num_splits = params.num_splits;
   const float softmax_scale = params.softmax_scale, softcap = params.softcap;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const u32 ks = cp::smem_address(smem_raw);
   const u32 vs = ks + Smem::kV;
+  const u32 qs = ks + Smem::kQ;
   int* flags = reinterpret_cast<int*>(smem_raw + Smem::kFlags);
-  const int* ids = reinterpret_cast<const int*>(smem_raw + Smem::kIds);  // ring [kIdSlots][kTileKeys]
+  const int* ids = reinterpret_cast<const int*>(smem_raw + Smem::kIds);  // [kIdSlots][kTileKeys]
   const u32 ids_s = ks + Smem::kIds;
-  const int* head_ids = reinterpret_cast<const int*>(smem_raw + Smem::kHeadIds);  // [kStages - 1][kTileKeys]
-  const u32 head_ids_s = ks + Smem::kHeadIds;
 
+  const int row_group = blockIdx.x % row_groups;
+  const int split = blockIdx.x / row_groups;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row and column pair (mma.cuh)
   const int group = num_heads / num_kv_heads;
-  const int items_per_head = row_groups * num_splits;
-  const int num_items = items_per_head * num_kv_heads * batch;
-  constexpr int kAhead = kStages - 1;  // tiles in flight ahead of the one computed
+  const int batch = gridDim.z;
 
-  // An item is one (row group, split, kv head, sequence), numbered like a grid of
-  // (row_groups * num_splits, num_kv_heads, batch) CTAs; this CTA takes blockIdx.x, then every
-  // gridDim.x-th (ops/decode.py launches one CTA per item, or as many as fit the GPU at once).
-  struct Work { int row_group, split, kv_head, b; };
-  auto work_of = [&](int item) {
-    Work w;
-    const int x = item % items_per_head, rest = item / items_per_head;
-    w.row_group = x % row_groups;
-    w.split = x / row_groups;
-    w.kv_head = rest % num_kv_heads;
-    w.b = rest / num_kv_heads;
-    return w;
-  };
-  // cache_seqlens[b] and the Q tile [16 rows][D] (padding rows zero) of an item -> shared-memory
-  // slot `slot` (0 or 1) by cp.async; the caller commits.
-  auto request = [&](const Work& w, int slot) {
-    if (threadIdx.x == 0) cp::cp_async_4(ks + Smem::kSeqlen + 4 * slot, cache_seqlens + w.b, true);
-    const u32 qs = ks + Smem::kQ + slot * Smem::kQBytes;
-    for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
-      const int r = index / kChunks, c = index % kChunks;
-      const int row = w.row_group * kRows + r;
-      const bool real = row < num_rows;
-      const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
-      if (real) qp = reinterpret_cast<const cp::Vec8*>(q + w.b * q_batch + (row % seqlen_q) * q_token +
-                                                        (w.kv_head * group + row / seqlen_q) * q_head) + c;
-      cp::cp_async_16(qs + Tile::offset(r, c), qp, real);
+  KeySource src;
+  src.k_cache = k_cache;
+  src.v_cache = v_cache;
+  src.k_new = k_new ? k_new + b * kn_batch + kv_head * kn_head : nullptr;
+  src.v_new = v_new ? v_new + b * vn_batch + kv_head * vn_head : nullptr;
+  src.kn_token = kn_token;
+  src.vn_token = vn_token;
+  src.table_row = block_table + (long long)b * max_blocks;
+  src.max_blocks = max_blocks;
+  src.num_blocks = num_blocks;
+  src.block_size = block_size;
+  src.block_shift = block_shift;
+  src.num_kv_heads = num_kv_heads;
+  src.kv_head = kv_head;
+  // Prologue, first round trip: cache_seqlens[b] and the Q tile [16 rows][D] (padding rows zero)
+  // -> shared memory by cp.async, so that both are in flight together.
+  if (threadIdx.x == 0) cp::cp_async_4(ks + Smem::kSeqlen, cache_seqlens + b, true);
+  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
+    const int r = index / kChunks, c = index % kChunks;
+    const int row = row_group * kRows + r;
+    const bool real = row < num_rows;
+    const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
+    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + b * q_batch + (row % seqlen_q) * q_token +
+                                                      (kv_head * group + row / seqlen_q) * q_head) + c;
+    cp::cp_async_16(qs + Tile::offset(r, c), qp, real);
+  }
+  cp::cp_async_commit();
+  cp::cp_async_wait<0>();
+  __syncthreads();
+  src.cached = max(*reinterpret_cast<const int*>(smem_raw + Smem::kSeqlen), 0);
+  const int num_keys = src.cached + seqlen_new;  // Lk
+
+  // Rows of the CTA: row r is (group head, query token) = divmod(row_group * 16 + r, seqlen_q),
+  // bottom-right aligned (query i sits at key i + Lk - Sq).  The keys every real row sees bound the
+  // tiles that need no mask; this thread's own rows are g and g + 8 of the fragments.
+  int lo_all = 0, hi_all = num_keys - 1;
+  int my_lo[2], my_hi[2], my_pos[2];
+  float my_slope[2];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row_group * kRows + r;
+    const bool real = row < num_rows;
+    const int pos = row % seqlen_q + num_keys - seqlen_q;
+    const int lo = win_left >= 0 ? max(pos - win_left, 0) : 0;
+    const int hi = win_right >= 0 ? min(pos + win_right, num_keys - 1) : num_keys - 1;
+    if (real) {
+      lo_all = max(lo_all, lo);
+      hi_all = min(hi_all, hi);
     }
-  };
-  // Where an item's keys live, once its cache_seqlens entry has landed in `slot`.
-  auto source_of = [&](const Work& w, int slot) {
-    KeySource src;
-    src.k_cache = k_cache;
-    src.v_cache = v_cache;
-    src.k_new = k_new ? k_new + w.b * kn_batch + w.kv_head * kn_head : nullptr;
-    src.v_new = v_new ? v_new + w.b * vn_batch + w.kv_head * vn_head : nullptr;
-    src.kn_token = kn_token;
-    src.vn_token = vn_token;
-    src.table_row = block_table + (long long)w.b * max_blocks;
-    src.max_blocks = max_blocks;
-    src.num_blocks = num_blocks;
-    src.block_size = params.block_size;
-    src.block_shift = params.block_shift;
-    src.num_kv_heads = num_kv_heads;
-    src.kv_head = w.kv_head;
-    src.cached = max(*reinterpret_cast<const int*>(smem_raw + Smem::kSeqlen + 4 * slot), 0);
-    return src;
-  };
-  // The item's keys: those any row of the sequence can see, shared out among the splits in whole tiles.
-  struct Range { int num_keys, start, end, num_tiles, id_limit; };
-  auto range_of = [&](const Work& w, const KeySource& src) {
-    Range r;
-    r.num_keys = src.cached + seqlen_new;  // Lk
-    const int first_key = win_left >= 0 ? max(r.num_keys - seqlen_q - win_left, 0) : 0;
-    const int span = max(r.num_keys - first_key, 0);
-    const int per_split = ((span + num_splits - 1) / num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
-    r.start = min(first_key + w.split * per_split, r.num_keys);
-    r.end = min(r.start + per_split, r.num_keys);
-    r.num_tiles = (r.end - r.start + kTileKeys - 1) / kTileKeys;
-    r.id_limit = min(r.end, src.cached);  // keys whose block ids are read
-    return r;
-  };
-  // Block ids of tile `tile` of an item (tiles 0 .. kAhead - 1 in the head slots, later ones in
-  // the ring slot tile % kIdSlots, their group landed), then the tile into stage (stage0 + tile)
-  // % kStages; the ids of tile + kAhead join this tile's group.  Returns this thread's loaded vote.
-  int blocks[kPasses];
-  auto issue = [&](const KeySource& src, const Range& r, int tile, int stage0) -> bool {
-    const int tile_start = r.start + tile * kTileKeys;
-    read_blocks(src, tile_start, tile < kAhead ? head_ids + tile * kTileKeys : ids + (tile % kIdSlots) * kTileKeys, blocks);
-    const int ahead = tile + kAhead;
-    if (ahead < r.num_tiles) issue_ids(src, r.start + ahead * kTileKeys, r.id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
-    const int stage = (stage0 + tile) % kStages;
-    return k_new ? issue_tile<true>(src, tile_start, r.end, stage, blocks, ks, vs, flags)
-                 : issue_tile<false>(src, tile_start, r.end, stage, blocks, ks, vs, flags);
-  };
-  auto issue_head_ids = [&](const KeySource& src, const Range& r) {
-    for (int s = 0; s < kAhead && s < r.num_tiles; ++s)
-      issue_ids(src, r.start + s * kTileKeys, r.id_limit, head_ids_s + s * kTileKeys * 4);
-  };
-
+    if (r % 8 == g) {
+      const int hr = r / 8;
+      my_lo[hr] = real ? lo : num_keys;  // a padding row sees nothing
+      my_hi[hr] = hi;
+      my_pos[hr] = pos;
+      // Scores live in the log2 domain, so the slope does too.
+      my_slope[hr] = (real && alibi_slopes) ? alibi_slopes[kv_head * group + row / seqlen_q] * kLog2e : 0.f;
+    }
+  }
   // Softcap c on natural-log scores, rewritten for log2-domain scores x: c' tanh(x / c'), c' = c log2 e.
   const bool plain = softcap <= 0.f && alibi_slopes == nullptr;
   const float scale2 = softmax_scale * kLog2e;
   const float cap2 = softcap * kLog2e;
   const float inv_cap2 = softcap > 0.f ? 1.f / cap2 : 0.f;
+  // Keys any row of the sequence can see; the splits share them out in whole tiles.
+  const int first_key = win_left >= 0 ? max(num_keys - seqlen_q - win_left, 0) : 0;
+  const int span = max(num_keys - first_key, 0);
+  const int per_split = ((span + num_splits - 1) / num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
+  const int start = min(first_key + split * per_split, num_keys);
+  const int end = min(start + per_split, num_keys);
+  const int num_tiles = (end - start + kTileKeys - 1) / kTileKeys;
+
+  // Prologue, second round trip: the block ids of the first tiles (NOTES_decode.md, v9: issuing
+  // them with the first round trip where the keys start at 0 gained nothing).
+  const int id_limit = min(end, src.cached);  // keys whose block ids are read
+  for (int s = 0; s < kStages - 1 && s < num_tiles; ++s) issue_ids(src, start + s * kTileKeys, id_limit, ids_s + s * kTileKeys * 4);
+  cp::cp_async_commit();
+  cp::cp_async_wait<0>();
+  __syncthreads();
+
+  // Block ids of the tile about to be issued (in their slot: their group has landed), then the
+  // tile; the ids of tile + kStages - 1 join this tile's group.
+  int blocks[kPasses];
+  auto issue = [&](int tile) -> bool {
+    const int tile_start = start + tile * kTileKeys;
+    read_blocks(src, tile_start, ids + (tile % kIdSlots) * kTileKeys, blocks);
+    const int ahead = tile + kStages - 1;
+    if (ahead < num_tiles) issue_ids(src, start + ahead * kTileKeys, id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
+    return k_new ? issue_tile<true>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags)
+                 : issue_tile<false>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags);
+  };
+  bool issued_ok[kStages - 1] = {};  // this thread's keys of tile s all loaded
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) issued_ok[s] = issue(s);
+    cp::cp_async_commit();
+  }
+  // Fused append, once the first tiles are in flight: split 0 / row group 0 writes this kv
+  // head's new tokens into the cache (slots no CTA of this launch reads).
+  if (seqlen_new > 0 && split == 0 && row_group == 0) {
+    for (int index = threadIdx.x; index < seqlen_new * kChunks; index += kThreads) {
+      const int tok = index / kChunks, v = index % kChunks;
+      const int j = src.cached + tok;
+      const int col = src.column(j);
+      if (col >= max_blocks) continue;
+      const int id = __ldg(src.table_row + col);
+      if (id < 0 || id >= num_blocks) continue;
+      const long long at = src.cache_vec(id, j, v);
+      k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];
+      v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + tok * vn_token)[v];
+    }
+  }
+
+  // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
+  // iteration t votes on tile t + 1 (issued at least one iteration earlier), so one vote is kept
+  // in hand.  At the top of iteration t, pending[i] is this thread's flag of tile t + 1 + i (the
+  // kStages - 2 tiles issued and not yet voted on; a flag of a tile past num_tiles is never used).
+  bool tile_loaded = __syncthreads_and(issued_ok[0]);
+  bool pending[kStages - 2];
+#pragma unroll
+  for (int i = 0; i < kStages - 2; ++i) pending[i] = issued_ok[i + 1];
+
+  // Q fragments (A operand, one per k-step): lanes 0-15 address rows 0-15 of chunk 2kk, 16-31 of 2kk+1.
+  u32 qa[kQInRegs ? kKSteps : 1][4];
+  if (kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) cp::ldmatrix_x4(qa[kQInRegs ? kk : 0], qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
+  }
   // Per-lane parts of the ldmatrix addresses of a 16-key group (see mma.cuh for the fragment layouts).
   const int k_row = (lane >> 4) * 8 + (lane & 7), k_chunk = (lane >> 3) & 1;  // B of Q K^T
   const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk = lane >> 4;  // B of P V (.trans)
-  const long long rows_total = (long long)batch * seqlen_q * num_heads;
 
-  // The current item: its work, keys, range, slot (of its length and Q) and the stage of its
-  // tile 0.  Whether all of a tile's keys were loaded is voted at the barrier before its use; the
-  // barrier of iteration t votes on the tile after (issued at least one iteration earlier), so
-  // one vote is kept in hand (tile_loaded), and pending[i] is this thread's flag of the tile
-  // 1 + i after the computed one (kStages - 2 tiles issued and not yet voted on).
-  int item = blockIdx.x;
-  if (item >= num_items) return;
-  Work cw = work_of(item);
-  int slot = 0, stage0 = 0;
-  KeySource src;
-  Range rng;
-  bool tile_loaded = true;
-  bool pending[kStages - 2];
-  // Start-up of an item whose first tiles are not in flight yet (the CTA's first item, or one
-  // after an item too short to overlap): two round trips (length and Q; the first ids), then its
-  // first kAhead tiles.
-  auto start_item = [&]() {
-    cp::cp_async_wait<0>();
-    __syncthreads();  // every earlier read of the slots rewritten below is done
-    request(cw, slot);
+  // Online softmax state in the log2 domain for rows g and g + 8; o[n-tile] are C fragments.
+  float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
+  float o[kHeadDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < kHeadDim / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp::cp_async_wait<kStages - 2>();
+    // Tile landed for every thread; every warp is done with the stage refilled next.
+    const bool next_loaded = __syncthreads_and(pending[0]);
+#pragma unroll
+    for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
+    const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
+    if (next < num_tiles) pending[kStages - 3] = issue(next);
     cp::cp_async_commit();
-    cp::cp_async_wait<0>();
-    __syncthreads();
-    src = source_of(cw, slot);
-    rng = range_of(cw, src);
-    issue_head_ids(src, rng);
-    cp::cp_async_commit();
-    cp::cp_async_wait<0>();
-    __syncthreads();
-    stage0 = 0;
-    bool issued_ok[kAhead] = {};
-#pragma unroll
-    for (int s = 0; s < kAhead; ++s) {
-      if (s < rng.num_tiles) issued_ok[s] = issue(src, rng, s, stage0);
-      cp::cp_async_commit();
-    }
-    tile_loaded = __syncthreads_and(issued_ok[0]);
-#pragma unroll
-    for (int i = 0; i < kStages - 2; ++i) pending[i] = issued_ok[i + 1];
-  };
-  start_item();
 
-  while (true) {
-    // Fused append: split 0 / row group 0 writes this kv head's new tokens into the cache (slots
-    // no CTA of this launch reads).
-    if (seqlen_new > 0 && cw.split == 0 && cw.row_group == 0) {
-      for (int index = threadIdx.x; index < seqlen_new * kChunks; index += kThreads) {
-        const int tok = index / kChunks, v = index % kChunks;
-        const int j = src.cached + tok;
-        const int col = src.column(j);
-        if (col >= max_blocks) continue;
-        const int id = __ldg(src.table_row + col);
-        if (id < 0 || id >= num_blocks) continue;
-        const long long at = src.cache_vec(id, j, v);
-        k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];
-        v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + tok * vn_token)[v];
-      }
-    }
-    const int num_keys = rng.num_keys;
-    const int row_group = cw.row_group;
+    const int stage = tile % kStages;
+    const u32 k_tile = ks + stage * Smem::kStageBytes, v_tile = vs + stage * Smem::kStageBytes;
+    const int warp_key = warp * kKeysPerWarp;  // first key of this warp in the tile
+    const int tile_start = start + tile * kTileKeys;
 
-    // Rows of the item: row r is (group head, query token) = divmod(row_group * 16 + r, seqlen_q),
-    // bottom-right aligned (query i sits at key i + Lk - Sq).  The keys every real row sees bound
-    // the tiles that need no mask; this thread's own rows are g and g + 8 of the fragments.
-    int lo_all = 0, hi_all = num_keys - 1;
-    int my_lo[2], my_hi[2], my_pos[2];
-    float my_slope[2];
+    // S = Q K^T for this warp's keys: s[group][n-tile of 8 keys][C fragment].
+    float s[kGroups][2][4];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = row_group * kRows + r;
-      const bool real = row < num_rows;
-      const int pos = row % seqlen_q + num_keys - seqlen_q;
-      const int lo = win_left >= 0 ? max(pos - win_left, 0) : 0;
-      const int hi = win_right >= 0 ? min(pos + win_right, num_keys - 1) : num_keys - 1;
-      if (real) {
-        lo_all = max(lo_all, lo);
-        hi_all = min(hi_all, hi);
-      }
-      if (r % 8 == g) {
-        const int hr = r / 8;
-        my_lo[hr] = real ? lo : num_keys;  // a padding row sees nothing
-        my_hi[hr] = hi;
-        my_pos[hr] = pos;
-        // Scores live in the log2 domain, so the slope does too.
-        my_slope[hr] = (real && alibi_slopes) ? alibi_slopes[cw.kv_head * group + row / seqlen_q] * kLog2e : 0.f;
-      }
-    }
-
-    // Q fragments (A operand, one per k-step): lanes 0-15 address rows 0-15 of chunk 2kk, 16-31 of 2kk+1.
-    const u32 qs = ks + Smem::kQ + slot * Smem::kQBytes;
-    u32 qa[kQInRegs ? kKSteps : 1][4];
-    if (kQInRegs) {
+    for (int kg = 0; kg < kGroups; ++kg)
 #pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) cp::ldmatrix_x4(qa[kQInRegs ? kk : 0], qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
-    }
-
-    // Online softmax state in the log2 domain for rows g and g + 8; o[n-tile] are C fragments.
-    float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
-    float o[kHeadDim / 8][4];
+      for (int e = 0; e < 4; ++e) s[kg][0][e] = s[kg][1][e] = 0.f;
 #pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n)
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      u32 a[4];
+      if (kQInRegs) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-
-    // The next item overlaps this one's end when this one is long enough: its length and Q are
-    // requested in iteration 0 (landed by iteration kAhead), its first ids in iteration kAhead
-    // (landed by 2 kAhead), and its first kAhead tiles issued in this item's last kAhead
-    // iterations, into the stages this item no longer refills.
-    const int next_item = item + gridDim.x;
-    const bool overlap = next_item < num_items && rng.num_tiles >= 3 * kAhead;
-    Work nw = cw;
-    KeySource nsrc = src;
-    Range nrng = rng;
-    bool preissue = false;
-    const int num_tiles = rng.num_tiles;
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      cp::cp_async_wait<kStages - 2>();
-      // Tile landed for every thread; every warp is done with the stage refilled next.
-      const bool next_loaded = __syncthreads_and(pending[0]);
-#pragma unroll
-      for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
-      const int next = tile + kAhead;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-      if (next < num_tiles) {
-        pending[kStages - 3] = issue(src, rng, next, stage0);
-      } else if (preissue && next - num_tiles < kAhead) {
-        pending[kStages - 3] = issue(nsrc, nrng, next - num_tiles, stage0 + num_tiles);
-      }
-      if (overlap && tile == 0) {
-        nw = work_of(next_item);
-        request(nw, slot ^ 1);
-      }
-      if (overlap && tile == kAhead) {
-        nsrc = source_of(nw, slot ^ 1);
-        nrng = range_of(nw, nsrc);
-        preissue = nrng.num_tiles >= kAhead;
-        if (preissue) issue_head_ids(nsrc, nrng);
-      }
-      cp::cp_async_commit();
-
-      const int stage = (stage0 + tile) % kStages;
-      const u32 k_tile = ks + stage * Smem::kStageBytes, v_tile = vs + stage * Smem::kStageBytes;
-      const int warp_key = warp * kKeysPerWarp;  // first key of this warp in the tile
-      const int tile_start = rng.start + tile * kTileKeys;
-      // S = Q K^T for this warp's keys: s[group][n-tile of 8 keys][C fragment].
-      float s[kGroups][2][4];
-#pragma unroll
-      for (int kg = 0; kg < kGroups; ++kg)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[kg][0][e] = s[kg][1][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        u32 a[4];
-        if (kQInRegs) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) a[e] = qa[kQInRegs ? kk : 0][e];
-        } else {
-          cp::ldmatrix_x4(a, qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
-        }
-#pragma unroll
-        for (int kg = 0; kg < kGroups; ++kg) {
-          u32 bk[4];
-          cp::ldmatrix_x4(bk, k_tile + Tile::offset(warp_key + kg * 16 + k_row, 2 * kk + k_chunk));
-          cp::mma_16816(s[kg][0], a, bk[0], bk[1], T());
-          cp::mma_16816(s[kg][1], a, bk[2], bk[3], T());
-        }
-      }
-      // Score transforms and masks, then the tile's row max.  The common tile (every key loaded and
-      // visible to every real row, no softcap, no ALiBi) only scales: a CTA-uniform branch.
-      const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
-      tile_loaded = next_loaded;
-      float tile_max[2] = {-inf(), -inf()};
-      if (unmasked) {
-#pragma unroll
-        for (int kg = 0; kg < kGroups; ++kg)
-#pragma unroll
-          for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s[kg][n][e] *= scale2;
-              tile_max[e / 2] = fmaxf(tile_max[e / 2], s[kg][n][e]);
-            }
+        for (int e = 0; e < 4; ++e) a[e] = qa[kQInRegs ? kk : 0][e];
       } else {
-#pragma unroll
-        for (int kg = 0; kg < kGroups; ++kg)
-#pragma unroll
-          for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key = warp_key + kg * 16 + n * 8 + 2 * t + (e & 1);
-              const int j = tile_start + key;
-              const int hr = e / 2;
-              float x = s[kg][n][e] * scale2;
-              if (softcap > 0.f) x = cap2 * tanhf(x * inv_cap2);
-              x -= my_slope[hr] * fabsf(static_cast<float>(my_pos[hr] - j));
-              const bool visible = flags[stage * kTileKeys + key] != 0 && j >= my_lo[hr] && j <= my_hi[hr];
-              s[kg][n][e] = visible ? x : -inf();
-              tile_max[hr] = fmaxf(tile_max[hr], s[kg][n][e]);
-            }
+        cp::ldmatrix_x4(a, qs + Tile::offset(lane & 15, 2 * kk + (lane >> 4)));
       }
-      // Rescale the running state to the new max (a row's 4 lanes share it); a max of -inf (nothing
-      // visible yet) uses 0, so exp2 gives 0 and never NaN.
-      float m_use[2];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
-        tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
-        const float m_new = fmaxf(m[hr], tile_max[hr]);
-        m_use[hr] = m_new == -inf() ? 0.f : m_new;
-        const float alpha = exp2f(m[hr] - m_use[hr]);
-        m[hr] = m_new;
-        l[hr] *= alpha;
-#pragma unroll
-        for (int n = 0; n < kHeadDim / 8; ++n) {
-          o[n][2 * hr] *= alpha;
-          o[n][2 * hr + 1] *= alpha;
-        }
-      }
-      // P = exp2(S - m), then O += P V with P re-packed as the A operand of each 16-key group.
 #pragma unroll
       for (int kg = 0; kg < kGroups; ++kg) {
+        u32 bk[4];
+        cp::ldmatrix_x4(bk, k_tile + Tile::offset(warp_key + kg * 16 + k_row, 2 * kk + k_chunk));
+        cp::mma_16816(s[kg][0], a, bk[0], bk[1], T());
+        cp::mma_16816(s[kg][1], a, bk[2], bk[3], T());
+      }
+    }
+    // Score transforms and masks, then the tile's row max.  The common tile (every key loaded and
+    // visible to every real row, no softcap, no ALiBi) only scales: a CTA-uniform branch.
+    const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
+    tile_loaded = next_loaded;
+    float tile_max[2] = {-inf(), -inf()};
+    if (unmasked) {
+#pragma unroll
+      for (int kg = 0; kg < kGroups; ++kg)
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            s[kg][n][e] = exp2f(s[kg][n][e] - m_use[e / 2]);
-            l[e / 2] += s[kg][n][e];
+            s[kg][n][e] *= scale2;
+            tile_max[e / 2] = fmaxf(tile_max[e / 2], s[kg][n][e]);
           }
-        const u32 pa[4] = {cp::from_float2(s[kg][0][0], s[kg][0][1], T()), cp::from_float2(s[kg][0][2], s[kg][0][3], T()),
-                           cp::from_float2(s[kg][1][0], s[kg][1][1], T()), cp::from_float2(s[kg][1][2], s[kg][1][3], T())};
+    } else {
 #pragma unroll
-        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-          u32 bv[4];
-          cp::ldmatrix_x4_trans(bv, v_tile + Tile::offset(warp_key + kg * 16 + v_row, 2 * dp + v_chunk));
-          cp::mma_16816(o[2 * dp], pa, bv[0], bv[1], T());
-          cp::mma_16816(o[2 * dp + 1], pa, bv[2], bv[3], T());
-        }
-      }
-      tile_loaded = next_loaded;
+      for (int kg = 0; kg < kGroups; ++kg)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = warp_key + kg * 16 + n * 8 + 2 * t + (e & 1);
+            const int j = tile_start + key;
+            const int hr = e / 2;
+            float x = s[kg][n][e] * scale2;
+            if (softcap > 0.f) x = cap2 * tanhf(x * inv_cap2);
+            x -= my_slope[hr] * fabsf(static_cast<float>(my_pos[hr] - j));
+            const bool visible = flags[stage * kTileKeys + key] != 0 && j >= my_lo[hr] && j <= my_hi[hr];
+            s[kg][n][e] = visible ? x : -inf();
+            tile_max[hr] = fmaxf(tile_max[hr], s[kg][n][e]);
+          }
     }
-    // The four warps' states merged through shared memory: the O partials in the K and V halves
-    // of the stage computed last (free: with preissue the next item's tiles are in flight in the
-    // others), m and l in their own array.  Without preissue the pipeline is drained first.
-    if (!preissue) cp::cp_async_wait<0>();
-    __syncthreads();  // every warp is done reading the stage computed last
-    const int merge_stage = (stage0 + num_tiles + kStages - 1) % kStages;
-    float* merge_m = reinterpret_cast<float*>(smem_raw + Smem::kMergeML);  // [kWarps][kRows]
-    float* merge_l = merge_m + kWarps * kRows;                            // [kWarps][kRows]
-    auto merge_o = [&](int w, int r) {  // row r of warp w's O partial, D floats
-      unsigned char* half = smem_raw + (w < 2 ? 0 : Smem::kV) + merge_stage * Smem::kStageBytes;
-      return reinterpret_cast<float*>(half) + ((w & 1) * kRows + r) * kHeadDim;
-    };
+    // Rescale the running state to the new max (a row's 4 lanes share it); a max of -inf (nothing
+    // visible yet) uses 0, so exp2 gives 0 and never NaN.
+    float m_use[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-      l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-      const int r = g + 8 * hr;
-      float* row_o = merge_o(warp, r);
+      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
+      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
+      const float m_new = fmaxf(m[hr], tile_max[hr]);
+      m_use[hr] = m_new == -inf() ? 0.f : m_new;
+      const float alpha = exp2f(m[hr] - m_use[hr]);
+      m[hr] = m_new;
+      l[hr] *= alpha;
 #pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n)
-        *reinterpret_cast<float2*>(row_o + n * 8 + 2 * t) = make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
-      if (t == 0) {
-        merge_m[warp * kRows + r] = m[hr];
-        merge_l[warp * kRows + r] = l[hr];
+      for (int n = 0; n < kHeadDim / 8; ++n) {
+        o[n][2 * hr] *= alpha;
+        o[n][2 * hr + 1] *= alpha;
       }
     }
-    __syncthreads();
-
-    for (int index = threadIdx.x; index < kRows * kHeadDim; index += kThreads) {
-      const int r = index / kHeadDim, d = index % kHeadDim;
-      const int row = row_group * kRows + r;
-      if (row >= num_rows) continue;
-      const int head = cw.kv_head * group + row / seqlen_q, i = row % seqlen_q;
-      float m_all = -inf();
+    // P = exp2(S - m), then O += P V with P re-packed as the A operand of each 16-key group.
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kRows + r]);
-      const float m_max = m_all == -inf() ? 0.f : m_all;
-      float l_all = 0.f, o_all = 0.f;
+    for (int kg = 0; kg < kGroups; ++kg) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float weight = exp2f(merge_m[w * kRows + r] - m_max);
-        l_all += merge_l[w * kRows + r] * weight;
-        o_all += merge_o(w, r)[d] * weight;
-      }
-      // A row that saw no key: zeros and LSE -inf, never 0/0.
-      const float value = l_all > 0.f ? o_all / l_all : 0.f;
-      const float row_lse = l_all > 0.f ? (m_all + __log2f(l_all)) * kLn2 : -inf();
-      const long long out_row = ((long long)cw.b * seqlen_q + i) * num_heads + head;
-      if (num_splits == 1) {
-        out[out_row * kHeadDim + d] = cp::from_float<T>(value);
-        if (lse && d == 0) lse[((long long)cw.b * num_heads + head) * seqlen_q + i] = row_lse;
-      } else {
-        part_out[(cw.split * rows_total + out_row) * kHeadDim + d] = value;
-        if (d == 0) part_lse[cw.split * rows_total + out_row] = row_lse;
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[kg][n][e] = exp2f(s[kg][n][e] - m_use[e / 2]);
+          l[e / 2] += s[kg][n][e];
+        }
+      const u32 pa[4] = {cp::from_float2(s[kg][0][0], s[kg][0][1], T()), cp::from_float2(s[kg][0][2], s[kg][0][3], T()),
+                         cp::from_float2(s[kg][1][0], s[kg][1][1], T()), cp::from_float2(s[kg][1][2], s[kg][1][3], T())};
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        u32 bv[4];
+        cp::ldmatrix_x4_trans(bv, v_tile + Tile::offset(warp_key + kg * 16 + v_row, 2 * dp + v_chunk));
+        cp::mma_16816(o[2 * dp], pa, bv[0], bv[1], T());
+        cp::mma_16816(o[2 * dp + 1], pa, bv[2], bv[3], T());
       }
     }
+  }
+  cp::cp_async_wait<0>();
+  __syncthreads();  // pipeline drained: its buffers become the merge scratch
 
-    // The next item: already started (its first tiles in flight and voted on by the last
-    // iteration's barrier), or started from scratch.
-    if (next_item >= num_items) break;
-    item = next_item;
-    cw = nw;
-    if (preissue) {
-      src = nsrc;
-      rng = nrng;
-      slot ^= 1;
-      stage0 = (stage0 + num_tiles) % kStages;
-      // The merge's reads of merge_stage end before the next barrier, which comes before any
-      // refill of it (iteration 0 of the next item).
+  // Row sums over each row's 4 lanes, then the four warps' states merged through shared memory.
+  float* merge_o = reinterpret_cast<float*>(smem_raw);             // [kWarps][kRows][D]
+  float* merge_m = merge_o + kWarps * kRows * kHeadDim;            // [kWarps][kRows]
+  float* merge_l = merge_m + kWarps * kRows;                       // [kWarps][kRows]
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    const int r = g + 8 * hr;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n)
+      *reinterpret_cast<float2*>(merge_o + (warp * kRows + r) * kHeadDim + n * 8 + 2 * t) =
+          make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
+    if (t == 0) {
+      merge_m[warp * kRows + r] = m[hr];
+      merge_l[warp * kRows + r] = l[hr];
+    }
+  }
+  __syncthreads();
+
+  const long long rows_total = (long long)batch * seqlen_q * num_heads;
+  for (int index = threadIdx.x; index < kRows * kHeadDim; index += kThreads) {
+    const int r = index / kHeadDim, d = index % kHeadDim;
+    const int row = row_group * kRows + r;
+    if (row >= num_rows) continue;
+    const int head = kv_head * group + row / seqlen_q, i = row % seqlen_q;
+    float m_all = -inf();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kRows + r]);
+    const float m_max = m_all == -inf() ? 0.f : m_all;
+    float l_all = 0.f, o_all = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2f(merge_m[w * kRows + r] - m_max);
+      l_all += merge_l[w * kRows + r] * weight;
+      o_all += merge_o[(w * kRows + r) * kHeadDim + d] * weight;
+    }
+    // A row that saw no key: zeros and LSE -inf, never 0/0.
+    const float value = l_all > 0.f ? o_all / l_all : 0.f;
+    const float row_lse = l_all > 0.f ? (m_all + __log2f(l_all)) * kLn2 : -inf();
+    const long long out_row = ((long long)b * seqlen_q + i) * num_heads + head;
+    if (num_splits == 1) {
+      out[out_row * kHeadDim + d] = cp::from_float<T>(value);
+      if (lse && d == 0) lse[((long long)b * num_heads + head) * seqlen_q + i] = row_lse;
     } else {
-      cw = work_of(item);
-      slot ^= 1;
-      start_item();
+      part_out[(split * rows_total + out_row) * kHeadDim + d] = value;
+      if (d == 0) part_lse[split * rows_total + out_row] = row_lse;
     }
   }
 }

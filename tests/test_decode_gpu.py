@@ -21,18 +21,6 @@ F16 = np.dtype(np.float16)
 LSE_RTOL = 2e-3
 
 
-@pytest.fixture(autouse=True, params=["one-wave", "3-ctas"])
-def grid(request, monkeypatch):
-    """Every test twice: persistent CTAs as launched (most test problems fit one wave: one item
-    per CTA), and at most 3 CTAs, so that each takes many items and the next item's first tiles
-    load while the current one ends (decode.cu's overlap), whatever the problem's size."""
-    from cupy_paged.ops import decode
-
-    if request.param == "3-ctas":
-        monkeypatch.setattr(decode, "_GRID_CAP", 3)
-    return request.param
-
-
 def make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, cache_seqlens, seqlen_q,
               seqlen_new, spare_blocks=3, extra_columns=1):
     """NumPy inputs of one decode call with a shuffled block table padded with -1."""
@@ -126,9 +114,8 @@ def test_decode_matches_reference(case_id, dtype, head_dim, num_heads, num_kv_he
                          ids=["bf16-d128", "f16-d64", "bf16-d256", "f16-d32", "bf16-d96"])
 @pytest.mark.parametrize("splits,seqlen_q", [(1, 1), (3, 1), (1, 4)], ids=["nosplit", "splits3", "sq4"])
 def test_items_of_mixed_lengths(dtype, head_dim, splits, seqlen_q):
-    """Long items (the next one's first tiles load during their last ones), short ones (started
-    from scratch), empty ones and tile boundaries next to each other in one launch, with new
-    tokens; with the 3-CTA grid each CTA takes about a third of them in turn."""
+    """Long sequences, short ones, empty ones and tile boundaries next to each other in one
+    launch (every head dim's tile shape), with new tokens, splits and four query tokens."""
     rng = np.random.default_rng(zlib.crc32(f"{dtype}{head_dim}{splits}{seqlen_q}".encode()))
     seqlens = [2000, 0, 700, 1, 1500, 383, 384, 385, 100, 1100]
     case = make_case(rng, dtype, head_dim, 8, 2, 16, seqlens, seqlen_q, 1)

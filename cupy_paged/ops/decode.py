@@ -18,14 +18,6 @@ choosing it needs no device-to-host copy and a captured graph replays the same c
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
 the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).
 
-Persistent CTAs
----------------
-The kernel works through items, one (row group, split, kv head, sequence) each.  With
-:data:`PERSISTENT` it launches only as many CTAs as the GPU holds at once, and each CTA takes
-every grid-th item: while one item's last tiles are computed, the next item's first tiles are
-already loading, so the pipeline does not drain and refill between items (NOTES_decode.md, v10).
-Without it, one CTA per item (v1-v9).
-
 Tile shapes
 -----------
 One specialization per (dtype, head dim); its pipeline shape (keys per stage, stages) comes from
@@ -51,8 +43,6 @@ ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query toke
 STAGES = 3              # cp.async pipeline depth
 TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
 MAX_SPLITS = 128        # combine_splits: one thread per split's LSE (THREADS)
-PERSISTENT = True       # one CTA per resident slot, each taking every grid-th item (else one per item)
-_GRID_CAP = 0           # tests: at most this many CTAs (0: no cap), so that small problems run many items per CTA
 
 
 def tile_keys(head_dim: int) -> int:
@@ -76,12 +66,11 @@ class Tiles:
         return f"k{self.keys}s{self.stages}"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory (decode.cu's Smem): K and V stages, one flag per key, two Q
-        tiles, the id slots (a ring of 2 (stages - 1) tiles and stages - 1 head tiles), the
-        merge's m and l (4 warps x 16 rows x 2 floats) and 16 bytes for two items' lengths."""
-        id_slots = 3 * (self.stages - 1)
-        return ((2 * self.stages * self.keys + 2 * ROWS_PER_CTA) * smem_row_bytes(head_dim)
-                + (self.stages + id_slots) * self.keys * 4 + 4 * ROWS_PER_CTA * 2 * 4 + 16)
+        """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
+        16 bytes for the sequence's length (decode.cu's Smem)."""
+        id_slots = 2 * (self.stages - 1)
+        return ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
+                + (self.stages + id_slots) * self.keys * 4 + 16)
 
 
 # The registered shape of each head dim (the keys ``all_keys`` lists).
@@ -218,7 +207,6 @@ class _Launch:
     combine: object
     smem: int
     splits: int
-    slots: int         # CTAs the GPU holds at once (SMs x CTAs per SM)
     rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
     row_groups: int    # CTAs per (split, kv head, sequence)
     shift: int         # log2(block_size), or -1
@@ -243,7 +231,6 @@ def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
         kernels = kernel_key(p.q.dtype, head_dim, tiles)
         smem = tiles.smem_bytes(head_dim)
         decode = get_function(kernels, "paged_decode", smem)
-        slots = _num_sms(key[0]) * ctas_per_sm(decode.num_regs, smem)
         if p.num_splits:
             splits = min(p.num_splits, MAX_SPLITS)
         else:
@@ -253,7 +240,7 @@ def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
         block_size = p.block_size
         shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
         launch = _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                         splits, slots, rows, row_groups, shift)
+                         splits, rows, row_groups, shift)
         if len(_LAUNCHES) >= 4096:  # a server cycling through many shapes: start over, stay small
             _LAUNCHES.clear()
         _LAUNCHES[key] = launch
@@ -302,11 +289,9 @@ def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
         *element_strides(q, 3), *k_strides, *v_strides,
         p.block_table.shape[1], p.k_cache.shape[0], p.k_cache.shape[1], launch.shift,
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
-        window_left, window_right, splits, batch,
+        window_left, window_right, splits, 0,
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
-    items = launch.row_groups * splits * num_kv_heads * batch
-    grid = min(items, launch.slots) if PERSISTENT else items
-    launch.decode((min(grid, _GRID_CAP) if _GRID_CAP else grid,), (THREADS,),
+    launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
                    p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
                    p.out, lse, part_out, part_lse),
