@@ -301,6 +301,47 @@ def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 163
     return rows
 
 
+def trace_case(rng, batch, context, block_size=16, calls=8):
+    """Where a launch's time goes, from each CTA's start and end on the GPU clock (the last of
+    ``calls`` back-to-back calls): the launch's span, the busy fraction of its CTA slots, the
+    spread of CTA durations per wave, how long the grid takes to fill and how unevenly it ends."""
+    sets = make_paged(rng, batch, context, block_size)
+    q, k, v, table, lens = sets[0]
+    out = cupy.empty_like(q)
+    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
+                                                0.0, None, 0, False, out, check_values=False)
+    trace = cupy.zeros(decode_ops.trace_size(problem), dtype=np.uint64)
+    for _ in range(calls):
+        decode_ops.run(problem, trace=trace)
+    cupy.cuda.get_current_stream().synchronize()
+    start, end, sm = (cupy.asnumpy(trace).reshape(-1, 3).astype(np.int64).T)
+    t0 = start.min()
+    start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
+    span = float(end.max())
+    kernel = get_function(decode_ops.kernel_key(BF16, DIM), "paged_decode", decode_ops.TILES[DIM].smem_bytes(DIM))
+    slots = decode_ops._num_sms(cupy.cuda.Device().id) * decode_ops.ctas_per_sm(kernel.num_regs, decode_ops.TILES[DIM].smem_bytes(DIM))
+    duration = end - start
+    order = np.argsort(start, kind="stable")
+    wave = np.empty_like(order)
+    wave[order] = np.arange(len(order)) // slots
+    last_end = {int(s): float(end[sm == s].max()) for s in np.unique(sm)}
+    result = {
+        "name": f"{batch}x{context} bs{block_size}", "ctas": int(len(start)), "slots": slots,
+        "span_us": round(span, 1),
+        "busy_fraction": round(float(duration.sum()) / (span * slots), 4),
+        "first_wave_start_us": [round(float(np.sort(start)[i]), 2) for i in (0, min(slots, len(start)) - 1)],
+        "duration_us_by_wave": {int(w): [round(float(np.percentile(duration[wave == w], p)), 1) for p in (0, 50, 100)]
+                                for w in np.unique(wave)},
+        "sm_idle_at_end_us": [round(float(np.percentile([span - e for e in last_end.values()], p)), 1)
+                              for p in (0, 50, 90, 100)],
+        "tb_per_s_over_span": round(kv_bytes(batch, context) / (span * 1e-6) / 1e12, 3),
+    }
+    print(f"trace {result['name']}: {result}", flush=True)
+    del sets
+    cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
 def print_sweep(sweep, cases):
     """The sweep's table: TB/s per shape, as a ratio of the registered shape and of cuDNN
     (the 64x4096 bs16 row's peer of the main table)."""
@@ -322,6 +363,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "decode.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--trace", action="store_true",
+                        help="then trace each CTA's start and end at 64 x 4096, 256 x 2048 and 1 x 131072 (last)")
     parser.add_argument("--fixed-cost", action="store_true",
                         help="then time calls against tiles per CTA at one and two waves (last)")
     parser.add_argument("--sweep", action="store_true",
@@ -376,6 +419,10 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
         print_sweep(sweep, cases)
+    if args.trace:
+        report["trace"] = [trace_case(rng, batch, context) for batch, context in ((64, 4096), (256, 2048), (1, 131072))]
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     if args.fixed_cost:
         report["fixed_cost"] = fixed_cost_case(rng, reps)
         with open(args.out, "w") as f:

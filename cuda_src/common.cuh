@@ -45,6 +45,17 @@ __device__ __forceinline__ u32 from_float2(float a, float b, __nv_bfloat16) {
   return *reinterpret_cast<u32*>(&h);
 }
 
+// The GPU's global nanosecond clock and the SM a thread runs on (for timing traces).
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));

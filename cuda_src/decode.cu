@@ -102,14 +102,6 @@ struct KeySource {
   __device__ __forceinline__ int offset(int j) const {
     return block_shift >= 0 ? j & (block_size - 1) : j - (j / block_size) * block_size;
   }
-  // Block id of cached key j, or -1 for a hole (column past the table or id out of range).
-  __device__ __forceinline__ int block_of(int j) const {
-    if (j >= cached) return -1;
-    const int col = column(j);
-    if (col >= max_blocks) return -1;
-    const int id = __ldg(table_row + col);
-    return (id >= 0 && id < num_blocks) ? id : -1;
-  }
   __device__ __forceinline__ long long cache_vec(int block, int j, int vec) const {
     return (((long long)block * block_size + offset(j)) * num_kv_heads + kv_head) * kChunks + vec;
   }
@@ -213,7 +205,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     T* __restrict__ out,                  // [B, Sq, H, D] contiguous
     float* __restrict__ lse,              // [B, H, Sq] or null
     float* __restrict__ part_out,         // [num_splits, B*Sq*H, D] when num_splits > 1
-    float* __restrict__ part_lse) {       // [num_splits, B*Sq*H]
+    float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
+    unsigned long long* __restrict__ trace) {  // null, or [CTAs][3]: start ns, end ns, SM (benchmark)
+  const unsigned long long started = trace ? cp::global_ns() : 0;
   const long long q_batch = params.q_batch, q_token = params.q_token, q_head = params.q_head;
   const long long kn_batch = params.kn_batch, kn_token = params.kn_token, kn_head = params.kn_head;
   const long long vn_batch = params.vn_batch, vn_token = params.vn_token, vn_head = params.vn_head;
@@ -542,6 +536,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
       part_out[(split * rows_total + out_row) * kHeadDim + d] = value;
       if (d == 0) part_lse[split * rows_total + out_row] = row_lse;
     }
+  }
+  if (trace && threadIdx.x == 0) {
+    const long long cta = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+    trace[3 * cta] = started;
+    trace[3 * cta + 1] = cp::global_ns();
+    trace[3 * cta + 2] = cp::sm_id();
   }
 }
 

@@ -252,12 +252,20 @@ def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
     return _launch_plan(p, tiles).splits
 
 
-def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
+def trace_size(p: DecodeProblem, tiles: Tiles | None = None) -> int:
+    """Elements of the ``trace`` buffer ``run`` fills for ``p``: 3 per CTA of the decode launch."""
+    launch = _launch_plan(p, tiles)
+    return 3 * launch.row_groups * launch.splits * p.num_kv_heads * p.batch
+
+
+def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     """Append ``p.k_new``/``p.v_new`` to the caches and fill ``p.out`` (and ``p.lse``) on the GPU.
 
     Launches on CuPy's current stream with no host synchronisation; allocates only when an
     input needs realignment or the split workspace must grow (see the module docstring).
-    ``tiles`` (a candidate shape, default ``TILES[head_dim]``) is for the benchmark's sweep.
+    ``tiles`` (a candidate shape, default ``TILES[head_dim]``) is for the benchmark's sweep;
+    ``trace`` (a uint64 CuPy array of 3 per CTA, ``trace_size``) receives each CTA's start and
+    end on the GPU's nanosecond clock and its SM, for the benchmark's ``--trace``.
     """
     batch, seqlen_q, num_heads, head_dim = p.q.shape
     if batch == 0:
@@ -294,7 +302,7 @@ def run(p: DecodeProblem, tiles: Tiles | None = None) -> None:
     launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
                    p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
-                   p.out, lse, part_out, part_lse),
+                   p.out, lse, part_out, part_lse, null if trace is None else trace),
                   shared_mem=launch.smem)
     if splits > 1:
         launch.combine((rows_total,), (THREADS,),
