@@ -171,12 +171,10 @@ def torch_stream_sync():
         pass
 
 
-def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, tiles=None, shuffle=True,
-                   dynamic=None):
-    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``tiles``,
-    ``shuffle`` and ``dynamic`` make the comparison rows (forced split count, another pipeline
-    shape than ``ops.decode.TILES``, block table in address order, ``ops.decode.DYNAMIC_SPLITS``
-    switched); their names say which."""
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, tiles=None, shuffle=True):
+    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``tiles`` and
+    ``shuffle`` make the comparison rows (forced split count, another pipeline shape than
+    ``ops.decode.TILES``, block table in address order); their names say which."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
     q, k, v, table, lens = sets[0]
     problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
@@ -189,17 +187,15 @@ def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits
     name += f" splits={num_splits}" if num_splits else ""
     name += f" {tiles.label()}" if tiles else ""
     name += "" if shuffle else " sorted"
-    name += "" if dynamic is None else (" claimed tiles" if dynamic else " static ranges")
     call = ours(sets, num_splits)
-    registered, default = decode_ops.TILES[DIM], decode_ops.DYNAMIC_SPLITS
+    registered = decode_ops.TILES[DIM]
     decode_ops.TILES[DIM] = tiles or registered
-    decode_ops.DYNAMIC_SPLITS = default if dynamic is None else dynamic
     try:
         result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call),
                   "single_call": tbps(call, chain=0), "num_splits": splits, "tiles": decode_ops.TILES[DIM].label(),
-                  "dynamic_splits": decode_ops.DYNAMIC_SPLITS, "peers": {}, "peers_single_call": {}}
+                  "peers": {}, "peers_single_call": {}}
     finally:
-        decode_ops.TILES[DIM], decode_ops.DYNAMIC_SPLITS = registered, default
+        decode_ops.TILES[DIM] = registered
     del sets, call
     if with_peers:
         for name, fn in peers(batch, context).items():
@@ -305,7 +301,7 @@ def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 163
     return rows
 
 
-def trace_case(rng, batch, context, block_size=16, calls=8, dynamic=None):
+def trace_case(rng, batch, context, block_size=16, calls=8):
     """Where a launch's time goes, from each CTA's start and end on the GPU clock (the last of
     ``calls`` back-to-back calls): the launch's span, the busy fraction of its CTA slots, the
     spread of CTA durations per wave, how long the grid takes to fill and how unevenly it ends."""
@@ -315,14 +311,9 @@ def trace_case(rng, batch, context, block_size=16, calls=8, dynamic=None):
     problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
                                                 0.0, None, 0, False, out, check_values=False)
     trace = cupy.zeros(decode_ops.trace_size(problem), dtype=np.uint64)
-    default = decode_ops.DYNAMIC_SPLITS
-    decode_ops.DYNAMIC_SPLITS = default if dynamic is None else dynamic
-    try:
-        for _ in range(calls):
-            decode_ops.run(problem, trace=trace)
-        cupy.cuda.get_current_stream().synchronize()
-    finally:
-        decode_ops.DYNAMIC_SPLITS = default
+    for _ in range(calls):
+        decode_ops.run(problem, trace=trace)
+    cupy.cuda.get_current_stream().synchronize()
     start, end, sm = (cupy.asnumpy(trace).reshape(-1, 3).astype(np.int64).T)
     t0 = start.min()
     start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
@@ -335,8 +326,7 @@ def trace_case(rng, batch, context, block_size=16, calls=8, dynamic=None):
     wave[order] = np.arange(len(order)) // slots
     last_end = {int(s): float(end[sm == s].max()) for s in np.unique(sm)}
     result = {
-        "name": f"{batch}x{context} bs{block_size}" + ("" if dynamic is None else f" dynamic={dynamic}"),
-        "ctas": int(len(start)), "slots": slots,
+        "name": f"{batch}x{context} bs{block_size}", "ctas": int(len(start)), "slots": slots,
         "span_us": round(span, 1),
         "busy_fraction": round(float(duration.sum()) / (span * slots), 4),
         "first_wave_start_us": [round(float(np.sort(start)[i]), 2) for i in (0, min(slots, len(start)) - 1)],
@@ -395,13 +385,10 @@ def main(argv=None):
     for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
-    # Comparison rows, same run: split launches with static ranges instead of claimed tiles
-    # (v1-v10), the block table in address order at bs16 and bs256 (both then read exactly the
-    # same addresses: if they differ, the kernel depends on the block size; if both are slow, the
-    # sorted layout is), other split counts.
-    other = {"dynamic": not decode_ops.DYNAMIC_SPLITS}
+    # Comparison rows, same run: the block table in address order at bs16 and bs256 (both then
+    # read exactly the same addresses: if they differ, the kernel depends on the block size; if
+    # both are slow, the sorted layout is), other split counts.
     for batch, context, block_size, options in (
-            (8, 32768, 16, other), (1, 131072, 16, other),
             (64, 4096, 16, {"shuffle": False}), (64, 4096, 256, {"shuffle": False}),
             (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 33}), (1, 131072, 16, {"num_splits": 64}),
             (1, 131072, 16, {"num_splits": 128})):
@@ -433,8 +420,7 @@ def main(argv=None):
             json.dump(report, f, indent=1)
         print_sweep(sweep, cases)
     if args.trace:
-        report["trace"] = [trace_case(rng, batch, context, dynamic=dynamic) for batch, context, dynamic in (
-            (64, 4096, None), (256, 2048, None), (1, 131072, True), (1, 131072, False), (8, 32768, True), (8, 32768, False))]
+        report["trace"] = [trace_case(rng, batch, context) for batch, context in ((64, 4096), (256, 2048), (1, 131072))]
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if args.fixed_cost:

@@ -43,12 +43,6 @@ constexpr int kStages = STAGES;
 // Tiles whose ids are in shared memory at once: ids run STAGES - 1 tiles ahead of the data,
 // which runs STAGES - 1 tiles ahead of the math.
 constexpr int kIdSlots = 2 * (kStages - 1);
-// Split launches hand out tiles at run time (see `claims` in paged_decode): a tile's index is
-// claimed kClaimAhead positions before it is computed, because its block ids are issued
-// 2 (kStages - 1) positions before that and the claim must be stored and published first.
-constexpr int kClaimAhead = 2 * (kStages - 1) + 2;
-constexpr int kClaimSlots = 8;
-static_assert(kClaimSlots >= kClaimAhead + 2 && (kClaimSlots & (kClaimSlots - 1)) == 0, "claim ring too small");
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 16;  // query rows per CTA: the M of mma.m16n8k16
@@ -79,8 +73,7 @@ static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues
 static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
 
 // Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile,
-// the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry, a ring of
-// claimed tile indices.  The first bytes are reused for the
+// the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry.  The first bytes are reused for the
 // cross-warp merge at the end.
 struct Smem {
   static constexpr int kStageBytes = Tile::bytes(kTileKeys);
@@ -89,8 +82,7 @@ struct Smem {
   static constexpr int kQ = kFlags + kStages * kTileKeys * 4;
   static constexpr int kIds = kQ + Tile::bytes(kRows);
   static constexpr int kSeqlen = kIds + kIdSlots * kTileKeys * 4;  // cache_seqlens[b], 16 bytes
-  static constexpr int kClaims = kSeqlen + 16;                       // claimed tile indices (split launches)
-  static constexpr int kBytes = kClaims + kClaimSlots * 4;
+  static constexpr int kBytes = kSeqlen + 16;
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
   static_assert(kMergeBytes <= kFlags, "merge scratch must fit in the pipeline buffers");
 };
@@ -214,7 +206,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     float* __restrict__ lse,              // [B, H, Sq] or null
     float* __restrict__ part_out,         // [num_splits, B*Sq*H, D] when num_splits > 1
     float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
-    int* __restrict__ counters,           // [B, Hkv, row_groups], zero, when num_splits > 1
     unsigned long long* __restrict__ trace) {  // null, or [CTAs][3]: start ns, end ns, SM (benchmark)
   const unsigned long long started = trace ? cp::global_ns() : 0;
   const long long q_batch = params.q_batch, q_token = params.q_token, q_head = params.q_head;
@@ -262,21 +253,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   // Prologue, first round trip: cache_seqlens[b] and the Q tile [16 rows][D] (padding rows zero)
   // -> shared memory by cp.async, so that both are in flight together.
   if (threadIdx.x == 0) cp::cp_async_4(ks + Smem::kSeqlen, cache_seqlens + b, true);
-  // Split launches: the CTAs of one (sequence, kv head, row group) share its tiles through a
-  // counter, each claiming the next unclaimed tile index as it goes, so a CTA the memory system
-  // serves faster computes more tiles and all of them finish together (NOTES_decode.md, v11).
-  // Thread 0 claims; position p's claim sits in claims[p % kClaimSlots].  The first positions
-  // are claimed here, in the shadow of this round trip.
-  const bool dynamic = counters != nullptr && num_splits > 1;
-  int* claims = reinterpret_cast<int*>(smem_raw + Smem::kClaims);
-  int* counter = dynamic ? counters + ((long long)b * num_kv_heads + kv_head) * row_groups + row_group : nullptr;
-  int first_claims[kClaimAhead - 1];
-  int claimed = 0;  // thread 0: the claim of the position kClaimAhead - 1 ahead of the one computed
-  if (dynamic && threadIdx.x == 0) {
-#pragma unroll
-    for (int p = 0; p < kClaimAhead - 1; ++p) first_claims[p] = atomicAdd(counter, 1);
-    claimed = atomicAdd(counter, 1);
-  }
   for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
     const int r = index / kChunks, c = index % kChunks;
     const int row = row_group * kRows + r;
@@ -327,44 +303,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   const int first_key = win_left >= 0 ? max(num_keys - seqlen_q - win_left, 0) : 0;
   const int span = max(num_keys - first_key, 0);
   const int per_split = ((span + num_splits - 1) / num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
-  // A static split takes one contiguous range; a dynamic one may compute any tile of the span.
-  const int start = dynamic ? first_key : min(first_key + split * per_split, num_keys);
-  const int end = dynamic ? num_keys : min(start + per_split, num_keys);
+  const int start = min(first_key + split * per_split, num_keys);
+  const int end = min(start + per_split, num_keys);
   const int num_tiles = (end - start + kTileKeys - 1) / kTileKeys;
-  // Tile index computed at position p (claims published by a barrier since they were stored).
-  auto tile_of = [&](int p) { return dynamic ? claims[p & (kClaimSlots - 1)] : p; };
-  auto start_of = [&](int p) { return start + tile_of(p) * kTileKeys; };
-  if (dynamic) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int p = 0; p < kClaimAhead - 1; ++p) claims[p] = first_claims[p];
-    }
-    __syncthreads();
-  }
 
   // Prologue, second round trip: the block ids of the first tiles (NOTES_decode.md, v9: issuing
   // them with the first round trip where the keys start at 0 gained nothing).
   const int id_limit = min(end, src.cached);  // keys whose block ids are read
-  for (int s = 0; s < kStages - 1 && tile_of(s) < num_tiles; ++s) issue_ids(src, start_of(s), id_limit, ids_s + s * kTileKeys * 4);
+  for (int s = 0; s < kStages - 1 && s < num_tiles; ++s) issue_ids(src, start + s * kTileKeys, id_limit, ids_s + s * kTileKeys * 4);
   cp::cp_async_commit();
   cp::cp_async_wait<0>();
   __syncthreads();
 
-  // Block ids of the tile at position `tile` (in their slot: their group has landed), then the
-  // tile; the ids of position tile + kStages - 1 join this tile's group.
+  // Block ids of the tile about to be issued (in their slot: their group has landed), then the
+  // tile; the ids of tile + kStages - 1 join this tile's group.
   int blocks[kPasses];
   auto issue = [&](int tile) -> bool {
-    const int tile_start = start_of(tile);
+    const int tile_start = start + tile * kTileKeys;
     read_blocks(src, tile_start, ids + (tile % kIdSlots) * kTileKeys, blocks);
     const int ahead = tile + kStages - 1;
-    if (tile_of(ahead) < num_tiles) issue_ids(src, start_of(ahead), id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
+    if (ahead < num_tiles) issue_ids(src, start + ahead * kTileKeys, id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
     return k_new ? issue_tile<true>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags)
                  : issue_tile<false>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags);
   };
   bool issued_ok[kStages - 1] = {};  // this thread's keys of tile s all loaded
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (tile_of(s) < num_tiles) issued_ok[s] = issue(s);
+    if (s < num_tiles) issued_ok[s] = issue(s);
     cp::cp_async_commit();
   }
   // Fused append, once the first tiles are in flight: split 0 / row group 0 writes this kv
@@ -410,28 +375,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
 
-  // Positions run while their tile is in the range (claims only grow, so the first position past
-  // it ends the loop for every thread alike).
-  for (int tile = 0; tile_of(tile) < num_tiles; ++tile) {
+  for (int tile = 0; tile < num_tiles; ++tile) {
     cp::cp_async_wait<kStages - 2>();
     // Tile landed for every thread; every warp is done with the stage refilled next.
     const bool next_loaded = __syncthreads_and(pending[0]);
 #pragma unroll
     for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
-    if (dynamic && threadIdx.x == 0) {
-      // Publish the claim made one iteration ago (position tile + kClaimAhead - 1, read from the
-      // next barrier on), and claim for position tile + kClaimAhead.
-      claims[(tile + kClaimAhead - 1) & (kClaimSlots - 1)] = claimed;
-      claimed = atomicAdd(counter, 1);
-    }
     const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-    if (tile_of(next) < num_tiles) pending[kStages - 3] = issue(next);
+    if (next < num_tiles) pending[kStages - 3] = issue(next);
     cp::cp_async_commit();
 
     const int stage = tile % kStages;
     const u32 k_tile = ks + stage * Smem::kStageBytes, v_tile = vs + stage * Smem::kStageBytes;
     const int warp_key = warp * kKeysPerWarp;  // first key of this warp in the tile
-    const int tile_start = start_of(tile);
+    const int tile_start = start + tile * kTileKeys;
 
     // S = Q K^T for this warp's keys: s[group][n-tile of 8 keys][C fragment].
     float s[kGroups][2][4];
@@ -593,12 +550,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 // kThreads splits); warp w then sums splits w, w + 4, ..., all its loads issued before their FMAs,
 // and the four warps' sums meet in shared memory.  A row costs two memory round trips whatever
 // the split count (v1-v7: one warp per row, one round trip per 8 splits: 6.6 us at 32 splits).
-// It also zeroes paged_decode's tile counters for the next launch (all of this launch's CTAs
-// are done with them): CTA x clears counter x, x < num_counters <= rows_total.
 extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, int num_splits,
     long long rows_total, int seqlen_q, int num_heads,
-    T* __restrict__ out, float* __restrict__ lse, int* __restrict__ counters, int num_counters) {
+    T* __restrict__ out, float* __restrict__ lse) {
   constexpr int kPerLane = kHeadDim / 32;
   constexpr int kUnroll = 8;  // splits in flight per warp
   static_assert(kHeadDim % 32 == 0, "a warp covers a row in whole 32-element columns");
@@ -607,7 +562,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
   __shared__ float partial[kWarps][kHeadDim];
   const long long row = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (counters && threadIdx.x == 0 && row < num_counters) counters[row] = 0;
   const int own = threadIdx.x;  // the split whose LSE this thread reads
   const float own_lse = own < num_splits ? part_lse[own * rows_total + row] : -inf();
   const float m = cp::warp_max(own_lse);

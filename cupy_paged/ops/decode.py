@@ -6,9 +6,7 @@ One launch of ``paged_decode`` appends the new tokens (if any) and computes atte
 Split-KV and CUDA graphs
 ------------------------
 The partial outputs of a split launch live in a float32 workspace that this module keeps per
-(device, stream) and only ever grows; so do the int32 counters through which the CTAs of a split
-launch share out their sequence's tiles (zeroed once, and cleared again by every launch's
-combine).  Growing allocates, which a CUDA graph capture must not
+(device, stream) and only ever grows.  Growing allocates, which a CUDA graph capture must not
 do, so before capturing either make one eager call with the same shapes on the capturing stream
 (the usual warm-up) or call :func:`reserve_workspace`.  A call that would need to grow the
 workspace while its stream is capturing raises ``RuntimeError`` instead of allocating.  Retired
@@ -45,9 +43,6 @@ ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query toke
 STAGES = 3              # cp.async pipeline depth
 TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
 MAX_SPLITS = 128        # combine_splits: one thread per split's LSE (THREADS)
-# The CTAs of a split launch claim tiles from a shared counter (each computes as many as it gets
-# to) instead of one contiguous range each; False restores the static ranges (v1-v10).
-DYNAMIC_SPLITS = True
 
 
 def tile_keys(head_dim: int) -> int:
@@ -71,11 +66,11 @@ class Tiles:
         return f"k{self.keys}s{self.stages}"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots,
-        16 bytes for the sequence's length and 8 claimed tile indices (decode.cu's Smem)."""
+        """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
+        16 bytes for the sequence's length (decode.cu's Smem)."""
         id_slots = 2 * (self.stages - 1)
         return ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
-                + (self.stages + id_slots) * self.keys * 4 + 16 + 8 * 4)
+                + (self.stages + id_slots) * self.keys * 4 + 16)
 
 
 # The registered shape of each head dim (the keys ``all_keys`` lists).
@@ -147,37 +142,26 @@ def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, cta
 
 # --------------------------------------------------------------------------- workspace
 
-_WORKSPACES: dict[tuple[int, int, str], object] = {}
+_WORKSPACES: dict[tuple[int, int], object] = {}
 _RETIRED: list[object] = []  # outgrown workspaces: a captured graph may still write into them
 
 
 def _workspace(num_floats: int):
-    """The current stream's float32 split workspace (partial outputs and LSEs)."""
-    return _stream_buffer("partials", num_floats, np.float32)
-
-
-def _counters(num: int):
-    """The current stream's int32 tile counters of split launches: zero between calls (a
-    split launch's combine clears what its decode counted), so allocated zeroed."""
-    return _stream_buffer("counters", num, np.int32)
-
-
-def _stream_buffer(kind: str, size: int, dtype):
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    key = (cupy.cuda.Device().id, stream.ptr, kind)
+    key = (cupy.cuda.Device().id, stream.ptr)
     current = _WORKSPACES.get(key)
-    if current is None or current.size < size:
+    if current is None or current.size < num_floats:
         if stream.is_capturing():
             raise RuntimeError(
-                f"the split-KV workspace must hold {size} {kind} but this stream's has "
+                f"the split-KV workspace must hold {num_floats} floats but this stream's has "
                 f"{0 if current is None else current.size}: make one eager call with the same shapes "
                 "on this stream, or call cupy_paged.ops.decode.reserve_workspace(...), before capture")
         if current is not None:
             _RETIRED.append(current)
-        size = max(size, 2 * (0 if current is None else current.size))
-        current = cupy.zeros(size, dtype=dtype)
+        size = max(num_floats, 2 * (0 if current is None else current.size))
+        current = cupy.empty(size, dtype=np.float32)
         _WORKSPACES[key] = current
     return current
 
@@ -204,7 +188,6 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
     """
     splits = min(max(int(num_splits), 1), MAX_SPLITS)
     _workspace(_workspace_floats(splits, batch * seqlen_q * num_heads, head_dim))
-    _counters(batch * seqlen_q * num_heads)
 
 
 # --------------------------------------------------------------------------- launch
@@ -306,10 +289,8 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
         workspace = _workspace(_workspace_floats(splits, rows_total, head_dim))
         part_out = workspace
         part_lse = workspace[splits * rows_total * head_dim:]
-        # one per (sequence, kv head, row group): at most one per output row
-        counters = _counters(rows_total)
     else:
-        part_out = part_lse = counters = null
+        part_out = part_lse = null
     lse = null if p.lse is None else p.lse
     window_left, window_right = p.window
     params = np.frombuffer(_PARAMS.pack(
@@ -321,11 +302,9 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
                    p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
-                   p.out, lse, part_out, part_lse, counters if DYNAMIC_SPLITS else null,
-                   null if trace is None else trace),
+                   p.out, lse, part_out, part_lse, null if trace is None else trace),
                   shared_mem=launch.smem)
     if splits > 1:
         launch.combine((rows_total,), (THREADS,),
                        (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
-                        np.int32(num_heads), p.out, lse, counters,
-                        np.int32(batch * num_kv_heads * launch.row_groups)))
+                        np.int32(num_heads), p.out, lse))
