@@ -11,8 +11,12 @@ only the sweep) times the registered pipeline shape and each ``ops.decode.CANDID
 64 x 4096 (block sizes 16, 32, 256 shuffled, 16 sorted) on the same inputs, with each shape's
 registers, local memory and CTAs per SM as built here and its largest difference from the
 registered kernel's output (NaN: an element left unwritten); it adds ``"sweep"`` to the JSON.
+``--trace`` records each CTA's start and end on the GPU clock for one launch each of 64 x 4096,
+256 x 2048 and 1 x 131072 and summarises where the span goes (``"trace"``); ``--fixed-cost``
+fits time per call against tiles per CTA at one and two waves (``"fixed_cost"``).
 
-    python benchmarks/bench_decode.py [--quick] [--sweep] [--out benchmarks/results/decode.json]
+    python benchmarks/bench_decode.py [--quick] [--sweep] [--trace] [--fixed-cost]
+                                      [--out benchmarks/results/decode.json]
 """
 from __future__ import annotations
 
