@@ -389,13 +389,10 @@ def main(argv=None):
     for block_size in (8, 64, 128, 256):  # the block-size spread at 64 x 4096
         cases.append(bandwidth_case(rng, 64, 4096, block_size, False, reps))
         print(cases[-1], flush=True)
-    # Comparison rows, same run: the candidate shapes on the cases the sweep does not cover,
-    # the block table in address order at bs16 and bs256 (both then read exactly the same
-    # addresses: if they differ, the kernel depends on the block size; if both are slow, the
-    # sorted layout is), other split counts.
-    candidates = [{"tiles": t} for t in decode_ops.CANDIDATES.get(DIM, ())]
+    # Comparison rows, same run: the block table in address order at bs16 and bs256 (both then
+    # read exactly the same addresses: if they differ, the kernel depends on the block size; if
+    # both are slow, the sorted layout is), other split counts.
     for batch, context, block_size, options in (
-            *((b, c, 16, o) for b, c in ((256, 2048), (8, 32768), (1, 131072)) for o in candidates),
             (64, 4096, 16, {"shuffle": False}), (64, 4096, 256, {"shuffle": False}),
             (8, 32768, 16, {"num_splits": 8}), (1, 131072, 16, {"num_splits": 33}), (1, 131072, 16, {"num_splits": 64}),
             (1, 131072, 16, {"num_splits": 128})):

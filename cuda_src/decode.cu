@@ -5,8 +5,6 @@
 //   HEAD_DIM   32, 64, 96, 128 or 256
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
 //   STAGES     depth of the cp.async pipeline (>= 3): STAGES - 1 tiles in flight
-//   CLUSTER    1, or the size of a thread-block cluster of CTAs of consecutive kv heads of one
-//              (row group, split, sequence) that issue their tiles in step (grid x = kv heads)
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
@@ -42,7 +40,6 @@ using cp::u32;
 constexpr int kHeadDim = HEAD_DIM;
 constexpr int kTileKeys = TILE_KEYS;
 constexpr int kStages = STAGES;
-constexpr int kCluster = CLUSTER;
 // Tiles whose ids are in shared memory at once: ids run STAGES - 1 tiles ahead of the data,
 // which runs STAGES - 1 tiles ahead of the math.
 constexpr int kIdSlots = 2 * (kStages - 1);
@@ -197,27 +194,7 @@ static_assert(sizeof(DecodeParams) == 9 * 8 + 14 * 4 + 2 * 4, "DecodeParams must
 
 using namespace decode;
 
-// CLUSTER > 1: the CTAs of kCluster consecutive kv heads of one (row group, split, sequence)
-// read their slices of the same cache blocks; a cluster barrier keeps their tile issue within
-// one tile of each other, so a DRAM page opened for one head's slice serves the others
-// (NOTES_decode.md, v12).
-#if CLUSTER > 1
-#define DECODE_CLUSTER __cluster_dims__(CLUSTER, 1, 1)
-#else
-#define DECODE_CLUSTER
-#endif
-__device__ __forceinline__ void cluster_arrive() {
-#if CLUSTER > 1
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if CLUSTER > 1
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) DECODE_CLUSTER paged_decode(
+extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     const DecodeParams params,
     const T* __restrict__ q,                           // [B, Sq, H, D], strides in params
     const cp::Vec8* k_cache, const cp::Vec8* v_cache,  // [num_blocks, block_size, Hkv, D]
@@ -250,11 +227,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) DECODE_CLUSTER paged_d
   const int* ids = reinterpret_cast<const int*>(smem_raw + Smem::kIds);  // [kIdSlots][kTileKeys]
   const u32 ids_s = ks + Smem::kIds;
 
-  // Grid (row_groups * num_splits, Hkv, B), or (Hkv, row_groups * num_splits, B) with clusters.
-  const int item_x = kCluster > 1 ? blockIdx.y : blockIdx.x;
-  const int row_group = item_x % row_groups;
-  const int split = item_x / row_groups;
-  const int kv_head = kCluster > 1 ? blockIdx.x : blockIdx.y;
+  const int row_group = blockIdx.x % row_groups;
+  const int split = blockIdx.x / row_groups;
+  const int kv_head = blockIdx.y;
   const int b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row and column pair (mma.cuh)
@@ -407,10 +382,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) DECODE_CLUSTER paged_d
 #pragma unroll
     for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
     const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-    if (tile > 0) cluster_wait();  // every CTA of the cluster has issued the previous tile
     if (next < num_tiles) pending[kStages - 3] = issue(next);
     cp::cp_async_commit();
-    cluster_arrive();
 
     const int stage = tile % kStages;
     const u32 k_tile = ks + stage * Smem::kStageBytes, v_tile = vs + stage * Smem::kStageBytes;
@@ -512,7 +485,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) DECODE_CLUSTER paged_d
       }
     }
   }
-  if (num_tiles > 0) cluster_wait();  // pairs the last arrive (the same count in every CTA of a cluster)
   cp::cp_async_wait<0>();
   __syncthreads();  // pipeline drained: its buffers become the merge scratch
 

@@ -61,10 +61,9 @@ class Tiles:
 
     keys: int
     stages: int = STAGES
-    cluster: int = 1  # > 1: clusters of this many kv heads' CTAs issue tiles in step (Hkv % cluster == 0)
 
     def label(self) -> str:
-        return f"k{self.keys}s{self.stages}" + (f"c{self.cluster}" if self.cluster > 1 else "")
+        return f"k{self.keys}s{self.stages}"
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
@@ -81,15 +80,14 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # v5's shapes -- Tiles(64, 4), Tiles(64, 6), Tiles(128, 3): more bytes in flight, one CTA per SM --
 # ran 32-45% slower than the registered shape on the H200.  v7-v9 compared kernel variants the
 # same way (NOTES_decode.md); none is pending now.
-CANDIDATES: dict[int, tuple[Tiles, ...]] = {128: (Tiles(64, STAGES, cluster=8), Tiles(64, STAGES, cluster=2))}
+CANDIDATES: dict[int, tuple[Tiles, ...]] = {}
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
     tiles = tiles or TILES[head_dim]
     return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("CLUSTER", tiles.cluster)),
-                     arch="sm_90" if tiles.cluster > 1 else "")  # clusters: Hopper only
+                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages)))
 
 
 def all_keys():
@@ -209,7 +207,6 @@ class _Launch:
     combine: object
     smem: int
     splits: int
-    cluster: int       # CTAs per cluster (kv heads), 1 without
     rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
     row_groups: int    # CTAs per (split, kv head, sequence)
     shift: int         # log2(block_size), or -1
@@ -225,8 +222,6 @@ def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
 
     head_dim = p.head_dim
     tiles = tiles or TILES[head_dim]
-    if p.num_kv_heads % tiles.cluster:
-        tiles = dataclasses.replace(tiles, cluster=1)
     key = (cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.k_cache.shape, p.block_table.shape[1],
            p.num_splits, tiles)
     launch = _LAUNCHES.get(key)
@@ -245,7 +240,7 @@ def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
         block_size = p.block_size
         shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
         launch = _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                         splits, tiles.cluster, rows, row_groups, shift)
+                         splits, rows, row_groups, shift)
         if len(_LAUNCHES) >= 4096:  # a server cycling through many shapes: start over, stay small
             _LAUNCHES.clear()
         _LAUNCHES[key] = launch
@@ -304,9 +299,7 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
         window_left, window_right, splits, 0,
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
-    grid = ((num_kv_heads, launch.row_groups * splits, batch) if launch.cluster > 1
-            else (launch.row_groups * splits, num_kv_heads, batch))
-    launch.decode(grid, (THREADS,),
+    launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
                    p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
                    p.out, lse, part_out, part_lse, null if trace is None else trace),
