@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupy_paged
-from _util import BF16, assert_close, randn
+from _util import BF16, assert_close, assert_same_bits, randn, scatter_paged
 from naive import naive_attention
 
 HEAD_DIMS = (64, 128, 256)
@@ -39,29 +39,6 @@ def _api_options(options, num_heads):
     return api
 
 
-def _paged(rng, arrays, lengths, block_size, capacity=None, spare=3):
-    """Scatter each sequence's tokens of every array into shuffled paged caches.
-
-    ``arrays`` are packed ``[total, Hkv, D]``; sequence ``b`` gets blocks for
-    ``capacity[b]`` tokens (default its length) and its ``lengths[b]`` tokens are
-    written; every other slot holds random junk.  Returns (caches, block_table).
-    """
-    capacity = lengths if capacity is None else capacity
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-    counts = [-(-n // block_size) for n in capacity]
-    ids = rng.permutation(sum(counts) + spare).tolist()
-    lists = [[ids.pop() for _ in range(c)] for c in counts]
-    table = cupy_paged.block_table_from_lists(lists, max_blocks=max(counts + [0]) + 1)
-    caches = []
-    for array in arrays:
-        cache = randn(rng, (sum(counts) + spare, block_size) + array.shape[1:], array.dtype)
-        for b, n in enumerate(lengths):
-            j = np.arange(n)
-            cache[table[b, j // block_size], j % block_size] = array[cu[b]:cu[b] + n]
-        caches.append(cache)
-    return caches, table
-
-
 def _check_varlen(rng, lengths_q, lengths_k, num_heads, num_kv_heads, head_dim, options,
                   dtype=np.float64, block_size=None):
     total_q, total_k = sum(lengths_q), sum(lengths_k)
@@ -75,7 +52,7 @@ def _check_varlen(rng, lengths_q, lengths_k, num_heads, num_kv_heads, head_dim, 
         out, lse = cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
                                                      return_softmax_lse=True, **kw)
     else:
-        (k_cache, v_cache), table = _paged(rng, [k, v], lengths_k, block_size)
+        (k_cache, v_cache), table = scatter_paged(rng, [k, v], lengths_k, block_size)
         out, lse = cupy_paged.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k,
                                                      block_table=table, return_softmax_lse=True, **kw)
     assert out.dtype == dtype and lse.dtype == np.float32
@@ -122,7 +99,7 @@ def _check_decode(rng, cache_lens, seqlen_q, seqlen_new, num_heads, num_kv_heads
     # The cache holds the first cache_lens[b] tokens; the rest arrive as new k/v.
     packed_k = np.concatenate([kk[:n] for kk, n in zip(keys, cache_lens)])
     packed_v = np.concatenate([vv[:n] for vv, n in zip(values, cache_lens)])
-    (k_cache, v_cache), full = _paged(rng, [packed_k, packed_v], cache_lens, block_size, capacity=totals)
+    (k_cache, v_cache), full = scatter_paged(rng, [packed_k, packed_v], cache_lens, block_size, capacity=totals)
     k_new = v_new = None
     if seqlen_new:
         k_new = np.stack([kk[n:] for kk, n in zip(keys, cache_lens)])
@@ -188,5 +165,5 @@ def test_write_kv_cache_skips_negative_slots():
         for t, slot in enumerate(slots):
             if slot >= 0:
                 expect_k[slot], expect_v[slot] = k[t], v[t]
-        np.testing.assert_array_equal(k_cache.reshape(32, 2, 64).view(np.uint8), expect_k.view(np.uint8))
-        np.testing.assert_array_equal(v_cache.reshape(32, 2, 64).view(np.uint8), expect_v.view(np.uint8))
+        assert_same_bits(k_cache.reshape(32, 2, 64), expect_k, f"{np.dtype(dtype)} k_cache")
+        assert_same_bits(v_cache.reshape(32, 2, 64), expect_v, f"{np.dtype(dtype)} v_cache")

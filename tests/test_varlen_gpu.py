@@ -14,7 +14,7 @@ import pytest
 
 import cupy_paged
 from cupy_paged.layout import cu_seqlens_from_lengths
-from tests._util import DTYPES, assert_close, poisoned, randn, to_numpy
+from _util import DTYPES, assert_close, assert_same_bits, poisoned, randn, scatter_paged, to_numpy
 
 pytestmark = pytest.mark.gpu
 
@@ -52,29 +52,6 @@ def test_wgmma_kernel_is_the_default_on_hopper(kernel):
 LSE_RTOL = 1e-3  # the LSE is float32 from fp32 scores: only exp2/log2 rounding separates them
 
 
-def _paged(rng, k, v, lengths, block_size, spare_blocks=3):
-    """Scatter contiguous ``k``/``v`` ``[total_k, Hkv, D]`` into caches through one shuffled
-    block table.  Unused cache slots hold random values, so a kernel that reads the wrong
-    block fails.  Returns (k_cache, v_cache, block_table); the table is wider than needed
-    and padded with -1.
-    """
-    counts = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(counts) + spare_blocks
-    caches = [randn(rng, (num_blocks, block_size) + k.shape[1:], k.dtype) for _ in range(2)]
-    order = rng.permutation(num_blocks)
-    table = np.full((len(lengths), max(counts, default=0) + 2), -1, np.int32)
-    start, used = 0, 0
-    for b, n in enumerate(lengths):
-        blocks = order[used:used + counts[b]]
-        used += counts[b]
-        table[b, :counts[b]] = blocks
-        pos = np.arange(n)
-        for cache, keys in zip(caches, (k, v)):
-            cache[blocks[pos // block_size], pos % block_size] = keys[start:start + n]
-        start += n
-    return caches[0], caches[1], table
-
-
 def run_case(seed, dtype, head_dim, lens_q, lens_k, *, num_kv_heads=NUM_HEADS, num_heads=NUM_HEADS,
              causal=False, window=(-1, -1), softcap=0.0, alibi=False, lse=False, block_size=None,
              scale=None, check_values=True):
@@ -90,7 +67,7 @@ def run_case(seed, dtype, head_dim, lens_q, lens_k, *, num_kv_heads=NUM_HEADS, n
     v = randn(rng, (int(cu_k[-1]), num_kv_heads, head_dim), dtype)
     table = None
     if block_size is not None:
-        k, v, table = _paged(rng, k, v, lens_k, block_size)
+        (k, v), table = scatter_paged(rng, [k, v], lens_k, block_size, extra_columns=2)  # two -1 columns
     slopes = (rng.uniform(0.01, 0.5, num_heads).astype(np.float32) if alibi else None)
     kwargs = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
                   return_softmax_lse=lse)
@@ -173,7 +150,7 @@ def test_paged_equals_contiguous(block_size):
     lens_q, lens_k = [100, 3, 257], [900, 3, 300]
     a = run_case(6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True)
     b = run_case(6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True, block_size=block_size)
-    assert (to_numpy(a).view(np.uint16) == to_numpy(b).view(np.uint16)).all()
+    assert_same_bits(b, a, "paged out against contiguous out")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -223,7 +200,7 @@ def _holes_case(head_dim, block_size, seed=11):
     q = randn(rng, (int(cu_q[-1]), 4, head_dim), bf16)
     k = randn(rng, (int(cu_k[-1]), 2, head_dim), bf16)
     v = randn(rng, (int(cu_k[-1]), 2, head_dim), bf16)
-    k_cache, v_cache, table = _paged(rng, k, v, lens_k, block_size)
+    (k_cache, v_cache), table = scatter_paged(rng, [k, v], lens_k, block_size, extra_columns=2)
     num_blocks = k_cache.shape[0]
     table[0, 1], table[1, 2] = -1, num_blocks + 5  # holes
     keep = np.ones(int(cu_k[-1]), bool)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import cupy_paged
+from cupy_paged.reference import gather_paged
 from _util import randn, to_numpy
 from naive import naive_attention
 
@@ -73,8 +74,6 @@ def test_decode_block_table_example(side):
     np.testing.assert_array_equal(k_after, expect)  # nothing else moved
     out = to_numpy(out)
     for b, n in enumerate(cache_seqlens + 1):
-        rows = [(int(table[b, j // block_size]), j % block_size) for j in range(n)]
-        keys = np.stack([k_after[r] for r in rows])
-        values = np.stack([v_after[r] for r in rows])
+        keys, values = gather_paged(k_after, table[b], n), gather_paged(v_after, table[b], n)
         ref, _ = naive_attention(q[b], keys, values, 1 / 8, causal=True)
         np.testing.assert_allclose(out[b].astype(np.float64), ref, rtol=0, atol=5e-3)

@@ -1,15 +1,29 @@
-"""The write_kv_cache CUDA kernel against the CPU reference backend."""
+"""The write_kv_cache CUDA kernel against the CPU reference backend.  The case whose id holds
+``sanitize`` is the small one for compute-sanitizer (``-k sanitize``)."""
+import itertools
+
 import numpy as np
 import pytest
 
 import cupy_paged
-from _util import BF16, randn
+from _util import BF16, assert_same_bits, randn
+
+
+def _kernel_cases():
+    """Every (dtype, head_dim, block_size), ids ``{block_size}-{head_dim}-{dtype}``; bf16, D=96
+    (a 12-vector row), block size 8 is also the compute-sanitizer case: strided inputs, padding slots."""
+    cases = []
+    for block_size, head_dim, (dtype, name) in itertools.product(
+            [8, 16, 256], [32, 64, 96, 128, 256], [(np.float16, "fp16"), (BF16, "bf16")]):
+        case_id = f"{block_size}-{head_dim}-{name}"
+        if (block_size, head_dim, name) == (8, 96, "bf16"):
+            case_id = "sanitize-" + case_id
+        cases.append(pytest.param(dtype, head_dim, block_size, id=case_id))
+    return cases
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [8, 16, 256])
+@pytest.mark.parametrize("dtype,head_dim,block_size", _kernel_cases())
 def test_kernel_matches_reference(dtype, head_dim, block_size):
     import cupy
 
@@ -26,8 +40,8 @@ def test_kernel_matches_reference(dtype, head_dim, block_size):
     dfused = cupy.asarray(fused)
     cupy_paged.write_kv_cache(dk, dv, dfused[:, kv_heads:2 * kv_heads], dfused[:, 2 * kv_heads:], cupy.asarray(slots))
     cupy_paged.write_kv_cache(k_cache, v_cache, k, v, slots)
-    np.testing.assert_array_equal(cupy.asnumpy(dk).view(np.uint16), k_cache.view(np.uint16))
-    np.testing.assert_array_equal(cupy.asnumpy(dv).view(np.uint16), v_cache.view(np.uint16))
+    assert_same_bits(dk, k_cache, "k_cache")
+    assert_same_bits(dv, v_cache, "v_cache")
 
 
 @pytest.mark.gpu
@@ -43,12 +57,6 @@ def test_kernel_runs_on_the_current_stream():
         cupy_paged.write_kv_cache(k_cache, v_cache, k, k, cupy.asarray(np.array([20], np.int32)))
     stream.synchronize()
     assert bool((k_cache[1, 4] == k[0]).all())
-
-
-@pytest.mark.gpu
-def test_sanitize_write_kv_cache():
-    """A small case for compute-sanitizer: strided inputs, padding slots, a 12-vector row (D=96)."""
-    test_kernel_matches_reference(BF16, 96, 8)
 
 
 @pytest.mark.gpu
