@@ -20,8 +20,10 @@ struct alignas(16) Vec8 {
 };
 constexpr int kVecElems = 8;
 
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// Softmax constants: exp2/log2 take the place of exp/log; +infinity (NVRTC has no <cmath> INFINITY).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
@@ -29,13 +31,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
-// Two packed 2-byte values <-> two floats.
-__device__ __forceinline__ float2 to_float2(u32 packed, __half) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-}
-__device__ __forceinline__ float2 to_float2(u32 packed, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
-}
+// Two floats -> two packed 2-byte values.
 __device__ __forceinline__ u32 from_float2(float a, float b, __half) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<u32*>(&h);
@@ -65,6 +61,16 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
+}
+// The same over the four lanes of a quad (lane ^ 1, lane ^ 2), which hold one row of an mma
+// accumulator fragment (mma.cuh).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 }  // namespace cp

@@ -60,10 +60,9 @@ constexpr int kChunkLanes = kChunks % 8 == 0 ? 8 : 4;
 constexpr int kChunksPerThread = kChunks / kChunkLanes;
 constexpr int kKeysPerPass = kThreads / kChunkLanes;
 constexpr int kPasses = kTileKeys / kKeysPerPass;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-// +infinity (NVRTC has no <cmath> INFINITY).
-__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+using cp::inf;
+using cp::kLn2;
+using cp::kLog2e;
 static_assert(kHeadDim % 16 == 0 && kChunks % kChunkLanes == 0, "head_dim must be a multiple of 16");
 static_assert(kGroups >= 1 && kKeysPerWarp % 16 == 0, "each warp takes whole groups of 16 keys");
 static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues the same cp.async count");
@@ -451,9 +450,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
     float m_use[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
-      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
-      const float m_new = fmaxf(m[hr], tile_max[hr]);
+      const float m_new = fmaxf(m[hr], cp::quad_max(tile_max[hr]));
       m_use[hr] = m_new == -inf() ? 0.f : m_new;
       const float alpha = exp2f(m[hr] - m_use[hr]);
       m[hr] = m_new;
@@ -474,8 +471,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
           s[kg][n][e] = exp2f(s[kg][n][e] - m_use[e / 2]);
           l[e / 2] += s[kg][n][e];
         }
-      const u32 pa[4] = {cp::from_float2(s[kg][0][0], s[kg][0][1], T()), cp::from_float2(s[kg][0][2], s[kg][0][3], T()),
-                         cp::from_float2(s[kg][1][0], s[kg][1][1], T()), cp::from_float2(s[kg][1][2], s[kg][1][3], T())};
+      u32 pa[4];
+      cp::pack_a(pa, s[kg][0], s[kg][1], T());
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
         u32 bv[4];
@@ -494,8 +491,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   float* merge_l = merge_m + kWarps * kRows;                       // [kWarps][kRows]
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    l[hr] = cp::quad_sum(l[hr]);
     const int r = g + 8 * hr;
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n)
@@ -619,42 +615,3 @@ extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
     lse[(b * num_heads + h) * seqlen_q + i] = total > 0.f ? m_all + __logf(total) : -inf();
   }
 }
-
-// merge_states: cascade / shared-prefix merge of two partial attentions over the same queries.
-// out_x [tokens, H, D] (contiguous, dtype X); lse_x [num_seqs, H, seqlen] float32 with
-// tokens = num_seqs * seqlen (varlen: [H, tokens], one sequence; decode: [B, H, Sq]).  One thread per element;
-// a side whose LSE is -inf contributes nothing (its output is never read).
-template <typename X>
-__device__ __forceinline__ void merge_states_impl(const X* a, const float* lse_a, const X* b, const float* lse_b,
-                                                  X* out, float* lse_out, long long tokens, int seqlen,
-                                                  int heads, int dim) {
-  const long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (index >= tokens * heads * dim) return;
-  const long long t = index / ((long long)heads * dim);
-  const int h = (index / dim) % heads, d = index % dim;
-  // LSE of token t = (sequence, position) in [num_seqs, H, seqlen]; varlen is one sequence of all tokens.
-  const long long at = ((t / seqlen) * heads + h) * seqlen + t % seqlen;
-  const float la = lse_a[at], lb = lse_b[at];
-  const float mx = fmaxf(la, lb);
-  float value = 0.f, merged = -inf();
-  if (mx != -inf()) {
-    const float wa = __expf(la - mx), wb = __expf(lb - mx);
-    float sum = 0.f;
-    if (wa > 0.f) sum = fmaf(wa, static_cast<float>(a[index]), sum);
-    if (wb > 0.f) sum = fmaf(wb, static_cast<float>(b[index]), sum);
-    value = sum / (wa + wb);
-    merged = mx + __logf(wa + wb);
-  }
-  out[index] = static_cast<X>(value);
-  if (lse_out && d == 0) lse_out[at] = merged;
-}
-
-#define DEFINE_MERGE(NAME, X)                                                                        \
-  extern "C" __global__ void NAME(const X* a, const float* lse_a, const X* b, const float* lse_b,   \
-                                  X* out, float* lse_out, long long tokens, int seqlen, int heads,  \
-                                  int dim) {                                                         \
-    merge_states_impl<X>(a, lse_a, b, lse_b, out, lse_out, tokens, seqlen, heads, dim);              \
-  }
-DEFINE_MERGE(merge_states_float32, float)
-DEFINE_MERGE(merge_states_float16, __half)
-DEFINE_MERGE(merge_states_bfloat16, __nv_bfloat16)

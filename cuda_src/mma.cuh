@@ -65,6 +65,17 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The C fragments of two n8 tiles, columns 0-7 (lo) and 8-15 (hi) of a 16x16 product, as the
+// A fragment of the next mma, converted to X (__half or __nv_bfloat16): by the layouts above,
+// c0,c1 / c2,c3 of lo are a0 / a1 and those of hi are a2 / a3 (P of P V, packed from S).
+template <typename X>
+__device__ __forceinline__ void pack_a(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4], X) {
+  a[0] = from_float2(lo[0], lo[1], X());
+  a[1] = from_float2(lo[2], lo[3], X());
+  a[2] = from_float2(hi[0], hi[1], X());
+  a[3] = from_float2(hi[2], hi[3], X());
+}
+
 // Shared-memory tile of rows of kChunks 16-byte chunks, laid out so that ldmatrix (8 rows, one
 // chunk column) and cp.async (consecutive chunks of a row) hit 8 different bank groups.
 // Rows of a multiple of 128 bytes: XOR swizzle of the chunk's low 3 bits with the row's; other

@@ -38,7 +38,7 @@ using T = SCALAR_T;
 
 template <int D, int BM, int BN, int WARPS, int STAGES, int MIN_CTAS>
 struct Traits {
-  static constexpr int kHeadDim = D, kBlockM = BM, kBlockN = BN, kWarps = WARPS, kStages = STAGES;
+  static constexpr int kHeadDim = D, kBlockM = BM, kBlockN = BN, kStages = STAGES;
   static constexpr int kMinBlocks = MIN_CTAS;
   static constexpr int kAhead = STAGES - 1;  // key tiles in flight ahead of the one computed
   static constexpr int kThreads = WARPS * 32;

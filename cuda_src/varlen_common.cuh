@@ -7,9 +7,9 @@
 
 namespace varlen {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+using cp::inf;
+using cp::kLn2;
+using cp::kLog2e;
 
 // Where the keys of one (sequence, kv head) live: rows of a contiguous k/v, or slots
 // (block * block_size + offset) of a paged cache whose blocks are block_size rows apart.
@@ -190,7 +190,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][
         for (int e = 0; e < 2; ++e) {
           const int c = nt * 8 + 2 * (lane & 3) + e;
           const int j = n0 + c;
-          if (j < lo || j > hi || (hole && !s_loadable[c])) s[mt][nt][2 * half + e] = -infinity();
+          if (j < lo || j > hi || (hole && !s_loadable[c])) s[mt][nt][2 * half + e] = -inf();
         }
     }
 }
@@ -216,13 +216,10 @@ __device__ __forceinline__ void softmax_scores(float (&s)[Tr::kMTiles][Tr::kNTil
       for (int width = 1; width < Tr::kNTiles; width *= 2)
 #pragma unroll
         for (int nt = 0; nt + width < Tr::kNTiles; nt += 2 * width) m[nt] = fmaxf(m[nt], m[nt + width]);
-      float tile_max = m[0];
-      // The four threads of a quad hold the same two rows.
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float tile_max = cp::quad_max(m[0]);  // the four threads of a quad hold the same two rows
       const float old_max = st.row_max[mt][half];
       const float new_max = fmaxf(old_max, tile_max);
-      const float base = new_max == -infinity() ? 0.f : new_max * scale_log2;
+      const float base = new_max == -inf() ? 0.f : new_max * scale_log2;
       const float alpha = exp2f(old_max * scale_log2 - base);
       st.row_max[mt][half] = new_max;
       float sums[Tr::kNTiles];
@@ -267,12 +264,7 @@ __device__ __forceinline__ void pack_p(const float (&p)[Tr::kMTiles][Tr::kNTiles
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-      a[mt][kk][0] = cp::from_float2(p[mt][2 * kk][0], p[mt][2 * kk][1], T());
-      a[mt][kk][1] = cp::from_float2(p[mt][2 * kk][2], p[mt][2 * kk][3], T());
-      a[mt][kk][2] = cp::from_float2(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1], T());
-      a[mt][kk][3] = cp::from_float2(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3], T());
-    }
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) cp::pack_a(a[mt][kk], p[mt][2 * kk], p[mt][2 * kk + 1], T());
 }
 
 // O / rowsum -> out, natural-log LSE -> lse.  A row that saw no key writes zeros and -inf.
@@ -283,9 +275,7 @@ __device__ __forceinline__ void store_output(WarpState& st, T* out, long long ou
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float sum = st.row_sum[mt][half];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float sum = cp::quad_sum(st.row_sum[mt][half]);
       const int i = row0 + mt * 16 + (lane >> 2) + half * 8;
       const long long row = (long long)q_start + i;
       if (i >= length_q || row < 0 || row >= total_q) continue;
@@ -295,7 +285,7 @@ __device__ __forceinline__ void store_output(WarpState& st, T* out, long long ou
       for (int dt = 0; dt < Tr::kDTiles; ++dt)
         dst[dt * 4] = cp::from_float2(st.o[mt][dt][2 * half] * inv, st.o[mt][dt][2 * half + 1] * inv, T());
       if (lse != nullptr && (lane & 3) == 0)
-        lse[lse_base + row] = sum > 0.f ? (st.row_max[mt][half] * scale_log2 + log2f(sum)) * kLn2 : -infinity();
+        lse[lse_base + row] = sum > 0.f ? (st.row_max[mt][half] * scale_log2 + log2f(sum)) * kLn2 : -inf();
     }
 }
 
@@ -306,7 +296,7 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
     const long long row = (long long)q_start + first + index / Tr::kChunks;
     if (row < 0 || row >= total_q) continue;
     reinterpret_cast<uint4*>(out + row * out_row)[index % Tr::kChunks] = make_uint4(0, 0, 0, 0);
-    if (lse != nullptr && index % Tr::kChunks == 0) lse[lse_base + row] = -infinity();
+    if (lse != nullptr && index % Tr::kChunks == 0) lse[lse_base + row] = -inf();
   }
 }
 
@@ -402,7 +392,7 @@ __device__ __forceinline__ void init_state(WarpState& st) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) { st.row_max[mt][half] = -infinity(); st.row_sum[mt][half] = 0.f; }
+    for (int half = 0; half < 2; ++half) { st.row_max[mt][half] = -inf(); st.row_sum[mt][half] = 0.f; }
 #pragma unroll
     for (int dt = 0; dt < Tr::kDTiles; ++dt)
 #pragma unroll

@@ -33,7 +33,7 @@ using T = SCALAR_T;
 template <int D, int GROUPS, int BN, int STAGES>
 struct WgTraits {
   static constexpr int kHeadDim = D, kBlockM = 64 * GROUPS, kBlockN = BN, kStages = STAGES;
-  static constexpr int kWarps = 4 * GROUPS, kThreads = 128 * GROUPS, kGroupRows = 64;
+  static constexpr int kThreads = 128 * GROUPS, kGroupRows = 64;
   // CTAs per SM the registers must allow: one warpgroup per CTA leaves room for two CTAs (at up to
   // 255 registers a thread), whose independent schedules overlap one's softmax with the other's
   // matrix products.
@@ -58,9 +58,6 @@ struct WgTraits {
   static_assert(GROUPS == 1 || GROUPS == 2, "one or two warpgroups per CTA");
 };
 
-#ifndef WARPGROUPS
-#define WARPGROUPS 2
-#endif
 using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES>;
 
 }  // namespace varlen

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import ops
 from ._arrays import CUDA, as_array, backend_of
-from ._checks import BF16, HEAD_DIMS, check_out
+from ._checks import BF16, check_out
 
-_FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))
-_KERNEL_NAME = {np.dtype(np.float16): "merge_states_float16", BF16: "merge_states_bfloat16",
-                np.dtype(np.float32): "merge_states_float32"}
-THREADS = 256
+_FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))  # cuda_src/merge.cu's entry points
 
 
 def _lse_layout(out_shape: tuple, lse_shape: tuple) -> tuple[int, int]:
@@ -88,7 +86,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
             raise TypeError(f"{name} must have dtype float32; got {lse.dtype}")
     out = check_out(out, "out", tuple(out_a.shape), out_a.dtype, out_a)
     if backend == CUDA:
-        return _merge_cuda(out_a, lse_a, out_b, lse_b, out, tokens, seqlen)
+        return ops.merge.run(out_a, lse_a, out_b, lse_b, out, tokens, seqlen)
     return _merge_numpy(out_a, lse_a, out_b, lse_b, out)
 
 
@@ -111,29 +109,6 @@ def _merge_numpy(out_a, lse_a, out_b, lse_b, out):
         share = np.where(seen, weight / np.where(seen, total, 1.0), 0.0)[..., None]
         merged += np.where(contributes[..., None], share * part.astype(np.float64), 0.0)
     merged_lse = np.where(seen, safe + np.log(np.where(seen, total, 1.0)), -np.inf).astype(np.float32)
-    lse = np.ascontiguousarray(merged_lse.T if out_a.ndim == 3 else merged_lse.transpose(0, 2, 1))
+    lse = np.ascontiguousarray(_rows(merged_lse, out_a.ndim))  # the transpose is its own inverse
     out[...] = merged.astype(out_a.dtype)
-    return out, lse
-
-
-def _merge_cuda(out_a, lse_a, out_b, lse_b, out, tokens: int, seqlen: int):
-    import cupy
-
-    from ._compiler import get_function
-    from .ops.decode import kernel_key
-
-    heads, dim = int(out_a.shape[-2]), int(out_a.shape[-1])
-    a, b = cupy.ascontiguousarray(out_a), cupy.ascontiguousarray(out_b)
-    lse_a, lse_b = cupy.ascontiguousarray(lse_a), cupy.ascontiguousarray(lse_b)
-    lse = cupy.empty(lse_a.shape, np.float32)
-    # The merge kernels ride along in every decode specialization (head_dim is a run-time
-    # argument for them): reuse the one this dtype / head dim would launch anyway.
-    scalar = out_a.dtype if out_a.dtype != np.float32 else BF16
-    key = kernel_key(scalar, dim if dim in HEAD_DIMS else 128)
-    function = get_function(key, _KERNEL_NAME[np.dtype(out_a.dtype)])
-    total = tokens * heads * dim
-    if total:
-        function((-(-total // THREADS),), (THREADS,),
-                 (a, lse_a, b, lse_b, out, lse, np.int64(tokens), np.int32(max(seqlen, 1)),
-                  np.int32(heads), np.int32(dim)))
     return out, lse
