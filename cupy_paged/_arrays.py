@@ -29,7 +29,8 @@ def _is_cuda_dlpack(obj) -> bool:
         device_type, _ = device()
     except Exception:
         return False
-    # DLPack device types: 2 = CUDA, 3 = CUDA host (pinned), 13 = CUDA managed.
+    # DLPack device types taken as GPU memory: 2 = CUDA, 13 = CUDA managed (3, pinned host memory,
+    # is host memory and goes the NumPy way).
     return int(device_type) in (2, 13)
 
 

@@ -15,6 +15,7 @@ block id outside ``[0, num_blocks)`` as a hole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import ml_dtypes
@@ -82,7 +83,8 @@ def check_block_size(block_size: int, name: str) -> None:
                          f"from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}")
 
 
-def check_window(window_size) -> tuple[int, int]:
+def check_window(window_size, causal: bool = False) -> tuple[int, int]:
+    """``(left, right)`` of ``window_size``; ``causal`` folds in as a right bound of 0."""
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
@@ -91,7 +93,7 @@ def check_window(window_size) -> tuple[int, int]:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
     # A window wider than any sequence is no window bound at all; clamped, it fits the kernels'
     # int32 index arithmetic (a row position plus the window never overflows).
-    return min(left, WINDOW_CAP), min(right, WINDOW_CAP)
+    return min(left, WINDOW_CAP), 0 if causal else min(right, WINDOW_CAP)
 
 
 def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
@@ -129,15 +131,21 @@ def check_out(out, name: str, shape: tuple, dtype, like):
     return out
 
 
+def check_same_shape(a, b, a_name: str, b_name: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{b_name} must have the shape of {a_name} {tuple(a.shape)}; got {tuple(b.shape)}")
+
+
 def check_cache_pair(k_cache, v_cache, k_name: str = "k_cache", v_name: str = "v_cache") -> None:
-    """Paged caches: the same shape, and C-contiguous, so that the kernels reach every slot
-    (block * block_size + offset) with one stride."""
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k_cache.shape)}; "
-                         f"got {tuple(v_cache.shape)}")
+    """Paged caches: the same shape, C-contiguous, so that the kernels reach every slot
+    (block * block_size + offset) with one stride, and on a GPU 16-byte aligned, as the kernels
+    read and write them 16 bytes at a time (a cache is never copied to fix either)."""
+    check_same_shape(k_cache, v_cache, k_name, v_name)
     for name, cache in ((k_name, k_cache), (v_name, v_cache)):
         if not cache.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
+        if backend_of({name: cache}) == CUDA and cache.data.ptr % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary")
 
 
 def check_lse(lse_out, shape: tuple, like, wanted: bool):
@@ -160,6 +168,34 @@ def values_checkable(*arrays) -> bool:
     import cupy
 
     return not cupy.cuda.get_current_stream().is_capturing()
+
+
+def index_constant(xp, kind: str, batch: int, value: int = 0):
+    """A read-only int32 index array this module builds itself: ``"rows"`` is
+    ``arange(batch)[:, None]`` (the block table of a contiguous cache), ``"fill"`` is
+    ``full(batch, value)`` (one length for every sequence).  On a GPU it is made once per
+    (device, kind, batch, value) and kept, so a decode call with these shapes allocates nothing."""
+    if xp is np:
+        return _make_index_constant(np, kind, batch, value)
+    return _device_index_constant(xp.cuda.Device().id, kind, batch, value)
+
+
+def _make_index_constant(xp, kind: str, batch: int, value: int):
+    if kind == "rows":
+        return xp.arange(batch, dtype=np.int32).reshape(batch, 1)
+    return xp.full((batch,), value, np.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_index_constant(device: int, kind: str, batch: int, value: int):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        array = _make_index_constant(cupy, kind, batch, value)
+        stream = cupy.cuda.get_current_stream()
+        if not stream.is_capturing():
+            stream.synchronize()  # filled before any other stream reads it
+    return array
 
 
 def check_block_table_values(table: np.ndarray, needed_keys: np.ndarray, block_size: int,
@@ -253,8 +289,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         check_float(array, name, backend)
         check_contiguous_last(array, name)
     check_same_dtype(q, "q", k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
+    check_same_shape(k, v, "k", "v")
     total_q, num_heads, head_dim = (int(s) for s in q.shape)
     check_head_dim(head_dim, "q")
     if int(k.shape[-1]) != head_dim:
@@ -301,9 +336,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         elif int(host_k[-1]) != int(k.shape[0]):
             raise ValueError(f"cu_seqlens_k[-1] = {int(host_k[-1])} must equal k's token count {int(k.shape[0])}")
 
-    left, right = check_window(window_size)
-    if causal:
-        right = 0
+    left, right = check_window(window_size, causal)
     scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
     slopes = check_alibi(alibi_slopes, num_heads)
     if unbatched:
@@ -408,16 +441,18 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
             if (int(array.shape[0]), int(array.shape[2]), int(array.shape[3])) != (batch, num_kv_heads, head_dim):
                 raise ValueError(f"{name} must have shape {kv_layout}; got {tuple(array.shape)}")
             check_contiguous_last(array, name)
-        if k.shape != v.shape:
-            raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
+        check_same_shape(k, v, "k", "v")
         seqlen_new = int(k.shape[1])
 
+    # Index arrays built here are checked from their host values, never copied back.
+    host_table = host_lengths = None
     if block_table is None:
         # A contiguous cache [B, S, Hkv, D] is a paged cache of B blocks of S tokens.
         if int(k_cache.shape[0]) != batch:
             raise ValueError(f"k_cache must have shape [batch_size = {batch}, seqlen_cache, "
                              f"num_kv_heads, head_dim] without block_table; got {tuple(k_cache.shape)}")
-        block_table = xp.arange(batch, dtype=np.int32).reshape(batch, 1)
+        block_table = index_constant(xp, "rows", batch)
+        host_table = np.arange(batch, dtype=np.int32).reshape(batch, 1)
     else:
         check_block_size(int(k_cache.shape[1]), "k_cache")
         block_table = check_index(block_table, "block_table", 2, "[batch_size, max_blocks_per_seq]")
@@ -428,30 +463,32 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
     if cache_seqlens is None:
         if block_table.shape[1] != 1:
             raise ValueError("cache_seqlens is required with a paged cache (block_table)")
-        cache_seqlens = xp.full((batch,), int(k_cache.shape[1]) - seqlen_new, np.int32)
+        host_lengths = int(k_cache.shape[1]) - seqlen_new
     elif np.isscalar(cache_seqlens):
         if int(cache_seqlens) < 0:
             raise ValueError(f"cache_seqlens must be >= 0; got {cache_seqlens}")
-        cache_seqlens = xp.full((batch,), int(cache_seqlens), np.int32)
+        host_lengths = int(cache_seqlens)
+    if host_lengths is not None:
+        cache_seqlens = index_constant(xp, "fill", batch, host_lengths)
+        host_lengths = np.full(batch, host_lengths, np.int64)
     else:
         cache_seqlens = check_index(cache_seqlens, "cache_seqlens", 1, f"[batch_size = {batch}]")
         if int(cache_seqlens.shape[0]) != batch:
             raise ValueError(f"cache_seqlens must have shape [batch_size = {batch}]; "
                              f"got {tuple(cache_seqlens.shape)}")
 
-    if check_values and values_checkable(cache_seqlens, block_table):
-        lengths = to_host(cache_seqlens)
+    if check_values and values_checkable(None if host_lengths is not None else cache_seqlens,
+                                         None if host_table is not None else block_table):
+        lengths = host_lengths if host_lengths is not None else to_host(cache_seqlens)
         if (lengths < 0).any():
             raise ValueError(f"cache_seqlens must be >= 0; got {lengths.tolist()[:16]}")
-        check_block_table_values(to_host(block_table), lengths.astype(np.int64) + seqlen_new,
-                                 int(k_cache.shape[1]), int(k_cache.shape[0]))
+        check_block_table_values(host_table if host_table is not None else to_host(block_table),
+                                 lengths.astype(np.int64) + seqlen_new, int(k_cache.shape[1]), int(k_cache.shape[0]))
 
     num_splits = int(num_splits)
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = chosen by a heuristic); got {num_splits}")
-    left, right = check_window(window_size)
-    if causal:
-        right = 0
+    left, right = check_window(window_size, causal)
     scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
     slopes = check_alibi(alibi_slopes, num_heads)
     out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, q)
@@ -477,8 +514,7 @@ def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=True):
         check_rank(array, name, (3,), token_layout)
         if tuple(int(s) for s in array.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must have shape {token_layout}; got {tuple(array.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
+    check_same_shape(k, v, "k", "v")
     check_same_dtype(k_cache, "k_cache", v_cache=v_cache, k=k, v=v)
     slots = check_index(slot_mapping, "slot_mapping", 1, f"[num_tokens = {int(k.shape[0])}]")
     if int(slots.shape[0]) != int(k.shape[0]):

@@ -78,7 +78,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         reference.varlen(p)
     result = p.out.reshape(a["q"].shape) if a["q"].ndim == 4 else p.out
-    return (result, p.lse) if return_softmax_lse or lse_out is not None else result
+    return (result, p.lse) if p.lse is not None else result
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
@@ -144,7 +144,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         ops.decode.run(p)
     else:
         reference.decode(p)
-    return (p.out, p.lse) if return_softmax_lse or lse_out is not None else p.out
+    return (p.out, p.lse) if p.lse is not None else p.out
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, check_values=True):

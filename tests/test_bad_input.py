@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupy_paged
-from _util import randn
+from _util import assert_same_bits, randn
 
 RNG = np.random.default_rng(0)
 F16 = np.float16
@@ -143,7 +143,7 @@ def test_bad_input_names_the_argument(case):
     assert str(info.value).startswith(name), f"message does not start with {name!r}: {info.value}"
     after = [a for key, a in args.items() if key.endswith("cache") and isinstance(a, np.ndarray)]
     for before, now in zip(caches, after):  # raised before any work: caches untouched
-        np.testing.assert_array_equal(before.view(np.uint8), now.view(np.uint8))
+        assert_same_bits(now, before, f"{case}: a cache after the rejected call")
 
 
 def test_valid_calls_pass():
@@ -190,3 +190,56 @@ def test_windows_wider_than_any_sequence_on_the_gpu():
     for function, args in ((VARLEN, varlen_args()), (DECODE, decode_args())):
         args = {k: cupy.asarray(a) if isinstance(a, np.ndarray) else a for k, a in args.items()}
         np.testing.assert_array_equal(function(**args, window_size=wide).get(), function(**args).get())
+
+
+def _on_gpu(args):
+    import cupy
+
+    return {k: cupy.asarray(a) if isinstance(a, np.ndarray) else a for k, a in args.items()}
+
+
+def _misaligned(array):
+    """A C-contiguous CuPy copy of ``array`` starting 2 bytes past a 16-byte boundary."""
+    import cupy
+
+    flat = cupy.zeros(array.size + 8, array.dtype)
+    view = flat[1:1 + array.size].reshape(array.shape)
+    view[...] = cupy.asarray(array)
+    return view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("function", ["varlen", "decode", "write"])
+def test_misaligned_cache_is_rejected_not_copied(function):
+    """The kernels move a paged cache 16 bytes at a time and write it in place: a cache that does
+    not start on a 16-byte boundary is an error naming it (never a silent per-call copy)."""
+    args = _on_gpu({"varlen": paged_varlen_args, "decode": decode_args, "write": write_args}[function]())
+    name = "k" if function == "varlen" else "k_cache"
+    args[name] = _misaligned(args[name].get())
+    call = {"varlen": VARLEN, "decode": DECODE, "write": WRITE}[function]
+    with pytest.raises(ValueError, match=f"^{name} must start on a 16-byte boundary"):
+        call(**args)
+
+
+@pytest.mark.gpu
+def test_decode_with_built_index_arrays_allocates_nothing():
+    """A contiguous cache (no block_table) and an int cache_seqlens: the index arrays the call
+    builds are made once and kept, and checked from host values, so a repeated call with ``out=``
+    allocates nothing; their values still pass the checks (a length past the cache is refused)."""
+    import cupy
+
+    args = _on_gpu(dict(q=randn(RNG, (2, 1, 8, 64), F16), k_cache=randn(RNG, (2, 32, 2, 64), F16),
+                        v_cache=randn(RNG, (2, 32, 2, 64), F16)))
+    out = cupy.empty_like(args["q"])
+    for seqlens in (20, None):
+        DECODE(**args, cache_seqlens=seqlens, out=out)  # first call: builds and keeps the arrays
+        cupy.cuda.get_current_stream().synchronize()
+        pool = cupy.get_default_memory_pool()
+        used = pool.used_bytes()
+        DECODE(**args, cache_seqlens=seqlens, out=out)
+        assert pool.used_bytes() == used, f"cache_seqlens={seqlens}: the call allocated"
+    reference = DECODE(**{k: a.get() for k, a in args.items()}, cache_seqlens=20)
+    np.testing.assert_allclose(DECODE(**args, cache_seqlens=20).get().astype(np.float32),
+                               reference.astype(np.float32), rtol=5e-3, atol=5e-3)
+    with pytest.raises(ValueError, match="^block_table has 1 columns"):
+        DECODE(**args, cache_seqlens=33)

@@ -115,7 +115,6 @@ def ctas_per_sm(num_regs: int, smem: int) -> int:
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
-@functools.lru_cache(maxsize=1024)
 def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int,
                   keys_per_tile: int = 0) -> int:
     """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
@@ -212,39 +211,33 @@ class _Launch:
     shift: int         # log2(block_size), or -1
 
 
-# (device, dtype, q shape, cache shape, table columns, num_splits, tiles) -> _Launch; shapes alone
-# decide it, so a decode loop pays the kernel look-up and the split heuristic once.
-_LAUNCHES: dict[tuple, _Launch] = {}
-
-
 def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
     import cupy
 
-    head_dim = p.head_dim
-    tiles = tiles or TILES[head_dim]
-    key = (cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.k_cache.shape, p.block_table.shape[1],
-           p.num_splits, tiles)
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        rows = (p.num_heads // p.num_kv_heads) * p.seqlen_q
-        row_groups = -(-rows // ROWS_PER_CTA)
-        kernels = kernel_key(p.q.dtype, head_dim, tiles)
-        smem = tiles.smem_bytes(head_dim)
-        decode = get_function(kernels, "paged_decode", smem)
-        if p.num_splits:
-            splits = min(p.num_splits, MAX_SPLITS)
-        else:
-            max_keys = int(p.block_table.shape[1]) * p.block_size
-            splits = choose_splits(p.batch * p.num_kv_heads * row_groups, max_keys, head_dim,
-                                   _num_sms(key[0]), ctas_per_sm(decode.num_regs, smem), tiles.keys)
-        block_size = p.block_size
-        shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
-        launch = _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                         splits, rows, row_groups, shift)
-        if len(_LAUNCHES) >= 4096:  # a server cycling through many shapes: start over, stay small
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = launch
-    return launch
+    return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.k_cache.shape,
+                   int(p.block_table.shape[1]), p.num_splits, tiles or TILES[p.head_dim])
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch(device: int, dtype, q_shape: tuple, cache_shape: tuple, table_columns: int, num_splits: int,
+            tiles: Tiles) -> _Launch:
+    """What these shapes decide, kept per shape: a decode loop pays the kernel look-up and the
+    split heuristic once."""
+    batch, seqlen_q, num_heads, head_dim = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    rows = (num_heads // num_kv_heads) * seqlen_q
+    row_groups = -(-rows // ROWS_PER_CTA)
+    kernels = kernel_key(dtype, head_dim, tiles)
+    smem = tiles.smem_bytes(head_dim)
+    decode = get_function(kernels, "paged_decode", smem)
+    if num_splits:
+        splits = min(num_splits, MAX_SPLITS)
+    else:
+        splits = choose_splits(batch * num_kv_heads * row_groups, table_columns * block_size, head_dim,
+                               _num_sms(device), ctas_per_sm(decode.num_regs, smem), tiles.keys)
+    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    return _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
+                   splits, rows, row_groups, shift)
 
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:

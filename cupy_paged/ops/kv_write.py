@@ -23,11 +23,16 @@ def all_keys():
 register_family("kv_write", all_keys)
 
 
-def _vector_rows(array):
+def _vector_rows(array, name: str):
     """``array`` [tokens, Hkv, D] as the kernel reads it (``vectorised``: a copy of a view whose last
-    axis is not dense, too), and its token and head strides in 16-byte vectors."""
+    axis is not dense, too), its token stride (int64) and head stride (int32, as write_kv_cache
+    takes it) in 16-byte vectors."""
     array = vectorised(array)
-    return array, np.int64(array.strides[0] // 16), np.int64(array.strides[1] // 16)
+    head = array.strides[1] // 16
+    if not -2 ** 31 <= head < 2 ** 31:
+        raise ValueError(f"{name}: heads more than 2**31 16-byte vectors apart; pass a [tokens, Hkv, D] "
+                         "array with the heads closer together (e.g. contiguous)")
+    return array, np.int64(array.strides[0] // 16), np.int32(head)
 
 
 def run(k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -36,9 +41,9 @@ def run(k_cache, v_cache, k, v, slot_mapping) -> None:
     if num_tokens == 0:
         return
     function = get_function(kernel_key(head_dim), "write_kv_cache")
-    k, k_token, k_head = _vector_rows(k)
-    v, v_token, v_head = _vector_rows(v)
+    k, k_token, k_head = _vector_rows(k, "k")
+    v, v_token, v_head = _vector_rows(v, "v")
     num_slots = np.int64(k_cache.shape[0] * k_cache.shape[1])
     function((num_tokens,), (THREADS,),
              (k, v, k_cache, v_cache, slot_mapping, np.int32(num_kv_heads), num_slots,
-              k_token, np.int32(k_head), v_token, np.int32(v_head)))
+              k_token, k_head, v_token, v_head))

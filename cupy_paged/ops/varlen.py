@@ -164,10 +164,12 @@ def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
         tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim) else TILES[head_dim]
     function, smem, block_m, threads = _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, head_dim, tiles)
 
-    # A paged cache is C-contiguous (_checks), so its slots (block * block_size + offset) are one
-    # positive stride apart, as the kernel addresses them.
+    # A paged cache is C-contiguous and 16-byte aligned (_checks), so its slots (block *
+    # block_size + offset) are one positive stride apart, as the kernel addresses them, and it is
+    # used in place; contiguous k/v of one call may be copied into that layout.
     paged = p.block_table is not None
-    q, k, v = vectorised(p.q), vectorised(p.k), vectorised(p.v)
+    q = vectorised(p.q)
+    k, v = (p.k, p.v) if paged else (vectorised(p.k), vectorised(p.v))
     out = p.out if is_vectorised(p.out) else cupy.empty_like(p.out)
     null = np.uintp(0)
     if not paged:
@@ -179,8 +181,12 @@ def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
         table, table_width = p.block_table, int(p.block_table.shape[1])
         block_shift = int(p.block_size).bit_length() - 1
     kv_rows = int(k.shape[0])  # rows, or blocks when paged
-    if kv_rows * (p.block_size or 1) >= 2 ** 31 or max(k_row, v_row) >= 2 ** 31:
+    if kv_rows * (p.block_size or 1) >= 2 ** 31:
         raise ValueError(f"k has {kv_rows} rows/blocks: the kernel indexes rows (slots) with int32")
+    # varlen_common.cuh offsets a row within a key tile by (row < BLOCK_N) * row stride in int32.
+    if max(k_row, v_row) * tiles.block_n >= 2 ** 31:
+        raise ValueError(f"k and v rows must be less than {2 ** 31 // tiles.block_n} elements apart; "
+                         f"got {max(k_row, v_row)}")
     q_row, q_head, _ = element_strides(q)
     left, right = p.window
 
