@@ -46,14 +46,6 @@ def _copy_row(src, dst):
 
 
 @numba.njit(cache=True, nogil=True)
-def copy_rows(table, rows, out):
-    """``out[i] = table[rows[i], :width]`` for live rows ``rows``."""
-    width = out.shape[1]
-    for i in range(out.shape[0]):
-        _copy_row(table[rows[i], :width], out[i])
-
-
-@numba.njit(cache=True, nogil=True)
 def fill_plan(table, versions, rows, context_lens, query_lens, block_size,
               positions, slots, cu_q, cu_k, query_out, cache_seqlens, seqlens_k,
               block_table, memo_rows, memo_versions):

@@ -8,7 +8,8 @@ operation.
 
 Block bookkeeping is a :class:`~cupy_paged.block_pool.BlockPool` plus one row per
 live sequence in ``tables`` (``[max_seqs, max_blocks_per_seq]`` int32, -1 padded),
-so block tables and slot mappings for a batch come from one numba pass over rows.
+so a batch's block table is one indexing of ``tables`` by rows and its slot mapping
+one numba pass over them.
 
 Each sequence counts two lengths: ``num_slots``, token positions that have a slot
 reserved (``allocate`` / ``grow``), and ``num_computed``, positions whose K/V has
@@ -381,8 +382,12 @@ class PagedAttentionCache:
             parent = chain_hash(parent, tokens)
             yield j, tokens, parent
 
-    def allocate(self, seq_id, token_ids, num_new_tokens: int | None = None, reserve: int = 0) -> int:
+    def allocate(self, seq_id, token_ids, num_new_tokens: int | None = None, reserve: int = 0, *,
+                 max_num_new_tokens: int | None = None) -> int:
         """Start a sequence: reuse its longest cached prefix, reserve slots for the rest.
+
+        The prefix match hashes each block it covers, once a call; ``max_num_new_tokens``
+        cuts the chunk to a budget without a ``num_cached_tokens`` call (a second match) first.
 
         Parameters
         ----------
@@ -393,9 +398,13 @@ class PagedAttentionCache:
             as they fill: append generated tokens to the same list.
         num_new_tokens : int, optional
             Tokens after the cached prefix to reserve slots for now (a prefill chunk).
-            Default: all the rest.
+            Default: all the rest (at most ``max_num_new_tokens`` when that is given).
         reserve : int
             Blocks that must stay free after this call (an admission safety margin).
+        max_num_new_tokens : int, optional
+            Instead of ``num_new_tokens``: reserve slots for at most this many tokens after
+            the cached prefix, all the rest when fewer are left.  The slots reserved are
+            ``min(len(token_ids) - cached, max_num_new_tokens)``, ``cached`` the return value.
 
         Returns
         -------
@@ -408,7 +417,8 @@ class PagedAttentionCache:
         CacheFull
             Not enough free blocks; nothing changed.
         ValueError
-            ``seq_id`` already present or the sequence would exceed ``max_seq_len``.
+            ``seq_id`` already present, both ``num_new_tokens`` and ``max_num_new_tokens``
+            given, a negative ``max_num_new_tokens``, or the sequence would exceed ``max_seq_len``.
 
         Examples
         --------
@@ -417,12 +427,24 @@ class PagedAttentionCache:
         0
         >>> cache.num_slots("a"), cache.blocks("a").tolist()
         (4, [0])
+        >>> cache.allocate("b", [1, 2, 3], max_num_new_tokens=8), cache.num_slots("b")
+        (0, 3)
         """
         if seq_id in self._row_of:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
+        if max_num_new_tokens is not None:
+            if num_new_tokens is not None:
+                raise ValueError("give num_new_tokens or max_num_new_tokens, not both")
+            if int(max_num_new_tokens) < 0:
+                raise ValueError(f"max_num_new_tokens must be >= 0; got {max_num_new_tokens}")
         hits, last_hash = self._match_prefix(token_ids)
         cached = len(hits) * self.block_size
-        new = len(token_ids) - cached if num_new_tokens is None else int(num_new_tokens)
+        if num_new_tokens is not None:
+            new = int(num_new_tokens)
+        elif max_num_new_tokens is not None:
+            new = min(len(token_ids) - cached, int(max_num_new_tokens))
+        else:
+            new = len(token_ids) - cached
         if new < 0 or cached + new > len(token_ids):
             raise ValueError(f"num_new_tokens must be in [0, {len(token_ids) - cached}] "
                              f"({len(token_ids)} tokens, {cached} cached); got {num_new_tokens}")
@@ -570,7 +592,7 @@ class PagedAttentionCache:
         self._tokens[child] = tokens
         self._last_hash[child] = self._last_hash[parent]
 
-    def mark_computed(self, seq_ids, num_computed) -> None:
+    def mark_computed(self, seq_ids, num_computed, rows: np.ndarray | None = None) -> None:
         """Record that K/V is written up to ``num_computed`` tokens; cache newly full blocks.
 
         Parameters
@@ -579,6 +601,8 @@ class PagedAttentionCache:
             Live sequence ids.
         num_computed : int or array_like of int
             ``[batch]`` new totals, between the current count and ``num_slots``.
+        rows : numpy.ndarray, optional
+            ``rows(seq_ids)`` when the caller already has them.
 
         Examples
         --------
@@ -589,7 +613,7 @@ class PagedAttentionCache:
         >>> cache.cache_seqlens(["a"]).tolist(), cache.pool.num_cached
         ([9], 1)
         """
-        rows = self.rows(seq_ids)
+        rows = self.rows(seq_ids) if rows is None else rows
         counts = np.broadcast_to(np.asarray(num_computed, np.int64), rows.shape)
         bad = (counts < self._num_computed[rows]) | (counts > self._num_slots[rows])
         if bad.any():
@@ -658,9 +682,7 @@ class PagedAttentionCache:
         if not longest <= width <= self.max_blocks_per_seq:
             raise ValueError(f"width must be in [{longest}, {self.max_blocks_per_seq}]: at least the most "
                              "blocks a sequence holds, at most max_blocks_per_seq")
-        out = np.empty((rows.size, width), np.int32)
-        _plan_kernels.copy_rows(self.tables, rows, out)
-        return out
+        return self.tables[rows, :width]  # indexing by an array copies: later changes do not show
 
     def cache_seqlens(self, seq_ids) -> np.ndarray:
         """``[batch]`` int32 tokens already in the cache (``num_computed``) of each sequence."""

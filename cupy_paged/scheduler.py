@@ -177,7 +177,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self._live: dict = {}
-        self._step: tuple[list, list] | None = None
+        # The last schedule()'s requests, token counts and cache rows, until update() takes them.
+        self._step: tuple[list, list, np.ndarray] | None = None
         self.num_preemptions = 0
         # Blocks kept free when admitting; at least one so a decode can always take a block.
         self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
@@ -241,8 +242,12 @@ class Scheduler:
         if not scheduled:
             return None
         requests, counts = list(scheduled), list(scheduled.values())
-        self._step = (requests, counts)
-        return self._plan(requests, counts)
+        ids = [r.request_id for r in requests]
+        # Looked up once for the plan and update()'s mark_computed: nothing frees a sequence in
+        # between, and a row stays with its sequence until it is freed.
+        rows = self.cache.rows(ids)
+        self._step = (requests, counts, rows)
+        return self._plan(requests, counts, ids, rows)
 
     def _schedule_decodes(self, decodes: list) -> list[Request]:
         """All running requests with one token left get a slot, preempting the newest as needed."""
@@ -300,13 +305,14 @@ class Scheduler:
         cache, config = self.cache, self.config
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting[0]
-            cached = cache.num_cached_tokens(request.token_ids)
-            count = min(request.num_tokens - cached, budget, config.max_prefill_chunk)
+            limit = min(budget, config.max_prefill_chunk)
             margin = self._margin if self.running else 0
-            try:
-                cache.allocate(request.request_id, request.token_ids, count, reserve=margin)
+            try:  # one prefix match: allocate cuts the chunk to the limit after the cached prefix
+                cached = cache.allocate(request.request_id, request.token_ids, reserve=margin,
+                                        max_num_new_tokens=limit)
             except CacheFull:
                 break
+            count = min(request.num_tokens - cached, limit)  # the slots allocate reserved
             self.waiting.popleft()
             request.num_computed = cached
             request.status = RequestStatus.RUNNING
@@ -324,8 +330,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _plan(self, requests: list, counts: list) -> StepPlan:
-        ids = [r.request_id for r in requests]
+    def _plan(self, requests: list, counts: list, ids: list, rows: np.ndarray) -> StepPlan:
         if max(counts) == 1:  # one input token each, no slicing
             input_ids = [r.token_ids[r.num_computed] for r in requests]
         else:
@@ -334,7 +339,7 @@ class Scheduler:
         # Only a request whose chunk reaches its last token samples: a one-token chunk in the
         # middle of a prompt (budget or max_prefill_chunk of 1) does not.
         sample = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
-        return build_plan(self.cache, ids, counts, input_ids, sample, buffers=self.buffers)
+        return build_plan(self.cache, ids, counts, input_ids, sample, rows=rows, buffers=self.buffers)
 
     def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
         """Take the step's sampled tokens; finish requests that hit their limit or EOS.
@@ -353,8 +358,9 @@ class Scheduler:
         """
         if self._step is None:
             raise RuntimeError("update() needs a plan from schedule()")
-        requests, counts = self._step
-        if [r.request_id for r in requests] != plan.seq_ids[:len(requests)]:
+        requests, counts, rows = self._step
+        ids = [r.request_id for r in requests]
+        if ids != plan.seq_ids[:len(requests)]:
             raise ValueError("plan is not the one the last schedule() returned")
         sampled = np.asarray(sampled_token_ids).reshape(-1).tolist()
         sampling = [r for r, s in zip(requests, plan.sample_mask.tolist()) if s]
@@ -366,7 +372,7 @@ class Scheduler:
         for request, count in zip(requests, counts):
             request.num_computed += count
             computed.append(request.num_computed)
-        self.cache.mark_computed([r.request_id for r in requests], computed)
+        self.cache.mark_computed(ids, computed, rows=rows)
         finished = []
         for request, token in zip(sampling, sampled):
             request.token_ids.append(token)
