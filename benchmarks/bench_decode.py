@@ -107,6 +107,13 @@ def make_paged(rng, batch, context, block_size, copies=1, shuffle=True):
     return sets
 
 
+def decode_problem(paged_set, num_splits=0, out=None):
+    """The checked problem of one ``make_paged`` set (no value checks), as ``ops.decode`` runs it."""
+    q, k, v, table, lens = paged_set
+    return cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
+                                             0.0, None, num_splits, False, out, check_values=False)
+
+
 def ours(sets, num_splits=0):
     """A closure cycling through ``sets`` (out given, no host checks): one decode call each."""
     outs = [cupy.empty_like(s[0]) for s in sets]
@@ -175,31 +182,20 @@ def torch_stream_sync():
         pass
 
 
-def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, tiles=None, shuffle=True):
-    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits``, ``tiles`` and
-    ``shuffle`` make the comparison rows (forced split count, another pipeline shape than
-    ``ops.decode.TILES``, block table in address order); their names say which."""
+def bandwidth_case(rng, batch, context, block_size, with_peers, reps, num_splits=0, shuffle=True):
+    """One row: our TB/s (and the peers' with ``with_peers``).  ``num_splits`` and ``shuffle`` make
+    the comparison rows (forced split count, block table in address order); their names say which."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
-    q, k, v, table, lens = sets[0]
-    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
-                                                0.0, None, num_splits, False, None, check_values=False)
-    splits = decode_ops.plan(problem)
+    splits = decode_ops.plan(decode_problem(sets[0], num_splits))
     def tbps(fn, chain=CHAIN):
         return round(kv_bytes(batch, context) / (median_ms(fn, reps=reps, chain=chain) * 1e-3) / 1e12, 3)
 
     name = f"{batch}x{context} bs{block_size}"
     name += f" splits={num_splits}" if num_splits else ""
-    name += f" {tiles.label()}" if tiles else ""
     name += "" if shuffle else " sorted"
     call = ours(sets, num_splits)
-    registered = decode_ops.TILES[DIM]
-    decode_ops.TILES[DIM] = tiles or registered
-    try:
-        result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call),
-                  "single_call": tbps(call, chain=0), "num_splits": splits, "tiles": decode_ops.TILES[DIM].label(),
-                  "peers": {}, "peers_single_call": {}}
-    finally:
-        decode_ops.TILES[DIM] = registered
+    result = {"name": name, "metric": "TB/s of K+V", "value": tbps(call), "single_call": tbps(call, chain=0),
+              "num_splits": splits, "peers": {}, "peers_single_call": {}}
     del sets, call
     if with_peers:
         for name, fn in peers(batch, context).items():
@@ -253,10 +249,8 @@ def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
     the largest difference of each shape's output from the registered kernel's (through
     ``ops.decode.run``, the same host path for all, no host checks)."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
-    q, k, v, table, lens = sets[0]
-    out = cupy.empty_like(q)
-    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
-                                                0.0, None, 0, False, out, check_values=False)
+    out = cupy.empty_like(sets[0][0])
+    problem = decode_problem(sets[0], out=out)
 
     def tbps(tiles):
         return round(kv_bytes(batch, context) / (median_ms(lambda: decode_ops.run(problem, tiles), reps=reps)
@@ -310,10 +304,7 @@ def trace_case(rng, batch, context, block_size=16, calls=8):
     ``calls`` back-to-back calls): the launch's span, the busy fraction of its CTA slots, the
     spread of CTA durations per wave, how long the grid takes to fill and how unevenly it ends."""
     sets = make_paged(rng, batch, context, block_size)
-    q, k, v, table, lens = sets[0]
-    out = cupy.empty_like(q)
-    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
-                                                0.0, None, 0, False, out, check_values=False)
+    problem = decode_problem(sets[0], out=cupy.empty_like(sets[0][0]))
     trace = cupy.zeros(decode_ops.trace_size(problem), dtype=np.uint64)
     for _ in range(calls):
         decode_ops.run(problem, trace=trace)

@@ -47,9 +47,7 @@ def decode_case(rng, spec):
     def call():
         cupy_paged.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, out=out,
                                            num_splits=splits, check_values=False)
-    problem = cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
-                                                0.0, None, splits, False, out, check_values=False)
-    return call, 1 + (decode_ops.plan(problem) > 1)
+    return call, 1 + (decode_ops.plan(bench_decode.decode_problem((q, k, v, table, lens), splits, out)) > 1)
 
 
 def main(argv: list[str]) -> int:
