@@ -8,7 +8,8 @@ imported only here; a missing peer is skipped).  The launch-bound case (64 x 128
 microseconds per call, eager and as a replayed CUDA graph, rotating 8 input sets past the L2.
 ``--sweep`` then (after the table and the JSON are written, so that a failing candidate loses
 only the sweep) times the registered pipeline shape and each ``ops.decode.CANDIDATES`` shape at
-64 x 4096 (block sizes 16, 32, 256 shuffled, 16 sorted) on the same inputs, with each shape's
+64 x 4096 (block sizes 16, 32, 256 shuffled, 16 sorted), 256 x 2048, 8 x 32768 and 1 x 131072
+(block 16, each shape's own split heuristic) on the same inputs, with each shape's
 registers, local memory and CTAs per SM as built here and its largest difference from the
 registered kernel's output (NaN: an element left unwritten); it adds ``"sweep"`` to the JSON.
 ``--trace`` records each CTA's start and end on the GPU clock for one launch each of 64 x 4096,
@@ -241,7 +242,7 @@ def shape_resources(tiles):
     smem = tiles.smem_bytes(DIM)
     kernel = get_function(decode_ops.kernel_key(BF16, DIM, tiles), "paged_decode", smem)
     return {"registers": int(kernel.num_regs), "local_bytes": int(kernel.local_size_bytes), "smem": smem,
-            "ctas_per_sm": decode_ops.ctas_per_sm(kernel.num_regs, smem)}
+            "ctas_per_sm": decode_ops.ctas_per_sm(kernel.num_regs, smem, tiles.threads)}
 
 
 def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
@@ -339,12 +340,16 @@ def trace_case(rng, batch, context, block_size=16, calls=8):
 
 def print_sweep(sweep, cases):
     """The sweep's table: TB/s per shape, as a ratio of the registered shape and of cuDNN
-    (the 64x4096 bs16 row's peer of the main table)."""
-    cudnn = next((c["peers"].get(CUDNN) for c in cases if c["name"] == "64x4096 bs16"), None) or float("nan")
+    (the peer of the main table's bs16 row of the same batch x context)."""
+    def cudnn_of(name):
+        wanted = name.split()[0] + " bs16"
+        return next((c["peers"].get(CUDNN) for c in cases if c["name"] == wanted), None) or float("nan")
+
     print(f"\n{'sweep case':20} {'shape':15} {'TB/s':>7} {'x reg.':>7} {'x cuDNN':>8} {'regs':>5} {'local':>6} "
           f"{'smem':>7} {'CTA/SM':>6} maxdiff")
     for row in sweep:
         base = row["shapes"][row["registered"]]["value"]
+        cudnn = cudnn_of(row["name"])
         for label, r in row["shapes"].items():
             if "error" in r:
                 print(f"{row['name']:20} {label:15} {'failed':>7}  {r['error']}")
@@ -407,8 +412,10 @@ def main(argv=None):
     if args.sweep:  # last, after the results are written: a failing candidate loses only the sweep
         print(flush=True)
         sweep = []
-        for block_size, shuffle in ((16, True), (32, True), (256, True), (16, False)):
-            sweep.append(sweep_case(rng, block_size, shuffle, reps))
+        for batch, context, block_size, shuffle in (
+                (64, 4096, 16, True), (64, 4096, 32, True), (64, 4096, 256, True), (64, 4096, 16, False),
+                (256, 2048, 16, True), (8, 32768, 16, True), (1, 131072, 16, True)):
+            sweep.append(sweep_case(rng, block_size, shuffle, reps, batch, context))
             cupy.get_default_memory_pool().free_all_blocks()  # the case's 1 GB of K/V
         report["sweep"] = sweep
         with open(args.out, "w") as f:

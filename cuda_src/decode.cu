@@ -5,10 +5,11 @@
 //   HEAD_DIM   32, 64, 96, 128 or 256
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
 //   STAGES     depth of the cp.async pipeline (>= 3): STAGES - 1 tiles in flight
+//   WARPS      warps per CTA (1, 2, 4 or 8); a CTA asks for 8 warps' worth of residency per SM
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
-// paged_decode: one CTA of 4 warps per (row group, split, kv head, sequence).  A "row" is one
+// paged_decode: one CTA of WARPS warps per (row group, split, kv head, sequence).  A "row" is one
 // (query head of the GQA group, query token) pair; a row group is the 16 rows of an mma A operand
 // (padding rows are zero), so with group * seqlen_q <= 16 every K/V byte is read once.  K/V tiles
 // go global -> shared memory through cp.async (swizzled rows, see cp::SmemTile), STAGES - 1 tiles in
@@ -16,11 +17,11 @@
 // travel in the cp.async group issued STAGES - 1 tiles before the tile's own, so the pipeline's
 // wait covers them and a table read gets the same latency budget as the data it addresses
 // (NOTES_decode.md, v7: reading them into registers one iteration ahead cost 14% at block 16).
-// Each warp takes TILE_KEYS / 4 keys of a tile in groups of 16 and runs them on tensor cores:
+// Each warp takes TILE_KEYS / WARPS keys of a tile in groups of 16 and runs them on tensor cores:
 //   S[16 x 16] = Q K^T      mma m16n8k16, Q fragments by ldmatrix, K fragments by ldmatrix
 //   online softmax          on the accumulator fragments, log2 domain (S scaled by scale * log2 e)
 //   O[16 x D] += P V        P re-packed from the accumulators, V fragments by ldmatrix.trans
-// Each warp keeps its own (m, l, O); the four are merged through shared memory at the end.
+// Each warp keeps its own (m, l, O); the warps' states are merged through shared memory at the end.
 // With num_splits > 1 each split covers a contiguous key range and writes a normalised partial
 // output and its LSE to a float32 workspace; combine_splits merges them (flash-decoding).
 //
@@ -43,8 +44,12 @@ constexpr int kStages = STAGES;
 // Tiles whose ids are in shared memory at once: ids run STAGES - 1 tiles ahead of the data,
 // which runs STAGES - 1 tiles ahead of the math.
 constexpr int kIdSlots = 2 * (kStages - 1);
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarps = WARPS;
+constexpr int kThreads = kWarps * 32;
+// Resident CTAs per SM that __launch_bounds__ asks registers for: 8 warps per SM in all
+// (NOTES_decode.md, v5: one CTA of 4 warps per SM ran 26-48% slower than two).
+constexpr int kMinCtas = kWarps >= 8 ? 1 : 8 / kWarps;
+static_assert(kWarps == 1 || kWarps == 2 || kWarps == 4 || kWarps == 8, "WARPS must be 1, 2, 4 or 8");
 constexpr int kRows = 16;  // query rows per CTA: the M of mma.m16n8k16
 constexpr int kChunks = kHeadDim / cp::kVecElems;  // 16-byte chunks per key row
 using Tile = cp::SmemTile<kChunks>;
@@ -193,7 +198,7 @@ static_assert(sizeof(DecodeParams) == 9 * 8 + 14 * 4 + 2 * 4, "DecodeParams must
 
 using namespace decode;
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
+extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     const DecodeParams params,
     const T* __restrict__ q,                           // [B, Sq, H, D], strides in params
     const cp::Vec8* k_cache, const cp::Vec8* v_cache,  // [num_blocks, block_size, Hkv, D]
@@ -485,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
   cp::cp_async_wait<0>();
   __syncthreads();  // pipeline drained: its buffers become the merge scratch
 
-  // Row sums over each row's 4 lanes, then the four warps' states merged through shared memory.
+  // Row sums over each row's 4 lanes, then the warps' states merged through shared memory.
   float* merge_o = reinterpret_cast<float*>(smem_raw);             // [kWarps][kRows][D]
   float* merge_m = merge_o + kWarps * kRows * kHeadDim;            // [kWarps][kRows]
   float* merge_l = merge_m + kWarps * kRows;                       // [kWarps][kRows]
@@ -542,20 +547,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paged_decode(
 }
 
 // combine_splits: out = sum_s w_s * part_out[s] with w_s = exp(lse_s - lse) and
-// lse = log(sum_s exp(lse_s)).  One CTA per (b, i, h) row.  Thread s reads LSE s (at most
-// kThreads splits); warp w then sums splits w, w + 4, ..., all its loads issued before their FMAs,
-// and the four warps' sums meet in shared memory.  A row costs two memory round trips whatever
+// lse = log(sum_s exp(lse_s)).  One CTA of kCombineThreads per (b, i, h) row.  Thread s reads
+// LSE s (at most kCombineThreads splits); warp w then sums splits w, w + 4, ..., all its loads
+// issued before their FMAs, and the four warps' sums meet in shared memory.  A row costs two memory round trips whatever
 // the split count (v1-v7: one warp per row, one round trip per 8 splits: 6.6 us at 32 splits).
-extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
+constexpr int kCombineThreads = 128;  // ops/decode.py: COMBINE_THREADS, MAX_SPLITS
+constexpr int kCombineWarps = kCombineThreads / 32;
+
+extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, int num_splits,
     long long rows_total, int seqlen_q, int num_heads,
     T* __restrict__ out, float* __restrict__ lse) {
   constexpr int kPerLane = kHeadDim / 32;
   constexpr int kUnroll = 8;  // splits in flight per warp
   static_assert(kHeadDim % 32 == 0, "a warp covers a row in whole 32-element columns");
-  __shared__ float weights[kThreads];
-  __shared__ float warp_max[kWarps], warp_sum[kWarps];
-  __shared__ float partial[kWarps][kHeadDim];
+  __shared__ float weights[kCombineThreads];
+  __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
+  __shared__ float partial[kCombineWarps][kHeadDim];
   const long long row = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int own = threadIdx.x;  // the split whose LSE this thread reads
@@ -565,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
   __syncthreads();
   float m_all = warp_max[0];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) m_all = fmaxf(m_all, warp_max[w]);
+  for (int w = 1; w < kCombineWarps; ++w) m_all = fmaxf(m_all, warp_max[w]);
   const float m_use = m_all == -inf() ? 0.f : m_all;
   const float own_weight = own < num_splits ? __expf(own_lse - m_use) : 0.f;
   weights[own] = own_weight;
@@ -574,26 +582,26 @@ extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += warp_sum[w];
+  for (int w = 0; w < kCombineWarps; ++w) total += warp_sum[w];
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  // Lane l of warp w sums elements d = l + 32 e over splits w, w + kWarps, ... (a split with
+  // Lane l of warp w sums elements d = l + 32 e over splits w, w + kCombineWarps, ... (a split with
   // weight 0 -- LSE -inf, no key seen -- is skipped, never multiplied).
   const float* row_part = part_out + row * kHeadDim + lane;
   const long long split_stride = rows_total * kHeadDim;
   float acc[kPerLane];
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
-  for (int first = warp; first < num_splits; first += kWarps * kUnroll) {
+  for (int first = warp; first < num_splits; first += kCombineWarps * kUnroll) {
     float x[kUnroll][kPerLane];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int s = first + u * kWarps;
+      const int s = first + u * kCombineWarps;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) x[u][e] = s < num_splits ? row_part[s * split_stride + 32 * e] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int s = first + u * kWarps;
+      const int s = first + u * kCombineWarps;
       const float w = s < num_splits ? weights[s] : 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e)
@@ -603,10 +611,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) combine_splits(
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) partial[warp][lane + 32 * e] = acc[e];
   __syncthreads();
-  for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
+  for (int d = threadIdx.x; d < kHeadDim; d += kCombineThreads) {
     float value = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) value += partial[w][d];
+    for (int w = 0; w < kCombineWarps; ++w) value += partial[w][d];
     out[row * kHeadDim + d] = cp::from_float<T>(value * inv);
   }
   if (lse && threadIdx.x == 0) {

@@ -38,11 +38,12 @@ from .._compiler import KernelKey, get_function, register_family
 from ._common import cuda_scalar, element_strides, smem_row_bytes, vectorised
 
 SOURCE = "decode.cu"
-THREADS = 128
+WARPS = 4               # warps per CTA of the registered shapes
+COMBINE_THREADS = 128   # kCombineThreads in decode.cu
 ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA, mma M
 STAGES = 3              # cp.async pipeline depth
 TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
-MAX_SPLITS = 128        # combine_splits: one thread per split's LSE (THREADS)
+MAX_SPLITS = 128        # combine_splits: one thread per split's LSE (COMBINE_THREADS)
 
 
 def tile_keys(head_dim: int) -> int:
@@ -56,14 +57,24 @@ def tile_keys(head_dim: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 64, 16 per warp),
-    and cp.async stages (at least 3: decode.cu's loaded-tile vote; ``stages - 1`` tiles in flight)."""
+    """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 16 per warp), cp.async
+    stages (at least 3: decode.cu's loaded-tile vote; ``stages - 1`` tiles in flight) and warps
+    per CTA (1, 2, 4 or 8)."""
 
     keys: int
     stages: int = STAGES
+    warps: int = WARPS
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 3:
+            raise ValueError(f"no paged_decode shape with {self.keys} keys, {self.stages} stages, {self.warps} warps")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     def label(self) -> str:
-        return f"k{self.keys}s{self.stages}"
+        return f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
@@ -78,16 +89,20 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # Head dim -> shapes that ``bench_decode.py --sweep`` times against TILES and the GPU tests check
 # (NOTES_decode.md, v5: bytes in flight per SM against warps per SM at D = 128).
 # v5's shapes -- Tiles(64, 4), Tiles(64, 6), Tiles(128, 3): more bytes in flight, one CTA per SM --
-# ran 32-45% slower than the registered shape on the H200.  v7-v9 compared kernel variants the
-# same way (NOTES_decode.md); none is pending now.
-CANDIDATES: dict[int, tuple[Tiles, ...]] = {}
+# ran 32-45% slower than the registered shape on the H200.  v7-v12 compared kernel variants the
+# same way.  v13: smaller CTAs, more of them per SM (the same 8 warps and about the same bytes in
+# flight per SM, more independent pipelines), and one CTA of 8 warps as the control.
+CANDIDATES: dict[int, tuple[Tiles, ...]] = {
+    128: (Tiles(16, 3, warps=1), Tiles(16, 4, warps=1), Tiles(32, 3, warps=2), Tiles(32, 4, warps=2),
+          Tiles(128, 3, warps=8)),
+}
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
     tiles = tiles or TILES[head_dim]
     return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages)))
+                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps)))
 
 
 def all_keys():
@@ -106,13 +121,13 @@ def _num_sms(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def ctas_per_sm(num_regs: int, smem: int) -> int:
-    """Resident 128-thread CTAs per SM for ``num_regs`` registers and ``smem`` bytes of dynamic
+def ctas_per_sm(num_regs: int, smem: int, threads: int = 32 * WARPS) -> int:
+    """Resident CTAs of ``threads`` per SM for ``num_regs`` registers and ``smem`` bytes of dynamic
     shared memory (Hopper limits: 64 Ki registers, 228 KiB of shared memory, 1 KiB per CTA)."""
     regs_per_warp = -(-int(num_regs) * 32 // 256) * 256
-    by_regs = 65536 // max(regs_per_warp * (THREADS // 32), 1)
+    by_regs = 65536 // max(regs_per_warp * (threads // 32), 1)
     by_smem = (228 * 1024) // (smem + 1024)
-    return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
+    return max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
 def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int,
@@ -209,6 +224,7 @@ class _Launch:
     rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
     row_groups: int    # CTAs per (split, kv head, sequence)
     shift: int         # log2(block_size), or -1
+    threads: int       # of a paged_decode CTA
 
 
 def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
@@ -234,10 +250,10 @@ def _launch(device: int, dtype, q_shape: tuple, cache_shape: tuple, table_column
         splits = min(num_splits, MAX_SPLITS)
     else:
         splits = choose_splits(batch * num_kv_heads * row_groups, table_columns * block_size, head_dim,
-                               _num_sms(device), ctas_per_sm(decode.num_regs, smem), tiles.keys)
+                               _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads), tiles.keys)
     shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
     return _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                   splits, rows, row_groups, shift)
+                   splits, rows, row_groups, shift, tiles.threads)
 
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
@@ -292,12 +308,12 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
         window_left, window_right, splits, 0,
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
-    launch.decode((launch.row_groups * splits, num_kv_heads, batch), (THREADS,),
+    launch.decode((launch.row_groups * splits, num_kv_heads, batch), (launch.threads,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
                    p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
                    p.out, lse, part_out, part_lse, null if trace is None else trace),
                   shared_mem=launch.smem)
     if splits > 1:
-        launch.combine((rows_total,), (THREADS,),
+        launch.combine((rows_total,), (COMBINE_THREADS,),
                        (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
                         np.int32(num_heads), p.out, lse))
