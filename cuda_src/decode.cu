@@ -4,7 +4,7 @@
 //   SCALAR_T   __half or __nv_bfloat16 (q, caches, new k/v, out)
 //   HEAD_DIM   32, 64, 96, 128 or 256
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
-//   STAGES     depth of the cp.async pipeline (>= 3): STAGES - 1 tiles in flight
+//   STAGES     depth of the cp.async pipeline (>= 2): STAGES - 1 tiles in flight
 //   WARPS      warps per CTA (1, 2, 4 or 8); a CTA asks for 8 warps' worth of residency per SM
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
@@ -46,9 +46,6 @@ constexpr int kStages = STAGES;
 constexpr int kIdSlots = 2 * (kStages - 1);
 constexpr int kWarps = WARPS;
 constexpr int kThreads = kWarps * 32;
-// Resident CTAs per SM that __launch_bounds__ asks registers for: 8 warps per SM in all
-// (NOTES_decode.md, v5: one CTA of 4 warps per SM ran 26-48% slower than two).
-constexpr int kMinCtas = kWarps >= 8 ? 1 : 8 / kWarps;
 static_assert(kWarps == 1 || kWarps == 2 || kWarps == 4 || kWarps == 8, "WARPS must be 1, 2, 4 or 8");
 constexpr int kRows = 16;  // query rows per CTA: the M of mma.m16n8k16
 constexpr int kChunks = kHeadDim / cp::kVecElems;  // 16-byte chunks per key row
@@ -56,6 +53,12 @@ using Tile = cp::SmemTile<kChunks>;
 constexpr int kKSteps = kHeadDim / 16;                // k-steps of S = Q K^T
 constexpr int kKeysPerWarp = kTileKeys / kWarps;
 constexpr int kGroups = kKeysPerWarp / 16;            // 16-key groups per warp per tile
+// Resident warps per SM that __launch_bounds__ asks registers for: 8 in all, 12 with two stages
+// of 16 keys per warp, which fit 12 warps' worth of stages, and 6 with two stages of 32 keys
+// per warp (NOTES_decode.md: v5, one CTA of 4 warps per SM ran 26-48% slower than two; v13, the
+// rate goes with warps per SM).
+constexpr int kResidentWarps = kStages == 2 ? 12 / kGroups : 8;
+constexpr int kMinCtas = kWarps >= kResidentWarps ? 1 : kResidentWarps / kWarps;
 // Q fragments stay in registers up to D = 128; at D = 256 they are re-read from shared memory
 // so that O (128 floats per thread) fits without spills.
 constexpr bool kQInRegs = kHeadDim <= 128;
@@ -71,10 +74,11 @@ using cp::kLog2e;
 static_assert(kHeadDim % 16 == 0 && kChunks % kChunkLanes == 0, "head_dim must be a multiple of 16");
 static_assert(kGroups >= 1 && kKeysPerWarp % 16 == 0, "each warp takes whole groups of 16 keys");
 static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues the same cp.async count");
-// The loaded-tile vote (one __syncthreads_and per iteration, on the tile after the one computed)
-// needs that tile issued before the barrier: true from 3 stages on.  Each thread keeps its flags
-// of the kStages - 2 tiles issued but not yet voted on (`pending` in the kernel).
-static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
+// The loaded-tile vote: one __syncthreads_and per iteration.  From 3 stages on it votes on the
+// tile after the one computed (issued an iteration early), and each thread keeps its flags of the
+// kStages - 2 tiles issued but not yet voted on (`pending` in the kernel); with 2 stages the
+// barrier at the top of an iteration votes on the tile about to be computed.
+static_assert(kStages >= 2, "the pipeline needs a stage to compute and one in flight");
 
 // Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile,
 // the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry.  The first bytes are reused for the
@@ -352,12 +356,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     }
   }
 
-  // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
-  // iteration t votes on tile t + 1 (issued at least one iteration earlier), so one vote is kept
-  // in hand.  At the top of iteration t, pending[i] is this thread's flag of tile t + 1 + i (the
-  // kStages - 2 tiles issued and not yet voted on; a flag of a tile past num_tiles is never used).
-  bool tile_loaded = __syncthreads_and(issued_ok[0]);
-  bool pending[kStages - 2];
+  // Whether all of tile t's keys were loaded, voted at the barrier before its use; from 3 stages
+  // on the barrier of iteration t votes on tile t + 1 (issued at least one iteration earlier), so
+  // one vote is kept in hand.  At the top of iteration t, pending[i] is this thread's flag of tile
+  // t + 1 + i (the kStages - 2 tiles issued and not yet voted on; a flag of a tile past num_tiles
+  // is never used).  With 2 stages pending[0] is the flag of tile t itself.
+  bool tile_loaded = kStages == 2 ? false : __syncthreads_and(issued_ok[0]);
+  bool pending[kStages == 2 ? 1 : kStages - 2];
+  if constexpr (kStages == 2) pending[0] = issued_ok[0];
 #pragma unroll
   for (int i = 0; i < kStages - 2; ++i) pending[i] = issued_ok[i + 1];
 
@@ -382,11 +388,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp::cp_async_wait<kStages - 2>();
     // Tile landed for every thread; every warp is done with the stage refilled next.
-    const bool next_loaded = __syncthreads_and(pending[0]);
+    bool next_loaded = false;
+    if constexpr (kStages == 2) {
+      tile_loaded = __syncthreads_and(pending[0]);
+      if (tile + 1 < num_tiles) pending[0] = issue(tile + 1);
+    } else {
+      next_loaded = __syncthreads_and(pending[0]);
 #pragma unroll
-    for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
-    const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-    if (next < num_tiles) pending[kStages - 3] = issue(next);
+      for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
+      const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
+      if (next < num_tiles) pending[kStages - 3] = issue(next);
+    }
     cp::cp_async_commit();
 
     const int stage = tile % kStages;
@@ -420,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     // Score transforms and masks, then the tile's row max.  The common tile (every key loaded and
     // visible to every real row, no softcap, no ALiBi) only scales: a CTA-uniform branch.
     const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
-    tile_loaded = next_loaded;
+    if constexpr (kStages > 2) tile_loaded = next_loaded;
     float tile_max[2] = {-inf(), -inf()};
     if (unmasked) {
 #pragma unroll

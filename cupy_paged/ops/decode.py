@@ -58,7 +58,7 @@ def tile_keys(head_dim: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 16 per warp), cp.async
-    stages (at least 3: decode.cu's loaded-tile vote; ``stages - 1`` tiles in flight) and warps
+    stages (at least 2; ``stages - 1`` tiles in flight) and warps
     per CTA (1, 2, 4 or 8)."""
 
     keys: int
@@ -66,7 +66,7 @@ class Tiles:
     warps: int = WARPS
 
     def __post_init__(self):
-        if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 3:
+        if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 2:
             raise ValueError(f"no paged_decode shape with {self.keys} keys, {self.stages} stages, {self.warps} warps")
 
     @property
@@ -93,8 +93,8 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # same way.  v13: smaller CTAs, more of them per SM (the same 8 warps and about the same bytes in
 # flight per SM, more independent pipelines), and one CTA of 8 warps as the control.
 CANDIDATES: dict[int, tuple[Tiles, ...]] = {
-    128: (Tiles(16, 3, warps=1), Tiles(16, 4, warps=1), Tiles(32, 3, warps=2), Tiles(32, 4, warps=2),
-          Tiles(128, 3, warps=8)),
+    128: (Tiles(64, 2), Tiles(32, 2, warps=2), Tiles(16, 2, warps=1), Tiles(64, 2, warps=2),
+          Tiles(32, 2, warps=1), Tiles(32, 3, warps=2)),
 }
 
 
