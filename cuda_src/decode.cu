@@ -6,6 +6,9 @@
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
 //   STAGES     depth of the cp.async pipeline (>= 2): STAGES - 1 tiles in flight
 //   WARPS      warps per CTA (1, 2, 4 or 8); a CTA asks for 8 warps' worth of residency per SM
+//   CHUNK_LANES (optional) lanes that share one key's row in a tile load: 2, 4 or 8 (default 8,
+//              4 when the row is not a multiple of 8 chunks); fewer lanes, fewer load passes
+//   POW2_BLOCKS (optional) the block size is a power of two: no division path
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
@@ -64,7 +67,11 @@ constexpr int kMinCtas = kWarps >= kResidentWarps ? 1 : kResidentWarps / kWarps;
 constexpr bool kQInRegs = kHeadDim <= 128;
 // Tile loads: kChunkLanes consecutive lanes cover one key's row (coalesced 64-128 byte runs), each
 // lane kChunksPerThread chunks of it; a pass covers kKeysPerPass keys.
+#ifdef CHUNK_LANES
+constexpr int kChunkLanes = CHUNK_LANES;
+#else
 constexpr int kChunkLanes = kChunks % 8 == 0 ? 8 : 4;
+#endif
 constexpr int kChunksPerThread = kChunks / kChunkLanes;
 constexpr int kKeysPerPass = kThreads / kChunkLanes;
 constexpr int kPasses = kTileKeys / kKeysPerPass;
@@ -106,10 +113,15 @@ struct KeySource {
   int max_blocks, num_blocks, block_size, block_shift;  // block_shift < 0: block_size not a power of 2
   int num_kv_heads, kv_head, cached;                     // cached = cache_seqlens[b] (>= 0)
 
+#ifdef POW2_BLOCKS
+  __device__ __forceinline__ int column(int j) const { return j >> block_shift; }
+  __device__ __forceinline__ int offset(int j) const { return j & (block_size - 1); }
+#else
   __device__ __forceinline__ int column(int j) const { return block_shift >= 0 ? j >> block_shift : j / block_size; }
   __device__ __forceinline__ int offset(int j) const {
     return block_shift >= 0 ? j & (block_size - 1) : j - (j / block_size) * block_size;
   }
+#endif
   __device__ __forceinline__ long long cache_vec(int block, int j, int vec) const {
     return (((long long)block * block_size + offset(j)) * num_kv_heads + kv_head) * kChunks + vec;
   }

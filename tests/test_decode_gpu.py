@@ -394,8 +394,9 @@ def test_sweep_candidates_match_reference(monkeypatch, head_dim, tiles, dtype):
 @pytest.mark.parametrize("head_dim,tiles", _candidate_params())
 def test_sweep_candidates_holes(monkeypatch, head_dim, tiles):
     """Holes in the middle of long sequences (the per-tile loaded vote decides which tiles skip the
-    mask): a candidate with the registered keys per stage equals the registered kernel bitwise
-    (same arithmetic in the same order, only the pipeline depth differs); any candidate has no NaN
+    mask): a candidate with the registered keys per stage and warps per CTA equals the registered
+    kernel bitwise (same arithmetic in the same order; only the pipeline depth or the load layout
+    differs); any candidate has no NaN
     and stays close to the registered kernel."""
     import cupy
 
@@ -417,7 +418,9 @@ def test_sweep_candidates_holes(monkeypatch, head_dim, tiles):
                 out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits, out=out,
                                                              return_softmax_lse=True, check_values=False)
                 results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
-    same_keys = tiles.keys == decode.TILES[head_dim].keys
+    # the same keys per stage shared by the same warps: the same arithmetic in the same order
+    shape = decode.TILES[head_dim]
+    same_keys = (tiles.keys, tiles.warps) == (shape.keys, shape.warps)
     for registered, candidate in zip(results[:2], results[2:]):
         assert not np.isnan(candidate[0]).any()
         if same_keys:

@@ -64,6 +64,8 @@ class Tiles:
     keys: int
     stages: int = STAGES
     warps: int = WARPS
+    lanes: int = 0     # lanes per key row in a tile load (decode.cu's CHUNK_LANES); 0: the default
+    pow2: bool = False  # power-of-two block sizes only (decode.cu's POW2_BLOCKS)
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 2:
@@ -74,7 +76,8 @@ class Tiles:
         return 32 * self.warps
 
     def label(self) -> str:
-        return f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
+        return (f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
+                + (f"l{self.lanes}" if self.lanes else "") + ("p" if self.pow2 else ""))
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
@@ -93,16 +96,19 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # same way.  v13: smaller CTAs, more of them per SM (the same 8 warps and about the same bytes in
 # flight per SM, more independent pipelines), and one CTA of 8 warps as the control.
 CANDIDATES: dict[int, tuple[Tiles, ...]] = {
-    128: (Tiles(64, 2), Tiles(32, 2, warps=2), Tiles(16, 2, warps=1), Tiles(64, 2, warps=2),
-          Tiles(32, 2, warps=1), Tiles(32, 3, warps=2)),
+    128: (Tiles(32, 3, warps=2), Tiles(64, 3, lanes=4), Tiles(64, 3, lanes=2), Tiles(64, 3, pow2=True),
+          Tiles(64, 3, lanes=2, pow2=True), Tiles(32, 3, warps=2, lanes=4, pow2=True),
+          Tiles(32, 3, warps=2, lanes=2, pow2=True)),
 }
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
     tiles = tiles or TILES[head_dim]
+    lanes = ((("CHUNK_LANES", tiles.lanes),) if tiles.lanes else ()) + ((("POW2_BLOCKS", 1),) if tiles.pow2 else ())
     return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps)))
+                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps))
+                     + lanes)
 
 
 def all_keys():
@@ -252,6 +258,8 @@ def _launch(device: int, dtype, q_shape: tuple, cache_shape: tuple, table_column
         splits = choose_splits(batch * num_kv_heads * row_groups, table_columns * block_size, head_dim,
                                _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads), tiles.keys)
     shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    if tiles.pow2 and shift < 0:
+        raise ValueError(f"the decode shape {tiles.label()} needs a power-of-two block size, not {block_size}")
     return _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
                    splits, rows, row_groups, shift, tiles.threads)
 
