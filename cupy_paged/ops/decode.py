@@ -96,9 +96,8 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # same way.  v13: smaller CTAs, more of them per SM (the same 8 warps and about the same bytes in
 # flight per SM, more independent pipelines), and one CTA of 8 warps as the control.
 CANDIDATES: dict[int, tuple[Tiles, ...]] = {
-    128: (Tiles(32, 3, warps=2), Tiles(64, 3, lanes=4), Tiles(64, 3, lanes=2), Tiles(64, 3, pow2=True),
-          Tiles(64, 3, lanes=2, pow2=True), Tiles(32, 3, warps=2, lanes=4, pow2=True),
-          Tiles(32, 3, warps=2, lanes=2, pow2=True)),
+    128: (Tiles(32, 3, warps=2), Tiles(64, 3, pow2=True), Tiles(32, 3, warps=2, pow2=True),
+          Tiles(64, 3, lanes=16, pow2=True), Tiles(32, 3, warps=2, lanes=16, pow2=True)),
 }
 
 
