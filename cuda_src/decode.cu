@@ -4,11 +4,8 @@
 //   SCALAR_T   __half or __nv_bfloat16 (q, caches, new k/v, out)
 //   HEAD_DIM   32, 64, 96, 128 or 256
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
-//   STAGES     depth of the cp.async pipeline (>= 2): STAGES - 1 tiles in flight
+//   STAGES     depth of the cp.async pipeline (>= 3): STAGES - 1 tiles in flight
 //   WARPS      warps per CTA (1, 2, 4 or 8); a CTA asks for 8 warps' worth of residency per SM
-//   CHUNK_LANES (optional) lanes that share one key's row in a tile load: 2, 4 or 8 (default 8,
-//              4 when the row is not a multiple of 8 chunks); fewer lanes, fewer load passes
-//   POW2_BLOCKS (optional) the block size is a power of two: no division path
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
 // argument, so two dtypes x five head dims are the whole family.
 //
@@ -56,22 +53,16 @@ using Tile = cp::SmemTile<kChunks>;
 constexpr int kKSteps = kHeadDim / 16;                // k-steps of S = Q K^T
 constexpr int kKeysPerWarp = kTileKeys / kWarps;
 constexpr int kGroups = kKeysPerWarp / 16;            // 16-key groups per warp per tile
-// Resident warps per SM that __launch_bounds__ asks registers for: 8 in all, 12 with two stages
-// of 16 keys per warp, which fit 12 warps' worth of stages, and 6 with two stages of 32 keys
-// per warp (NOTES_decode.md: v5, one CTA of 4 warps per SM ran 26-48% slower than two; v13, the
-// rate goes with warps per SM).
-constexpr int kResidentWarps = kStages == 2 ? 12 / kGroups : 8;
-constexpr int kMinCtas = kWarps >= kResidentWarps ? 1 : kResidentWarps / kWarps;
+// Resident CTAs per SM that __launch_bounds__ asks registers for: 8 warps per SM in all
+// (NOTES_decode.md, v13: the rate goes with warps per SM, however they are grouped in CTAs).
+constexpr int kMinCtas = kWarps >= 8 ? 1 : 8 / kWarps;
 // Q fragments stay in registers up to D = 128; at D = 256 they are re-read from shared memory
 // so that O (128 floats per thread) fits without spills.
 constexpr bool kQInRegs = kHeadDim <= 128;
 // Tile loads: kChunkLanes consecutive lanes cover one key's row (coalesced 64-128 byte runs), each
 // lane kChunksPerThread chunks of it; a pass covers kKeysPerPass keys.
-#ifdef CHUNK_LANES
-constexpr int kChunkLanes = CHUNK_LANES;
-#else
+// (NOTES_decode.md, v13c: 2 or 4 lanes per row, fewer passes, ran 12-30% slower; 16 no faster.)
 constexpr int kChunkLanes = kChunks % 8 == 0 ? 8 : 4;
-#endif
 constexpr int kChunksPerThread = kChunks / kChunkLanes;
 constexpr int kKeysPerPass = kThreads / kChunkLanes;
 constexpr int kPasses = kTileKeys / kKeysPerPass;
@@ -81,11 +72,11 @@ using cp::kLog2e;
 static_assert(kHeadDim % 16 == 0 && kChunks % kChunkLanes == 0, "head_dim must be a multiple of 16");
 static_assert(kGroups >= 1 && kKeysPerWarp % 16 == 0, "each warp takes whole groups of 16 keys");
 static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues the same cp.async count");
-// The loaded-tile vote: one __syncthreads_and per iteration.  From 3 stages on it votes on the
-// tile after the one computed (issued an iteration early), and each thread keeps its flags of the
-// kStages - 2 tiles issued but not yet voted on (`pending` in the kernel); with 2 stages the
-// barrier at the top of an iteration votes on the tile about to be computed.
-static_assert(kStages >= 2, "the pipeline needs a stage to compute and one in flight");
+// The loaded-tile vote (one __syncthreads_and per iteration, on the tile after the one computed)
+// needs that tile issued before the barrier: true from 3 stages on.  Each thread keeps its flags
+// of the kStages - 2 tiles issued but not yet voted on (`pending` in the kernel).  (Two stages,
+// with more warps per SM, measured slower: NOTES_decode.md, v13b.)
+static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
 
 // Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile,
 // the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry.  The first bytes are reused for the
@@ -110,18 +101,13 @@ struct KeySource {
   const T* v_new;
   long long kn_token, vn_token;  // element strides of k_new/v_new along seqlen_new
   const int* table_row;          // block_table[b]
-  int max_blocks, num_blocks, block_size, block_shift;  // block_shift < 0: block_size not a power of 2
+  int max_blocks, num_blocks, block_size, block_shift;  // block_size = 1 << block_shift
   int num_kv_heads, kv_head, cached;                     // cached = cache_seqlens[b] (>= 0)
 
-#ifdef POW2_BLOCKS
+  // block_size is a power of two (ops/decode.py views a contiguous cache of any length as blocks
+  // of the largest power of two dividing it): no division (NOTES_decode.md, v13c: +4% at 256 x 2048).
   __device__ __forceinline__ int column(int j) const { return j >> block_shift; }
   __device__ __forceinline__ int offset(int j) const { return j & (block_size - 1); }
-#else
-  __device__ __forceinline__ int column(int j) const { return block_shift >= 0 ? j >> block_shift : j / block_size; }
-  __device__ __forceinline__ int offset(int j) const {
-    return block_shift >= 0 ? j & (block_size - 1) : j - (j / block_size) * block_size;
-  }
-#endif
   __device__ __forceinline__ long long cache_vec(int block, int j, int vec) const {
     return (((long long)block * block_size + offset(j)) * num_kv_heads + kv_head) * kChunks + vec;
   }
@@ -368,14 +354,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     }
   }
 
-  // Whether all of tile t's keys were loaded, voted at the barrier before its use; from 3 stages
-  // on the barrier of iteration t votes on tile t + 1 (issued at least one iteration earlier), so
-  // one vote is kept in hand.  At the top of iteration t, pending[i] is this thread's flag of tile
-  // t + 1 + i (the kStages - 2 tiles issued and not yet voted on; a flag of a tile past num_tiles
-  // is never used).  With 2 stages pending[0] is the flag of tile t itself.
-  bool tile_loaded = kStages == 2 ? false : __syncthreads_and(issued_ok[0]);
-  bool pending[kStages == 2 ? 1 : kStages - 2];
-  if constexpr (kStages == 2) pending[0] = issued_ok[0];
+  // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
+  // iteration t votes on tile t + 1 (issued at least one iteration earlier), so one vote is kept
+  // in hand.  At the top of iteration t, pending[i] is this thread's flag of tile t + 1 + i (the
+  // kStages - 2 tiles issued and not yet voted on; a flag of a tile past num_tiles is never used).
+  bool tile_loaded = __syncthreads_and(issued_ok[0]);
+  bool pending[kStages - 2];
 #pragma unroll
   for (int i = 0; i < kStages - 2; ++i) pending[i] = issued_ok[i + 1];
 
@@ -400,17 +384,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp::cp_async_wait<kStages - 2>();
     // Tile landed for every thread; every warp is done with the stage refilled next.
-    bool next_loaded = false;
-    if constexpr (kStages == 2) {
-      tile_loaded = __syncthreads_and(pending[0]);
-      if (tile + 1 < num_tiles) pending[0] = issue(tile + 1);
-    } else {
-      next_loaded = __syncthreads_and(pending[0]);
+    const bool next_loaded = __syncthreads_and(pending[0]);
 #pragma unroll
-      for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
-      const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-      if (next < num_tiles) pending[kStages - 3] = issue(next);
-    }
+    for (int i = 0; i + 1 < kStages - 2; ++i) pending[i] = pending[i + 1];
+    const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
+    if (next < num_tiles) pending[kStages - 3] = issue(next);
     cp::cp_async_commit();
 
     const int stage = tile % kStages;
@@ -444,7 +422,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     // Score transforms and masks, then the tile's row max.  The common tile (every key loaded and
     // visible to every real row, no softcap, no ALiBi) only scales: a CTA-uniform branch.
     const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
-    if constexpr (kStages > 2) tile_loaded = next_loaded;
+    tile_loaded = next_loaded;
     float tile_max[2] = {-inf(), -inf()};
     if (unmasked) {
 #pragma unroll

@@ -172,8 +172,9 @@ def values_checkable(*arrays) -> bool:
 
 def index_constant(xp, kind: str, batch: int, value: int = 0):
     """A read-only int32 index array this module builds itself: ``"rows"`` is
-    ``arange(batch)[:, None]`` (the block table of a contiguous cache), ``"fill"`` is
-    ``full(batch, value)`` (one length for every sequence).  On a GPU it is made once per
+    ``arange(batch)[:, None]`` (the block table of a contiguous cache), ``"blocks"`` is
+    ``arange(batch * value).reshape(batch, value)`` (the same cache cut into ``value`` blocks per
+    sequence), ``"fill"`` is ``full(batch, value)`` (one length for every sequence).  On a GPU it is made once per
     (device, kind, batch, value) and kept, so a decode call with these shapes allocates nothing."""
     if xp is np:
         return _make_index_constant(np, kind, batch, value)
@@ -183,6 +184,8 @@ def index_constant(xp, kind: str, batch: int, value: int = 0):
 def _make_index_constant(xp, kind: str, batch: int, value: int):
     if kind == "rows":
         return xp.arange(batch, dtype=np.int32).reshape(batch, 1)
+    if kind == "blocks":
+        return xp.arange(batch * value, dtype=np.int32).reshape(batch, value)
     return xp.full((batch,), value, np.int32)
 
 

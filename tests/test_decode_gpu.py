@@ -151,17 +151,20 @@ def test_sanitize_split_heuristic_long_context():
     check(case, causal=True)
 
 
-def test_contiguous_cache_without_block_table():
+@pytest.mark.parametrize("seqlen_cache", [200, 256, 4097], ids=["blocks-of-8", "pow2", "sanitize-odd-length"])
+def test_contiguous_cache_without_block_table(seqlen_cache):
+    """A contiguous cache of any length (the kernel sees blocks of the largest power of two that
+    divides it: 8, 256 and 1 here), with an append at the end of its rows."""
     import cupy
 
-    rng = np.random.default_rng(3)
-    batch, seqlen_cache = 3, 200  # any length, not a power of two
+    rng = np.random.default_rng(seqlen_cache)
+    batch = 3
     q = randn(rng, (batch, 1, 8, 64), F16)
     k_cache = randn(rng, (batch, seqlen_cache, 2, 64), F16)
     v_cache = randn(rng, (batch, seqlen_cache, 2, 64), F16)
     k = randn(rng, (batch, 1, 2, 64), F16)
     v = randn(rng, (batch, 1, 2, 64), F16)
-    seqlens = np.array([0, 150, 199], np.int32)
+    seqlens = np.array([0, seqlen_cache - 50, seqlen_cache - 1], np.int32)
     ref_k, ref_v = k_cache.copy(), v_cache.copy()
     ref = cupy_paged.flash_attn_with_kvcache(q, ref_k, ref_v, k, v, cache_seqlens=seqlens, causal=True)
     dk, dv = cupy.asarray(k_cache), cupy.asarray(v_cache)

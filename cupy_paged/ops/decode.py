@@ -33,7 +33,7 @@ import struct
 
 import numpy as np
 
-from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem
+from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, index_constant
 from .._compiler import KernelKey, get_function, register_family
 from ._common import cuda_scalar, element_strides, smem_row_bytes, vectorised
 
@@ -58,17 +58,15 @@ def tile_keys(head_dim: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Pipeline shape of ``paged_decode``: keys per stage (a multiple of 16 per warp), cp.async
-    stages (at least 2; ``stages - 1`` tiles in flight) and warps
+    stages (at least 3: decode.cu's loaded-tile vote; ``stages - 1`` tiles in flight) and warps
     per CTA (1, 2, 4 or 8)."""
 
     keys: int
     stages: int = STAGES
     warps: int = WARPS
-    lanes: int = 0     # lanes per key row in a tile load (decode.cu's CHUNK_LANES); 0: the default
-    pow2: bool = False  # power-of-two block sizes only (decode.cu's POW2_BLOCKS)
 
     def __post_init__(self):
-        if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 2:
+        if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 3:
             raise ValueError(f"no paged_decode shape with {self.keys} keys, {self.stages} stages, {self.warps} warps")
 
     @property
@@ -76,8 +74,7 @@ class Tiles:
         return 32 * self.warps
 
     def label(self) -> str:
-        return (f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
-                + (f"l{self.lanes}" if self.lanes else "") + ("p" if self.pow2 else ""))
+        return f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
@@ -93,21 +90,19 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # (NOTES_decode.md, v5: bytes in flight per SM against warps per SM at D = 128).
 # v5's shapes -- Tiles(64, 4), Tiles(64, 6), Tiles(128, 3): more bytes in flight, one CTA per SM --
 # ran 32-45% slower than the registered shape on the H200.  v7-v12 compared kernel variants the
-# same way.  v13: smaller CTAs, more of them per SM (the same 8 warps and about the same bytes in
-# flight per SM, more independent pipelines), and one CTA of 8 warps as the control.
+# same way.  v13: the rate follows warps per SM; two stages, other warp counts and other load
+# layouts were slower.  Kept: 4 CTAs of 2 warps, +3% at 256 x 2048 but -1 to -2% on split
+# launches (its own heuristic splits for 528 slots).
 CANDIDATES: dict[int, tuple[Tiles, ...]] = {
-    128: (Tiles(32, 3, warps=2), Tiles(64, 3, pow2=True), Tiles(32, 3, warps=2, pow2=True),
-          Tiles(64, 3, lanes=16, pow2=True), Tiles(32, 3, warps=2, lanes=16, pow2=True)),
+    128: (Tiles(32, 3, warps=2),),
 }
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
     tiles = tiles or TILES[head_dim]
-    lanes = ((("CHUNK_LANES", tiles.lanes),) if tiles.lanes else ()) + ((("POW2_BLOCKS", 1),) if tiles.pow2 else ())
     return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps))
-                     + lanes)
+                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps)))
 
 
 def all_keys():
@@ -228,15 +223,33 @@ class _Launch:
     splits: int
     rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
     row_groups: int    # CTAs per (split, kv head, sequence)
-    shift: int         # log2(block_size), or -1
+    shift: int         # log2(block_size)
     threads: int       # of a paged_decode CTA
 
 
-def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
+def _power_of_two_blocks(p: DecodeProblem):
+    """``(k_cache, v_cache, block_table)`` with a power-of-two block size, which paged_decode
+    needs: a paged cache's own (its block size is checked), or a contiguous cache ``[B, S, Hkv, D]``
+    (one block of S tokens per sequence) viewed as blocks of the largest power of two dividing S,
+    with a block table built once per shape.  No copy."""
     import cupy
 
-    return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.k_cache.shape,
-                   int(p.block_table.shape[1]), p.num_splits, tiles or TILES[p.head_dim])
+    size = p.block_size
+    if size and size & (size - 1) == 0:
+        return p.k_cache, p.v_cache, p.block_table
+    block = size & -size if size else 1
+    columns = size // block
+    shape = (p.batch * columns, block) + tuple(p.k_cache.shape[2:])
+    table = index_constant(cupy, "blocks", p.batch, columns)
+    return p.k_cache.reshape(shape), p.v_cache.reshape(shape), table
+
+
+def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None, caches=None) -> _Launch:
+    import cupy
+
+    k_cache, _, table = caches or _power_of_two_blocks(p)
+    return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, k_cache.shape,
+                   int(table.shape[1]), p.num_splits, tiles or TILES[p.head_dim])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -256,11 +269,8 @@ def _launch(device: int, dtype, q_shape: tuple, cache_shape: tuple, table_column
     else:
         splits = choose_splits(batch * num_kv_heads * row_groups, table_columns * block_size, head_dim,
                                _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads), tiles.keys)
-    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
-    if tiles.pow2 and shift < 0:
-        raise ValueError(f"the decode shape {tiles.label()} needs a power-of-two block size, not {block_size}")
     return _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                   splits, rows, row_groups, shift, tiles.threads)
+                   splits, rows, row_groups, block_size.bit_length() - 1, tiles.threads)
 
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
@@ -287,7 +297,8 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     if batch == 0:
         return
     num_kv_heads = p.k_cache.shape[2]
-    launch = _launch_plan(p, tiles)
+    k_cache, v_cache, table = caches = _power_of_two_blocks(p)
+    launch = _launch_plan(p, tiles, caches)
     splits = launch.splits
 
     q = vectorised(p.q)
@@ -311,13 +322,13 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     window_left, window_right = p.window
     params = np.frombuffer(_PARAMS.pack(
         *element_strides(q, 3), *k_strides, *v_strides,
-        p.block_table.shape[1], p.k_cache.shape[0], p.k_cache.shape[1], launch.shift,
+        table.shape[1], k_cache.shape[0], k_cache.shape[1], launch.shift,
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
         window_left, window_right, splits, 0,
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
     launch.decode((launch.row_groups * splits, num_kv_heads, batch), (launch.threads,),
-                  (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
-                   p.cache_seqlens, p.block_table, null if p.alibi_slopes is None else p.alibi_slopes,
+                  (params, q, k_cache, v_cache, k_cache, v_cache, k_new, v_new,
+                   p.cache_seqlens, table, null if p.alibi_slopes is None else p.alibi_slopes,
                    p.out, lse, part_out, part_lse, null if trace is None else trace),
                   shared_mem=launch.smem)
     if splits > 1:
