@@ -402,14 +402,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     for (int kg = 0; kg < kGroups; ++kg)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[kg][0][e] = s[kg][1][e] = 0.f;
-#ifdef SPLIT_QK
-    // Two accumulators over even and odd k-steps: two dependent mma chains of kKSteps / 2.
-    float s_odd[kGroups][2][4];
-#pragma unroll
-    for (int kg = 0; kg < kGroups; ++kg)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s_odd[kg][0][e] = s_odd[kg][1][e] = 0.f;
-#endif
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       u32 a[4];
@@ -423,24 +415,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
       for (int kg = 0; kg < kGroups; ++kg) {
         u32 bk[4];
         cp::ldmatrix_x4(bk, k_tile + Tile::offset(warp_key + kg * 16 + k_row, 2 * kk + k_chunk));
-#ifdef SPLIT_QK
-        float (&acc)[2][4] = (kk & 1) ? s_odd[kg] : s[kg];
-        cp::mma_16816(acc[0], a, bk[0], bk[1], T());
-        cp::mma_16816(acc[1], a, bk[2], bk[3], T());
-#else
         cp::mma_16816(s[kg][0], a, bk[0], bk[1], T());
         cp::mma_16816(s[kg][1], a, bk[2], bk[3], T());
-#endif
       }
     }
-#ifdef SPLIT_QK
-#pragma unroll
-    for (int kg = 0; kg < kGroups; ++kg)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[kg][n][e] += s_odd[kg][n][e];
-#endif
     // Score transforms and masks, then the tile's row max.  The common tile (every key loaded and
     // visible to every real row, no softcap, no ALiBi) only scales: a CTA-uniform branch.
     const bool unmasked = plain && tile_loaded && tile_start >= lo_all && tile_start + kTileKeys - 1 <= hi_all;
@@ -477,9 +455,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     // Rescale the running state to the new max (a row's 4 lanes share it); a max of -inf (nothing
     // visible yet) uses 0, so exp2 gives 0 and never NaN.
     float m_use[2];
-#ifdef LAZY_RESCALE
-    float alphas[2];
-#endif
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float m_new = fmaxf(m[hr], cp::quad_max(tile_max[hr]));
@@ -487,27 +462,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
       const float alpha = exp2f(m[hr] - m_use[hr]);
       m[hr] = m_new;
       l[hr] *= alpha;
-#ifdef LAZY_RESCALE
-      alphas[hr] = alpha;
-#else
 #pragma unroll
       for (int n = 0; n < kHeadDim / 8; ++n) {
         o[n][2 * hr] *= alpha;
         o[n][2 * hr + 1] *= alpha;
       }
-#endif
     }
-#ifdef LAZY_RESCALE
-    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
-#pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
-        o[n][0] *= alphas[0];
-        o[n][1] *= alphas[0];
-        o[n][2] *= alphas[1];
-        o[n][3] *= alphas[1];
-      }
-    }
-#endif
     // P = exp2(S - m), then O += P V with P re-packed as the A operand of each 16-key group.
 #pragma unroll
     for (int kg = 0; kg < kGroups; ++kg) {

@@ -64,7 +64,6 @@ class Tiles:
     keys: int
     stages: int = STAGES
     warps: int = WARPS
-    options: tuple[str, ...] = ()  # decode.cu switches of a candidate (each defined as 1)
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8) or self.keys % (16 * self.warps) or self.stages < 3:
@@ -75,8 +74,7 @@ class Tiles:
         return 32 * self.warps
 
     def label(self) -> str:
-        return (f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
-                + "".join("-" + option.lower() for option in self.options))
+        return f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
@@ -96,8 +94,7 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 # layouts were slower.  Kept: 4 CTAs of 2 warps, +3% at 256 x 2048 but -1 to -2% on split
 # launches (its own heuristic splits for 528 slots).
 CANDIDATES: dict[int, tuple[Tiles, ...]] = {
-    128: (Tiles(32, 3, warps=2), Tiles(64, 3, options=("LAZY_RESCALE",)), Tiles(64, 3, options=("SPLIT_QK",)),
-          Tiles(64, 3, options=("LAZY_RESCALE", "SPLIT_QK"))),
+    128: (Tiles(32, 3, warps=2),),
 }
 
 
@@ -105,8 +102,7 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
     tiles = tiles or TILES[head_dim]
     return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps))
-                     + tuple((option, 1) for option in tiles.options))
+                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps)))
 
 
 def all_keys():
