@@ -1,6 +1,8 @@
 """What the launch glue of every kernel family shares: argument layout and naming rules."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .._checks import BF16
@@ -37,3 +39,12 @@ def smem_row_bytes(head_dim: int) -> int:
     the row is a multiple of 128 bytes, else padded by one 16-byte chunk."""
     chunks = head_dim // 8
     return 16 * (chunks if chunks % 8 == 0 else chunks + 1)
+
+
+@functools.cache
+def device_property(device: int, name: str):
+    """One entry of CUDA's device properties (``multiProcessorCount``, ``major``, ...) of
+    ``device``, read once per process."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)[name]

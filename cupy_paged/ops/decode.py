@@ -35,7 +35,7 @@ import numpy as np
 
 from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, index_constant
 from .._compiler import KernelKey, get_function, register_family
-from ._common import cuda_scalar, element_strides, smem_row_bytes, vectorised
+from ._common import cuda_scalar, device_property, element_strides, smem_row_bytes, vectorised
 
 SOURCE = "decode.cu"
 WARPS = 4               # warps per CTA of the registered shapes
@@ -114,11 +114,8 @@ register_family("decode", all_keys)
 
 # --------------------------------------------------------------------------- split heuristic
 
-@functools.cache
 def _num_sms(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+    return int(device_property(device_id, "multiProcessorCount"))
 
 
 def ctas_per_sm(num_regs: int, smem: int, threads: int = 32 * WARPS) -> int:
