@@ -314,8 +314,7 @@ def trace_case(rng, batch, context, block_size=16, calls=8):
     t0 = start.min()
     start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
     span = float(end.max())
-    kernel = get_function(decode_ops.kernel_key(BF16, DIM), "paged_decode", decode_ops.TILES[DIM].smem_bytes(DIM))
-    slots = decode_ops._num_sms(cupy.cuda.Device().id) * decode_ops.ctas_per_sm(kernel.num_regs, decode_ops.TILES[DIM].smem_bytes(DIM))
+    slots = decode_ops._num_sms(cupy.cuda.Device().id) * shape_resources(decode_ops.TILES[DIM])["ctas_per_sm"]
     duration = end - start
     order = np.argsort(start, kind="stable")
     wave = np.empty_like(order)
@@ -406,8 +405,12 @@ def main(argv=None):
         pass
     report = {"device": device, "date": datetime.date.today().isoformat(), "versions": versions, "cases": cases}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+
+    def save():  # after each part, so that a later part's failure loses only that part
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    save()
     print_table(cases)
     if args.sweep:  # last, after the results are written: a failing candidate loses only the sweep
         print(flush=True)
@@ -418,17 +421,14 @@ def main(argv=None):
             sweep.append(sweep_case(rng, block_size, shuffle, reps, batch, context))
             cupy.get_default_memory_pool().free_all_blocks()  # the case's 1 GB of K/V
         report["sweep"] = sweep
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        save()
         print_sweep(sweep, cases)
     if args.trace:
         report["trace"] = [trace_case(rng, batch, context) for batch, context in ((64, 4096), (256, 2048), (1, 131072))]
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        save()
     if args.fixed_cost:
         report["fixed_cost"] = fixed_cost_case(rng, reps)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        save()
 
 
 def print_table(cases):

@@ -27,27 +27,19 @@ sys.path.insert(0, str(ROOT))
 import bench_decode  # noqa: E402
 import bench_varlen  # noqa: E402
 
-import cupy_paged  # noqa: E402
 from cupy_paged.ops import decode as decode_ops  # noqa: E402
 
 DEFAULT = ["decode:64x4096:bs16:sorted", "decode:64x4096:bs256:sorted", "varlen", "varlen-paged"]
 
 
 def decode_case(rng, spec):
-    """(call, launches per call) of one ``decode:...`` spec."""
-    import cupy
-
+    """(call, launches per call) of one ``decode:...`` spec: the decode benchmark's call (``out``
+    given, no host checks, ``num_splits`` forced or 0 for the heuristic)."""
     _, shape, block, *options = spec.split(":")
     batch, context = (int(x) for x in shape.split("x"))
     splits = next((int(o.split("=")[1]) for o in options if o.startswith("splits=")), 0)
-    (q, k, v, table, lens), = bench_decode.make_paged(rng, batch, context, int(block[2:]),
-                                                      shuffle="sorted" not in options)
-    out = cupy.empty_like(q)
-
-    def call():
-        cupy_paged.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, out=out,
-                                           num_splits=splits, check_values=False)
-    return call, 1 + (decode_ops.plan(bench_decode.decode_problem((q, k, v, table, lens), splits, out)) > 1)
+    sets = bench_decode.make_paged(rng, batch, context, int(block[2:]), shuffle="sorted" not in options)
+    return bench_decode.ours(sets, splits), 1 + (decode_ops.plan(bench_decode.decode_problem(sets[0], splits)) > 1)
 
 
 def main(argv: list[str]) -> int:

@@ -18,16 +18,19 @@ def randn(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> np.ndar
     return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
 
 
-def shuffled_block_table(rng: np.random.Generator, lengths, block_size: int, spare_blocks: int = 3,
-                         extra_columns: int = 1):
-    """A shuffled block table: the cache has ``sum(ceil(lengths / block_size)) + spare_blocks``
+# Blocks of a shuffled cache that no sequence owns (see shuffled_block_table).
+SPARE_BLOCKS = 3
+
+
+def shuffled_block_table(rng: np.random.Generator, lengths, block_size: int, extra_columns: int = 1):
+    """A shuffled block table: the cache has ``sum(ceil(lengths / block_size)) + SPARE_BLOCKS``
     blocks, permuted once; sequence ``b`` takes the next ``ceil(lengths[b] / block_size)`` ids.
 
     Returns (table int32 ``[batch, longest block count + extra_columns]`` padded with -1, as
     ``cupy_paged.block_table_from_lists`` builds it on the host; num_blocks, the cache's block count).
     """
     counts = [-(-int(n) // block_size) for n in lengths]
-    num_blocks = sum(counts) + spare_blocks
+    num_blocks = sum(counts) + SPARE_BLOCKS
     ids = rng.permutation(num_blocks)
     starts = np.cumsum([0] + counts)
     lists = [ids[start:start + count].tolist() for start, count in zip(starts, counts)]
