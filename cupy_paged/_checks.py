@@ -15,7 +15,6 @@ block id outside ``[0, num_blocks)`` as a hole.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import ml_dtypes
@@ -168,37 +167,6 @@ def values_checkable(*arrays) -> bool:
     import cupy
 
     return not cupy.cuda.get_current_stream().is_capturing()
-
-
-def index_constant(xp, kind: str, batch: int, value: int = 0):
-    """A read-only int32 index array this module builds itself: ``"rows"`` is
-    ``arange(batch)[:, None]`` (the block table of a contiguous cache), ``"blocks"`` is
-    ``arange(batch * value).reshape(batch, value)`` (the same cache cut into ``value`` blocks per
-    sequence), ``"fill"`` is ``full(batch, value)`` (one length for every sequence).  On a GPU it is made once per
-    (device, kind, batch, value) and kept, so a decode call with these shapes allocates nothing."""
-    if xp is np:
-        return _make_index_constant(np, kind, batch, value)
-    return _device_index_constant(xp.cuda.Device().id, kind, batch, value)
-
-
-def _make_index_constant(xp, kind: str, batch: int, value: int):
-    if kind == "rows":
-        return xp.arange(batch, dtype=np.int32).reshape(batch, 1)
-    if kind == "blocks":
-        return xp.arange(batch * value, dtype=np.int32).reshape(batch, value)
-    return xp.full((batch,), value, np.int32)
-
-
-@functools.lru_cache(maxsize=256)
-def _device_index_constant(device: int, kind: str, batch: int, value: int):
-    import cupy
-
-    with cupy.cuda.Device(device):
-        array = _make_index_constant(cupy, kind, batch, value)
-        stream = cupy.cuda.get_current_stream()
-        if not stream.is_capturing():
-            stream.synchronize()  # filled before any other stream reads it
-    return array
 
 
 def check_block_table_values(table: np.ndarray, needed_keys: np.ndarray, block_size: int,
@@ -356,10 +324,12 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 class DecodeProblem:
     """A checked ``flash_attn_with_kvcache`` call.
 
-    ``q``/``out`` ``[B, Sq, H, D]``; caches ``[num_blocks, block_size, Hkv, D]``;
-    ``block_table`` int32 ``[B, max_blocks]`` (built as ``arange`` when the caller
-    passed a contiguous ``[B, S, Hkv, D]`` cache); ``cache_seqlens`` int32 ``[B]``;
-    ``k_new``/``v_new`` ``[B, Sn, Hkv, D]`` or None; ``lse`` ``[B, H, Sq]`` or None.
+    ``q``/``out`` ``[B, Sq, H, D]``; caches ``[num_blocks, block_size, Hkv, D]`` with
+    ``block_table`` int32 ``[B, max_blocks]``, or ``block_table`` None and a contiguous cache
+    ``[B, S, Hkv, D]`` (sequence b is block b); ``cache_seqlens`` int32 ``[B]``, or a Python int
+    for every sequence; ``k_new``/``v_new`` ``[B, Sn, Hkv, D]`` or None; ``lse`` ``[B, H, Sq]`` or
+    None.  No index array is built for the caller: the kernels take the None and the int as they
+    are.
     """
 
     backend: str
@@ -414,7 +384,6 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
     backend = backend_of(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                               cache_seqlens=seqlens_array, block_table=block_table,
                               alibi_slopes=alibi_slopes, out=out, lse_out=lse_out))
-    xp = xp_of(q)
     check_rank(q, "q", (4,), "[batch_size, seqlen_q, num_heads, head_dim]")
     cache_layout = ("[num_blocks, block_size, num_kv_heads, head_dim]" if block_table is not None
                     else "[batch_size, seqlen_cache, num_kv_heads, head_dim]")
@@ -447,14 +416,16 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
         check_same_shape(k, v, "k", "v")
         seqlen_new = int(k.shape[1])
 
-    # Index arrays built here are checked from their host values, never copied back.
+    # A contiguous cache [B, S, Hkv, D] is a paged cache of B blocks of S tokens: its table (one
+    # column, b -> b) and an int cache_seqlens are checked from host values and never built on a GPU.
     host_table = host_lengths = None
     if block_table is None:
-        # A contiguous cache [B, S, Hkv, D] is a paged cache of B blocks of S tokens.
         if int(k_cache.shape[0]) != batch:
             raise ValueError(f"k_cache must have shape [batch_size = {batch}, seqlen_cache, "
                              f"num_kv_heads, head_dim] without block_table; got {tuple(k_cache.shape)}")
-        block_table = index_constant(xp, "rows", batch)
+        if batch * int(k_cache.shape[1]) >= 2**31:
+            raise ValueError(f"k_cache holds {batch * int(k_cache.shape[1])} token rows; the decode kernel "
+                             "indexes at most 2**31 - 1 of them")
         host_table = np.arange(batch, dtype=np.int32).reshape(batch, 1)
     else:
         check_block_size(int(k_cache.shape[1]), "k_cache")
@@ -464,7 +435,7 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
                              f"got {tuple(block_table.shape)}")
 
     if cache_seqlens is None:
-        if block_table.shape[1] != 1:
+        if block_table is not None and block_table.shape[1] != 1:
             raise ValueError("cache_seqlens is required with a paged cache (block_table)")
         host_lengths = int(k_cache.shape[1]) - seqlen_new
     elif np.isscalar(cache_seqlens):
@@ -472,7 +443,7 @@ def prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softma
             raise ValueError(f"cache_seqlens must be >= 0; got {cache_seqlens}")
         host_lengths = int(cache_seqlens)
     if host_lengths is not None:
-        cache_seqlens = index_constant(xp, "fill", batch, host_lengths)
+        cache_seqlens = host_lengths
         host_lengths = np.full(batch, host_lengths, np.int64)
     else:
         cache_seqlens = check_index(cache_seqlens, "cache_seqlens", 1, f"[batch_size = {batch}]")

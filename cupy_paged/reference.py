@@ -104,17 +104,19 @@ def decode(p: DecodeProblem) -> None:
     """Append ``p.k_new``/``p.v_new`` to the caches, then fill ``p.out`` (and ``p.lse``)."""
     acc = accumulator_dtype(p.q.dtype)
     block_size = p.block_size
-    seqlens = p.cache_seqlens.astype(np.int64)
+    # A contiguous cache (no table) is block b per sequence b; an int length holds for every sequence.
+    table = p.block_table if p.block_table is not None else np.arange(p.batch, dtype=np.int32)[:, None]
+    seqlens = np.broadcast_to(np.asarray(p.cache_seqlens, np.int64), (p.batch,))
     if p.k_new is not None and p.seqlen_new:
         positions = (seqlens[:, None] + np.arange(p.seqlen_new)[None, :]).reshape(-1)
         seq_ids = np.repeat(np.arange(p.batch), p.seqlen_new)
-        slots = slot_mapping_from_positions(p.block_table, seq_ids, positions, block_size)
+        slots = slot_mapping_from_positions(table, seq_ids, positions, block_size)
         shape = (-1,) + tuple(p.k_new.shape[2:])
         write_kv_cache(p.k_cache, p.v_cache, p.k_new.reshape(shape), p.v_new.reshape(shape), slots)
     for b in range(p.batch):
         num_k = int(seqlens[b]) + p.seqlen_new
-        k_b = gather_paged(p.k_cache, p.block_table[b], num_k)
-        v_b = gather_paged(p.v_cache, p.block_table[b], num_k)
+        k_b = gather_paged(p.k_cache, table[b], num_k)
+        v_b = gather_paged(p.v_cache, table[b], num_k)
         out, lse = attend(p.q[b], k_b, v_b, p.softmax_scale, p.window, p.softcap, p.alibi_slopes, acc)
         p.out[b] = out.astype(p.out.dtype)
         if p.lse is not None:

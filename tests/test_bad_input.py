@@ -182,20 +182,18 @@ def test_lse_out_is_filled_in_place():
         VARLEN(**varlen_args(), lse_out=np.empty((8, 5), np.float16))
 
 
-@pytest.mark.gpu
-def test_windows_wider_than_any_sequence_on_the_gpu():
-    import cupy
-
-    wide = (2 ** 40, 2 ** 40)
-    for function, args in ((VARLEN, varlen_args()), (DECODE, decode_args())):
-        args = {k: cupy.asarray(a) if isinstance(a, np.ndarray) else a for k, a in args.items()}
-        np.testing.assert_array_equal(function(**args, window_size=wide).get(), function(**args).get())
-
-
 def _on_gpu(args):
     import cupy
 
     return {k: cupy.asarray(a) if isinstance(a, np.ndarray) else a for k, a in args.items()}
+
+
+@pytest.mark.gpu
+def test_windows_wider_than_any_sequence_on_the_gpu():
+    wide = (2 ** 40, 2 ** 40)
+    for function, args in ((VARLEN, varlen_args()), (DECODE, decode_args())):
+        args = _on_gpu(args)
+        np.testing.assert_array_equal(function(**args, window_size=wide).get(), function(**args).get())
 
 
 def _misaligned(array):
@@ -223,20 +221,21 @@ def test_misaligned_cache_is_rejected_not_copied(function):
 
 @pytest.mark.gpu
 def test_decode_with_built_index_arrays_allocates_nothing():
-    """A contiguous cache (no block_table) and an int cache_seqlens: the index arrays the call
-    builds are made once and kept, and checked from host values, so a repeated call with ``out=``
-    allocates nothing; their values still pass the checks (a length past the cache is refused)."""
+    """A contiguous cache (no block_table) and an int cache_seqlens: the kernel takes them as they
+    are (no table, one length by value), so a call with ``out=`` allocates nothing, whatever the
+    length; the values are still checked on the host (a length past the cache is refused)."""
     import cupy
 
     args = _on_gpu(dict(q=randn(RNG, (2, 1, 8, 64), F16), k_cache=randn(RNG, (2, 32, 2, 64), F16),
                         v_cache=randn(RNG, (2, 32, 2, 64), F16)))
     out = cupy.empty_like(args["q"])
-    for seqlens in (20, None):
-        DECODE(**args, cache_seqlens=seqlens, out=out)  # first call: builds and keeps the arrays
+    for seqlens in (20, None, 7, 31):
+        DECODE(**args, cache_seqlens=seqlens, out=out)  # first call: compiles, plans the launch
         cupy.cuda.get_current_stream().synchronize()
         pool = cupy.get_default_memory_pool()
         used = pool.used_bytes()
         DECODE(**args, cache_seqlens=seqlens, out=out)
+        DECODE(**args, cache_seqlens=seqlens - 1 if seqlens else seqlens, out=out)  # another length
         assert pool.used_bytes() == used, f"cache_seqlens={seqlens}: the call allocated"
     reference = DECODE(**{k: a.get() for k, a in args.items()}, cache_seqlens=20)
     np.testing.assert_allclose(DECODE(**args, cache_seqlens=20).get().astype(np.float32),

@@ -259,6 +259,40 @@ def test_cuda_graph_replay_equals_eager():
         assert_same_bits(graph_v, eager_v, "graph v_cache")
 
 
+def test_cuda_graph_of_a_contiguous_cache_with_an_int_length():
+    """A contiguous cache and an int cache_seqlens reach the kernel as they are (no block table, the
+    length by value), so a call with a length never seen before can be captured (the warm-up only
+    loads the kernel): its replay equals an eager call bitwise, caches included, and both match the
+    CPU reference."""
+    import cupy
+
+    rng = np.random.default_rng(21)
+    batch, seqlen_cache, length = 3, 97, 60  # 97: not a power of two
+    shapes = {"q": (batch, 1, 8, 64), "k_cache": (batch, seqlen_cache, 2, 64), "v_cache": (batch, seqlen_cache, 2, 64),
+              "k": (batch, 1, 2, 64), "v": (batch, 1, 2, 64)}
+    host = {name: randn(rng, shape, F16) for name, shape in shapes.items()}
+    case = {name: cupy.asarray(value) for name, value in host.items()}
+    eager_k, eager_v = case["k_cache"].copy(), case["v_cache"].copy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cupy_paged.flash_attn_with_kvcache(case["q"], eager_k.copy(), eager_v.copy(), case["k"], case["v"],
+                                           cache_seqlens=length - 50, causal=True)  # warm-up, another length
+        graph_out = poisoned(shapes["q"], F16, xp=cupy)
+        stream.begin_capture()
+        cupy_paged.flash_attn_with_kvcache(**case, cache_seqlens=length, causal=True, out=graph_out)
+        graph = stream.end_capture()
+        graph.launch(stream=stream)
+        eager_out = cupy_paged.flash_attn_with_kvcache(case["q"], eager_k, eager_v, case["k"], case["v"],
+                                                       cache_seqlens=length, causal=True)
+        stream.synchronize()
+    assert_same_bits(graph_out, eager_out, "graph out")
+    assert_same_bits(case["k_cache"], eager_k, "k_cache")
+    assert_same_bits(case["v_cache"], eager_v, "v_cache")
+    reference = cupy_paged.flash_attn_with_kvcache(**host, cache_seqlens=length, causal=True)
+    assert_close(eager_out, reference, F16)
+    assert_same_bits(eager_k, host["k_cache"], "k_cache against the reference append")
+
+
 def test_params_struct_matches_kernel_source():
     """DecodeParams in decode.cu and the host's struct.pack format list the same fields in order."""
     import re

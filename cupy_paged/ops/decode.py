@@ -13,15 +13,18 @@ workspace while its stream is capturing raises ``RuntimeError`` instead of alloc
 workspaces are kept alive, so a graph captured earlier never points at freed memory.
 
 With ``num_splits=0`` the split count is chosen on the host from shapes alone (batch, heads,
-the block table's capacity ``max_blocks * block_size``), never from ``cache_seqlens`` values, so
+the cache's capacity per sequence: ``max_blocks * block_size``, or S of a contiguous
+``[B, S, Hkv, D]`` cache), never from ``cache_seqlens`` values, so
 choosing it needs no device-to-host copy and a captured graph replays the same choice.  What the
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
-the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).
+the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).  A contiguous
+cache is launched without a block table (the kernel reads it as blocks of one token) and an int
+``cache_seqlens`` as one value in that struct, so a call builds no index arrays.
 
 Tile shapes
 -----------
-One specialization per (dtype, head dim); its pipeline shape (keys per stage, stages) comes from
-:data:`TILES`.  ``run(p, tiles)`` launches another shape: :data:`CANDIDATES` are the ones the
+One specialization per (dtype, head dim); its pipeline shape (keys per stage, stages, warps)
+comes from :data:`TILES`.  ``run(p, tiles)`` launches another shape: :data:`CANDIDATES` are the ones the
 benchmark's ``--sweep`` times and ``tests/test_decode_gpu.py`` checks (NOTES_decode.md, v5).
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ import struct
 
 import numpy as np
 
-from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, index_constant
+from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem
 from .._compiler import KernelKey, get_function, register_family
 from ._common import cuda_scalar, device_property, element_strides, smem_row_bytes, vectorised
 
@@ -43,7 +46,7 @@ COMBINE_THREADS = 128   # kCombineThreads in decode.cu
 ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA, mma M
 STAGES = 3              # cp.async pipeline depth
 TILE_ELEMS = 8192       # keys * head_dim per stage and tensor: about 16 KiB of K and 16 KiB of V
-MAX_SPLITS = 128        # combine_splits: one thread per split's LSE (COMBINE_THREADS)
+MAX_SPLITS = COMBINE_THREADS  # combine_splits: one thread per split's LSE
 
 
 def tile_keys(head_dim: int) -> int:
@@ -127,18 +130,17 @@ def ctas_per_sm(num_regs: int, smem: int, threads: int = 32 * WARPS) -> int:
     return max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
-def choose_splits(num_ctas: int, max_keys: int, head_dim: int, num_sms: int, ctas_per_sm: int,
-                  keys_per_tile: int = 0) -> int:
+def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int, ctas_per_sm: int) -> int:
     """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
 
     ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be;
-    ``keys_per_tile`` the launched shape's (0: the registered one of ``head_dim``).
+    ``keys_per_tile`` the launched shape's keys per pipeline stage.
     Enough CTAs already (>= 80% of one wave) means no split.  Otherwise take the smallest split
     count whose wave efficiency (CTAs / slots of the waves they need) is within 5% of the best,
     with at least two tiles of keys per split so each split amortises its fixed costs.
     """
     slots = num_sms * ctas_per_sm
-    tiles = -(-max_keys // (keys_per_tile or TILES[head_dim].keys))
+    tiles = -(-max_keys // keys_per_tile)
     if num_ctas >= 0.8 * slots or tiles < 4:
         return 1
     limit = max(1, min(MAX_SPLITS, tiles // 2))
@@ -220,42 +222,33 @@ class _Launch:
     splits: int
     rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
     row_groups: int    # CTAs per (split, kv head, sequence)
-    shift: int         # log2(block_size)
     threads: int       # of a paged_decode CTA
 
 
-def _power_of_two_blocks(p: DecodeProblem):
-    """``(k_cache, v_cache, block_table)`` with a power-of-two block size, which paged_decode
-    needs: a paged cache's own (its block size is checked), or a contiguous cache ``[B, S, Hkv, D]``
-    (one block of S tokens per sequence) viewed as blocks of the largest power of two dividing S,
-    with a block table built once per shape.  No copy."""
+def _cache_geometry(p: DecodeProblem) -> tuple[object, int, int, int]:
+    """``(block_table or None, max_blocks, num_blocks, block_shift)`` as paged_decode reads the
+    cache: a paged one through its table; a contiguous ``[B, S, Hkv, D]`` one without a table, as
+    B * S blocks of one token (any S, and no table to build)."""
+    if p.block_table is None:
+        seqlen_cache = int(p.k_cache.shape[1])
+        return None, seqlen_cache, p.batch * seqlen_cache, 0
+    return p.block_table, int(p.block_table.shape[1]), int(p.k_cache.shape[0]), p.block_size.bit_length() - 1
+
+
+def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
     import cupy
 
-    size = p.block_size
-    if size and size & (size - 1) == 0:
-        return p.k_cache, p.v_cache, p.block_table
-    block = size & -size if size else 1
-    columns = size // block
-    shape = (p.batch * columns, block) + tuple(p.k_cache.shape[2:])
-    table = index_constant(cupy, "blocks", p.batch, columns)
-    return p.k_cache.reshape(shape), p.v_cache.reshape(shape), table
-
-
-def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None, caches=None) -> _Launch:
-    import cupy
-
-    k_cache, _, table = caches or _power_of_two_blocks(p)
-    return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, k_cache.shape,
-                   int(table.shape[1]), p.num_splits, tiles or TILES[p.head_dim])
+    _, max_blocks, _, shift = _cache_geometry(p)
+    return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.num_kv_heads, max_blocks << shift,
+                   p.num_splits, tiles or TILES[p.head_dim])
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch(device: int, dtype, q_shape: tuple, cache_shape: tuple, table_columns: int, num_splits: int,
+def _launch(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int, num_splits: int,
             tiles: Tiles) -> _Launch:
     """What these shapes decide, kept per shape: a decode loop pays the kernel look-up and the
     split heuristic once."""
     batch, seqlen_q, num_heads, head_dim = q_shape
-    _, block_size, num_kv_heads, _ = cache_shape
     rows = (num_heads // num_kv_heads) * seqlen_q
     row_groups = -(-rows // ROWS_PER_CTA)
     kernels = kernel_key(dtype, head_dim, tiles)
@@ -264,10 +257,10 @@ def _launch(device: int, dtype, q_shape: tuple, cache_shape: tuple, table_column
     if num_splits:
         splits = min(num_splits, MAX_SPLITS)
     else:
-        splits = choose_splits(batch * num_kv_heads * row_groups, table_columns * block_size, head_dim,
-                               _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads), tiles.keys)
+        splits = choose_splits(batch * num_kv_heads * row_groups, max_keys, tiles.keys,
+                               _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads))
     return _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                   splits, rows, row_groups, block_size.bit_length() - 1, tiles.threads)
+                   splits, rows, row_groups, tiles.threads)
 
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
@@ -294,8 +287,8 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     if batch == 0:
         return
     num_kv_heads = p.k_cache.shape[2]
-    k_cache, v_cache, table = caches = _power_of_two_blocks(p)
-    launch = _launch_plan(p, tiles, caches)
+    table, max_blocks, num_blocks, shift = _cache_geometry(p)
+    launch = _launch_plan(p, tiles)
     splits = launch.splits
 
     q = vectorised(p.q)
@@ -316,16 +309,19 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     else:
         part_out = part_lse = null
     lse = null if p.lse is None else p.lse
+    # cache_seqlens: an int32 array, or one int for every sequence (passed by value, no array)
+    lengths, cached_all = (null, p.cache_seqlens) if isinstance(p.cache_seqlens, int) else (p.cache_seqlens, 0)
     window_left, window_right = p.window
     params = np.frombuffer(_PARAMS.pack(
         *element_strides(q, 3), *k_strides, *v_strides,
-        table.shape[1], k_cache.shape[0], k_cache.shape[1], launch.shift,
+        max_blocks, num_blocks, shift, cached_all,
         seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
         window_left, window_right, splits, 0,
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
     launch.decode((launch.row_groups * splits, num_kv_heads, batch), (launch.threads,),
-                  (params, q, k_cache, v_cache, k_cache, v_cache, k_new, v_new,
-                   p.cache_seqlens, table, null if p.alibi_slopes is None else p.alibi_slopes,
+                  (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
+                   lengths, null if table is None else table,
+                   null if p.alibi_slopes is None else p.alibi_slopes,
                    p.out, lse, part_out, part_lse, null if trace is None else trace),
                   shared_mem=launch.smem)
     if splits > 1:
