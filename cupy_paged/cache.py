@@ -499,7 +499,7 @@ class PagedAttentionCache:
             cow[np.flatnonzero(cow)[first[keeps]]] = False
         return need + cow, cow, new
 
-    def grow(self, seq_ids, num_new_tokens, reserve: int = 0) -> None:
+    def grow(self, seq_ids, num_new_tokens, reserve: int = 0, rows: np.ndarray | None = None) -> None:
         """Reserve slots for ``num_new_tokens`` more tokens of each sequence.
 
         A sequence about to write into a last block it shares (after ``fork``) first gets
@@ -513,6 +513,8 @@ class PagedAttentionCache:
             ``[batch]`` (or one for all) tokens to add.
         reserve : int
             Blocks that must stay free afterwards.
+        rows : numpy.ndarray, optional
+            ``rows(seq_ids)`` when the caller already has them.
 
         Raises
         ------
@@ -528,7 +530,7 @@ class PagedAttentionCache:
         >>> cache.blocks("a").tolist()
         [0, 1]
         """
-        rows = self.rows(seq_ids)
+        rows = self.rows(seq_ids) if rows is None else rows
         seen = np.zeros(len(self._num_slots), bool)
         seen[rows] = True  # cheaper than np.unique for a thousand rows
         if np.count_nonzero(seen) != rows.size:

@@ -144,9 +144,8 @@ class Scheduler:
         Owns the blocks; the scheduler is its only user while it runs.
     config : SchedulerConfig, optional
     buffers : PlanBuffers, optional
-        Build every plan into these fixed (device) buffers: one upload a step, and
-        the addresses a captured CUDA graph needs.  Each plan is then valid until
-        the next ``schedule()``.
+        Build every plan into these fixed (device) buffers: the addresses a captured
+        CUDA graph needs.  Each plan is then valid until the next ``schedule()``.
 
     Examples
     --------
@@ -177,8 +176,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self._live: dict = {}
-        # The last schedule()'s requests, token counts and cache rows, until update() takes them.
-        self._step: tuple[list, list, np.ndarray] | None = None
+        # The last schedule()'s plan, requests, token counts, ids and cache rows, until update() takes them.
+        self._step: tuple[StepPlan, list, list, list, np.ndarray] | None = None
         self.num_preemptions = 0
         # Blocks kept free when admitting; at least one so a decode can always take a block.
         self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
@@ -235,32 +234,43 @@ class Scheduler:
         decodes, prefills = [], []
         for request in self.running:  # one pass: this runs over every running request each step
             (decodes if len(request.token_ids) - request.num_computed == 1 else prefills).append(request)
-        decodes = self._schedule_decodes(decodes)
+        decodes, decode_rows = self._schedule_decodes(decodes)
         scheduled: dict[Request, int] = dict.fromkeys(decodes, 1)
+        preemptions = self.num_preemptions
         budget = self._schedule_running_prefills(prefills, scheduled, self.config.max_batch_tokens - len(decodes))
+        if self.num_preemptions != preemptions:  # a prefill's growth may have preempted decodes
+            kept = np.array([r in scheduled for r in decodes], bool)
+            decodes, decode_rows = list(itertools.compress(decodes, kept)), decode_rows[kept]
         self._admit_waiting(scheduled, budget)
         if not scheduled:
             return None
+        # The decodes lead `scheduled`: the first rows are theirs already.
         requests, counts = list(scheduled), list(scheduled.values())
         ids = [r.request_id for r in requests]
-        # Looked up once for the plan and update()'s mark_computed: nothing frees a sequence in
-        # between, and a row stays with its sequence until it is freed.
-        rows = self.cache.rows(ids)
-        self._step = (requests, counts, rows)
-        return self._plan(requests, counts, ids, rows)
+        num_decodes = len(decodes)
+        rows = (decode_rows if num_decodes == len(requests)
+                else np.concatenate([decode_rows, self.cache.rows(ids[num_decodes:])]))
+        plan = self._plan(requests, counts, ids, rows, num_decodes)
+        # The rows serve update()'s mark_computed too: nothing frees a sequence in between,
+        # and a row stays with its sequence until it is freed.
+        self._step = (plan, requests, counts, ids, rows)
+        return plan
 
-    def _schedule_decodes(self, decodes: list) -> list[Request]:
-        """All running requests with one token left get a slot, preempting the newest as needed."""
+    def _schedule_decodes(self, decodes: list) -> tuple[list[Request], np.ndarray]:
+        """All running requests with one token left get a slot, preempting the newest as needed.
+        Returns them and their cache rows."""
         while decodes:
+            ids = [r.request_id for r in decodes]
+            rows = self.cache.rows(ids)
             try:
-                self.cache.grow([r.request_id for r in decodes], 1)
-                return decodes
+                self.cache.grow(ids, 1, rows=rows)
+                return decodes, rows
             except CacheFull:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim in decodes:  # the newest is usually a decode itself
                     decodes.remove(victim)
-        return decodes
+        return decodes, np.empty(0, np.int64)
 
     def _schedule_running_prefills(self, prefills: list, scheduled: dict, budget: int) -> int:
         """Next chunk of each running, partly prefilled request, oldest first."""
@@ -312,7 +322,7 @@ class Scheduler:
                                         max_num_new_tokens=limit)
             except CacheFull:
                 break
-            count = min(request.num_tokens - cached, limit)  # the slots allocate reserved
+            count = cache.num_slots(request.request_id) - cached  # the slots allocate reserved
             self.waiting.popleft()
             request.num_computed = cached
             request.status = RequestStatus.RUNNING
@@ -330,15 +340,20 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _plan(self, requests: list, counts: list, ids: list, rows: np.ndarray) -> StepPlan:
+    def _plan(self, requests: list, counts: list, ids: list, rows: np.ndarray, num_decodes: int) -> StepPlan:
+        """The step's plan; the first ``num_decodes`` requests decode."""
         if max(counts) == 1:  # one input token each, no slicing
             input_ids = [r.token_ids[r.num_computed] for r in requests]
         else:
             input_ids = list(itertools.chain.from_iterable(
                 r.token_ids[r.num_computed:r.num_computed + n] for r, n in zip(requests, counts)))
-        # Only a request whose chunk reaches its last token samples: a one-token chunk in the
-        # middle of a prompt (budget or max_prefill_chunk of 1) does not.
-        sample = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
+        sample = None  # every row samples: decodes always do
+        if num_decodes < len(requests):
+            # Only a prefill whose chunk reaches its last token samples: a one-token chunk in the
+            # middle of a prompt (budget or max_prefill_chunk of 1) does not.
+            sample = np.ones(len(requests), bool)
+            sample[num_decodes:] = [r.num_computed + n == r.num_tokens
+                                    for r, n in zip(requests[num_decodes:], counts[num_decodes:])]
         return build_plan(self.cache, ids, counts, input_ids, sample, rows=rows, buffers=self.buffers)
 
     def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
@@ -358,12 +373,12 @@ class Scheduler:
         """
         if self._step is None:
             raise RuntimeError("update() needs a plan from schedule()")
-        requests, counts, rows = self._step
-        ids = [r.request_id for r in requests]
-        if ids != plan.seq_ids[:len(requests)]:
+        expected, requests, counts, ids, rows = self._step
+        if plan is not expected:
             raise ValueError("plan is not the one the last schedule() returned")
         sampled = np.asarray(sampled_token_ids).reshape(-1).tolist()
-        sampling = [r for r, s in zip(requests, plan.sample_mask.tolist()) if s]
+        sampling = (requests if len(plan.logits_indices) == len(requests)  # all sample: no mask walk
+                    else [r for r, s in zip(requests, plan.sample_mask.tolist()) if s])
         if len(sampled) != len(sampling):
             raise ValueError(f"sampled_token_ids must hold {len(sampling)} tokens, one per sampling "
                              f"request; got {len(sampled)}")

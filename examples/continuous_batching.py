@@ -61,7 +61,9 @@ def main() -> int:
     cache = cupy_paged.PagedAttentionCache(args.layers, 2, 64, block_size=16, num_blocks=96,
                                            dtype=np.dtype(dtype).name)
     config = cupy_paged.SchedulerConfig(max_batch_tokens=256, max_num_seqs=16)
-    # On the GPU every plan goes into fixed device buffers: one upload per step for all layers.
+    # On the GPU every plan goes into fixed buffers (pinned host, device): their addresses never
+    # change, which replaying a captured CUDA graph needs, and unchanged block-table rows are not
+    # rewritten.
     buffers = (cupy_paged.PlanBuffers(max_batch=config.max_num_seqs, max_tokens=config.max_batch_tokens,
                                       max_blocks_per_seq=cache.max_blocks_per_seq, device="cuda")
                if xp is not np else None)

@@ -1,4 +1,5 @@
 """Scheduler and step plan: budgets, chunking, preemption, the plan arrays, a soak, determinism."""
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -90,6 +91,15 @@ def test_update_must_follow_schedule():
     assert scheduler.schedule().input_ids.tolist() == [3]
 
 
+def test_update_takes_only_the_plan_schedule_returned():
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", [1, 2], 2))
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match="not the one the last schedule"):
+        scheduler.update(dataclasses.replace(plan), [3])  # equal, but not the same plan
+    scheduler.update(plan, [3])
+
+
 # --------------------------------------------------------------------------- one step
 
 def test_decodes_go_first_then_prefills_under_the_budget():
@@ -151,6 +161,27 @@ def test_preempts_the_newest_and_recomputes_it():
     assert old.output_token_ids == new.output_token_ids == [3] * 12
     assert scheduler.num_preemptions == new.num_preemptions
     assert len(scheduler.cache) == 0 and scheduler.cache.num_free_blocks == 6
+
+
+def test_a_prefill_preempting_a_decode_leaves_the_other_decodes_rows_and_sampling_right():
+    scheduler = make_scheduler(num_blocks=4, max_batch_tokens=64, max_num_seqs=4, max_prefill_chunk=8,
+                               admission_margin=0.0)
+    scheduler.add_request(Request("a", list(range(8)), 3))
+    scheduler.add_request(Request("p", list(range(100, 120)), 1))  # chunks of 8, 8 and 4
+    scheduler.add_request(Request("d", list(range(200, 207)), 3))
+    plan = scheduler.schedule()  # one block each, one left free
+    assert plan.seq_ids == ["a", "p", "d"] and plan.sample_mask.tolist() == [True, False, True]
+    scheduler.update(plan, [1, 1])
+    plan = scheduler.schedule()  # a's decode takes the last block, so p's chunk preempts d, the newest
+    check_plan(plan, scheduler.cache)
+    assert plan.seq_ids == ["a", "p"] and plan.query_lens.tolist() == [1, 8]
+    assert plan.sample_mask.tolist() == [True, False] and plan.logits_indices.tolist() == [0]
+    assert scheduler.waiting[0].request_id == "d" and scheduler.num_preemptions == 1
+    scheduler.update(plan, [2])
+    finished = run_to_completion(scheduler, lambda plan: np.full(len(plan.logits_indices), 5),
+                                 on_plan=lambda plan: check_plan(plan, scheduler.cache))
+    outputs = {r.request_id: r.output_token_ids for r in finished}
+    assert outputs == {"a": [1, 2, 5], "p": [5], "d": [1, 5, 5]}
 
 
 def test_admission_keeps_a_margin_of_free_blocks():
