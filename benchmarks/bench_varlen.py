@@ -22,8 +22,9 @@ Cases (bf16, GQA 32 query / 8 kv heads unless named):
 FLOPs are ``4 Lq Lk D H`` per sequence, halved when causal.  Times are medians of CUDA-event
 timings after warm-up.  ``--sweep`` then (after the results are written, so that a failing
 candidate loses only the sweep) times on the prefill workloads the candidate tile shapes of
-the registered kernel, each with its registers as built here and its largest difference from
-the registered kernel's output; it adds ``"sweep"`` to the JSON and prints its table last.
+the registered kernel (``ops.varlen.WGMMA_CANDIDATES``), each with its registers as built here
+and its largest difference from the registered kernel's output; it adds ``"sweep"`` to the JSON
+and prints its table last.
 Writes ``benchmarks/results/varlen.json`` and prints a short table last.
 
 Run: ``python benchmarks/bench_varlen.py [--sweep] [--reps N]`` (``--warm`` only compiles).
@@ -48,29 +49,12 @@ import cupy_paged  # noqa: E402
 from cupy_paged._checks import BF16  # noqa: E402
 from cupy_paged._compiler import get_function  # noqa: E402
 from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops.varlen import TILES, WGMMA_TILES, WgmmaTiles, kernel_key, wgmma_key  # noqa: E402
+from cupy_paged.ops.varlen import TILES, WGMMA_CANDIDATES, WGMMA_TILES  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
-# Variants timed by --sweep: head dim -> [WgmmaTiles | Tiles], on the same data as the
-# registered kernel (earlier sweeps, with their outcomes, are in NOTES_varlen.md).  The wgmma
-# candidates are checked by tests/test_varlen_gpu.py::test_wgmma_candidates.
-SWEEP = {
-    128: [WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)],
-    64: [WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)],
-    256: [],
-}
-
-
-def sweep_label(tiles) -> str:
-    return tiles.label() if isinstance(tiles, WgmmaTiles) else "mma_" + tiles.label()
-
-
-def key_of(tiles, head_dim):
-    """(kernel key, kernel name) of a tile shape of either kernel."""
-    if isinstance(tiles, WgmmaTiles):
-        return wgmma_key(BF16, head_dim, tiles), varlen_ops.WGMMA_KERNEL
-    return kernel_key(BF16, head_dim, tiles), varlen_ops.KERNEL
+# --sweep times WGMMA_CANDIDATES (head dim -> wgmma tile shapes) on the same data as the
+# registered kernel; earlier sweeps, with their outcomes, are in NOTES_varlen.md.
 
 
 def mixed_lengths() -> list[int]:
@@ -229,9 +213,9 @@ def prefill_case(name, lens, head_dim, reps, cases):
     return batch, value
 
 
-def sweep_case(name, lens, head_dim, reps, sweep):
-    """The registered kernel and every SWEEP variant of ``head_dim`` on one batch: TFLOP/s,
-    registers and local memory of the variant as built on this machine, and the largest
+def sweep_case(name, lens, head_dim, reps):
+    """The registered kernel and every WGMMA_CANDIDATES shape of ``head_dim`` on one batch:
+    TFLOP/s, registers and local memory of the shape as built on this machine, and the largest
     difference of its output from the registered kernel's."""
     import cupy
 
@@ -241,14 +225,13 @@ def sweep_case(name, lens, head_dim, reps, sweep):
     registered()
     reference = batch.out.astype(np.float32)
     row = dict(name=name, registered=round(work / time_ms(registered, reps) / 1e9, 1), variants={})
-    sweep.append(row)
-    for tiles in SWEEP[head_dim]:
-        label = sweep_label(tiles)
+    for tiles in WGMMA_CANDIDATES.get(head_dim, ()):
+        label = tiles.label()
         fn = batch.ours(tiles)
         batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
         fn()
         diff = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
-        kernel = get_function(*key_of(tiles, head_dim), tiles.smem_bytes(head_dim))
+        kernel = get_function(*varlen_ops.specialization(BF16, head_dim, tiles), tiles.smem_bytes(head_dim))
         row["variants"][label] = dict(tflops=round(work / time_ms(fn, reps) / 1e9, 1), maxdiff=diff,
                                       registers=kernel.num_regs, local_bytes=kernel.local_size_bytes)
         print(f"  sweep {name:24} {label:22} {row['variants'][label]}", flush=True)
@@ -392,7 +375,7 @@ def resources() -> list[dict]:
         smem = tiles.smem_bytes(head_dim)
         fn = get_function(key, varlen_ops.WGMMA_KERNEL if key.arch else varlen_ops.KERNEL, smem)
         regs = fn.num_regs
-        warps = 4 * tiles.groups if key.arch else tiles.warps
+        warps = tiles.threads // 32
         by_regs = regs_sm // (warps * 32 * math.ceil(regs / 8) * 8)
         by_smem = smem_sm // (smem + 1024)
         ctas = min(by_regs, by_smem, 64 // warps)
@@ -406,7 +389,7 @@ def warm_all() -> None:
     registered ones)."""
     import multiprocessing
 
-    keys = [key_of(t, d)[0] for d, shapes in SWEEP.items() for t in shapes]
+    keys = [varlen_ops.wgmma_key(BF16, d, t) for d, shapes in WGMMA_CANDIDATES.items() for t in shapes]
     with multiprocessing.get_context("spawn").Pool() as pool:
         pool.map(_warm_one, keys)
 
@@ -471,7 +454,7 @@ def main() -> int:
         for name, lens, head_dim in (("causal_d128_8x4096", [4096] * 8, 128),
                                      ("causal_d128_mixed", mixed_lengths(), 128),
                                      ("causal_d64_16x2048", [2048] * 16, 64)):
-            sweep_case(name, lens, head_dim, args.reps, sweep)
+            sweep.append(sweep_case(name, lens, head_dim, args.reps))
         result["sweep"] = sweep
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\n{'sweep case':22} {'variant':22} {'TFLOP/s':>8} {'x reg.':>7} {'regs':>5} {'local':>6} maxdiff")

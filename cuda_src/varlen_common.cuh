@@ -1,8 +1,10 @@
 // Pieces of the varlen forward pass shared by its two kernels (varlen.cu: mma.sync, sm_80+;
 // varlen_wgmma.cu: wgmma, sm_90a).  The including file defines, in namespace varlen, the element
 // type T and the traits Tr (kHeadDim, kBlockM, kBlockN, kThreads, kChunks, kMTiles, kNTiles,
-// kDTiles, and QTile / KVTile, the shared-memory layouts of the Q and K/V tiles, each with a
-// static offset(row, chunk)); these functions are written against those names only.
+// kDTiles; the K/V pipeline's kStages, kAhead (tiles in flight ahead of the one computed) and
+// kKVBytes (bytes of one K or V tile); and QTile / KVTile, the shared-memory layouts of the Q and
+// K/V tiles, each with a static offset(row, chunk)); these functions are written against those
+// names only.
 #pragma once
 
 namespace varlen {
@@ -39,8 +41,9 @@ struct WarpState {
 
 // ---------------------------------------------------------------------------- loads
 
-// A tile of kRows rows is loaded in passes of kThreads 16-byte chunks; the shapes of TILES
-// divide evenly, so every pass is full and the loops unroll without bounds checks.
+// A tile of kRows rows is loaded in passes of kThreads 16-byte chunks; the shapes of TILES and
+// WGMMA_TILES (ops/varlen.py) divide evenly, so every pass is full and the loops unroll without
+// bounds checks.
 template <int kRows>
 struct TilePasses {
   static constexpr int kTotal = kRows * Tr::kChunks;
@@ -198,8 +201,10 @@ __device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][
 // Online softmax: new row max, rescale O and the running sum by exp2((m_old - m_new) * scale),
 // S -> P = exp2(S * scale - m_new * scale).  A row that has seen no key keeps max -inf; its
 // base is taken as 0 so that exp2(-inf - 0) = 0 and nothing becomes NaN.
-// Split in two so that a caller may rescale O later (the wgmma kernel: once P V of the previous
-// tile, which accumulates into O, has completed): softmax_scores returns each row's factor alpha.
+// Split in two (softmax_scores returns each row's factor alpha, rescale_o applies it) because the
+// wgmma kernel calls the halves itself: it waits for P V before the next tile, so nothing needs
+// them apart any more, but calling online_softmax there changes its machine code (register
+// allocation), which has not been re-timed.
 using RowFactors = float[Tr::kMTiles][2];
 
 __device__ __forceinline__ void softmax_scores(float (&s)[Tr::kMTiles][Tr::kNTiles][4], WarpState& st,

@@ -12,9 +12,9 @@
 //   softmax      per warp, on the accumulators (varlen_common.cuh)
 //   O += P V     BLOCK_N / 16 wgmma m64n{HEAD_DIM}k16, P from registers (the S accumulators
 //                re-packed as A fragments), V from shared memory read N-major (trans-b)
-// K, V and Q tiles are stored in wgmma's 128-byte-swizzle layout (cp::Sw128Tile).  Shared memory
-// written by cp.async (generic proxy) is read by wgmma (async proxy): every thread fences the
-// proxies after its copies land and before the barrier that publishes them.
+// K, V and Q tiles are stored in wgmma's 128-byte-swizzle layout (cp::Sw128Tile, sm90.cuh).
+// Shared memory written by cp.async (generic proxy) is read by wgmma (async proxy): every thread
+// fences the proxies after its copies land and before the barrier that publishes them.
 //
 // Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys per tile),
 // NUM_STAGES (K/V pipeline depth).  Compiled for sm_90a only (ops/varlen.py picks this kernel on
@@ -22,6 +22,7 @@
 // P V with the next tile's softmax was built and measured slower (NOTES_varlen.md, v5).
 #include "common.cuh"
 #include "mma.cuh"
+#include "sm90.cuh"
 #include "wgmma.cuh"
 
 namespace varlen {

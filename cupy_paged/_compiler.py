@@ -270,11 +270,12 @@ def parse_ptxas_log(log: str) -> list[KernelResources]:
     return kernels
 
 
-def _nvrtc_compile(key: KernelKey, arch: str) -> tuple[str, bytes]:
-    """(ptxas log, cubin) of ``key`` for ``arch``, through NVRTC alone (no GPU needed)."""
+def _nvrtc_compile(key: KernelKey, arch: str, verbose: bool = False) -> tuple[str, bytes]:
+    """(NVRTC log, cubin) of ``key`` for ``arch``, through NVRTC alone (no GPU needed);
+    ``verbose`` adds ptxas's resource report (``-Xptxas=-v``) to the log."""
     from cupy.cuda import nvrtc
 
-    options = list(key.options()) + [f"-arch={arch}", "-Xptxas=-v"]
+    options = list(key.options()) + [f"-arch={arch}"] + (["-Xptxas=-v"] if verbose else [])
     options += [f"-I{d}" for d in cuda_include_dirs()]
     program = nvrtc.createProgram(load_source(key.source), key.source, [], [])
     try:
@@ -290,11 +291,14 @@ def _nvrtc_compile(key: KernelKey, arch: str) -> tuple[str, bytes]:
     return log, cubin
 
 
-def compile_offline(key: KernelKey, arch: str = "sm_90") -> CompileReport:
-    """Compile ``key`` for ``arch`` (its pinned one, if it has one) through NVRTC alone (no GPU);
-    raise on a compile error."""
-    arch = key.arch or arch
-    log, cubin = _nvrtc_compile(key, arch)
+def compile_offline(key: KernelKey, arch: str | None = None) -> CompileReport:
+    """Compile ``key`` for ``arch`` (default: its pinned one, else sm_90) through NVRTC alone
+    (no GPU); raise on a compile error.  A key that pins an architecture is built for that one
+    only (``key.archs()``): asking it for another is a ValueError."""
+    arch = arch or key.archs(("sm_90",))[0]
+    if arch not in key.archs((arch,)):
+        raise ValueError(f"{key} is pinned to {key.arch}; it cannot be compiled for {arch}")
+    log, cubin = _nvrtc_compile(key, arch, verbose=True)
     return CompileReport(key, arch, parse_ptxas_log(log), log, len(cubin))
 
 

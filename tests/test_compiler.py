@@ -13,6 +13,28 @@ def test_headers_are_folded_into_the_source():
     assert text.count("struct alignas(16) Vec8") == 1
 
 
+def test_nested_headers_are_folded_and_hashed(tmp_path, monkeypatch):
+    """A header included by a header (sm90.cuh, by wgmma.cuh and varlen_wgmma.cu) is folded in
+    once, and is part of the source hash that keys the caches."""
+    import shutil
+
+    text = _compiler.load_source("varlen_wgmma.cu")
+    assert '#include "' not in text
+    assert text.count("struct Sw128Tile") == 1  # from sm90.cuh
+    key = next(k for k in KEYS if k.source == "varlen_wgmma.cu")
+    shutil.copytree(_compiler.source_dir(), tmp_path / "cuda_src")
+    monkeypatch.setattr(_compiler, "source_dir", lambda: tmp_path / "cuda_src")
+    try:
+        _compiler.load_source.cache_clear()
+        before = _compiler.source_hash(key)
+        with open(tmp_path / "cuda_src" / "sm90.cuh", "a") as header:
+            header.write("// edited\n")
+        _compiler.load_source.cache_clear()
+        assert _compiler.source_hash(key) != before
+    finally:
+        _compiler.load_source.cache_clear()
+
+
 def test_keys_spell_every_parameter_and_are_unique():
     texts = [str(k) for k in KEYS]
     assert len(set(texts)) == len(texts)
@@ -35,32 +57,30 @@ def test_compile_error_is_reported():
         _compiler.compile_offline(broken, "sm_90")
 
 
-@pytest.mark.parametrize("key,arch", [(key, arch) for key in KEYS for arch in key.archs()],
-                         ids=lambda x: str(x))
+def _candidate_keys():
+    """The kernel keys of the shapes the benchmarks' sweeps time against the registered ones:
+    ``ops.decode.CANDIDATES`` and ``ops.varlen.WGMMA_CANDIDATES``."""
+    from cupy_paged._checks import BF16
+    from cupy_paged.ops import decode, varlen
+
+    return ([decode.kernel_key(BF16, head_dim, tiles)
+             for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
+            + [varlen.wgmma_key(BF16, head_dim, tiles)
+               for head_dim, shapes in sorted(varlen.WGMMA_CANDIDATES.items()) for tiles in shapes])
+
+
+@pytest.mark.parametrize("key,arch", [pytest.param(key, arch, id=f"{kind}-{key}-{arch}")
+                                      for kind, keys in (("registered", KEYS), ("candidate", _candidate_keys()))
+                                      for key in keys for arch in key.archs()])
 def test_every_specialization_compiles(key, arch):
     """CI has no GPU: this is where every kernel is compiled, for sm_80 and sm_90 (and the
-    wgmma kernels for the one target they run on, sm_90a)."""
+    wgmma kernels for the one target they run on, sm_90a): every registered key, and every
+    candidate shape of the sweeps, which reaches the GPU only there and must build, unspilled,
+    before that."""
     report = _compiler.compile_offline(key, arch)
     assert report.arch == arch and report.kernels, f"{key}: no kernel in the cubin"
     for kernel in report.kernels:
-        assert kernel.spill_stores == kernel.spill_loads == 0, f"{kernel.kernel} spills"
-
-
-def _candidate_keys():
-    """The kernel keys of the shapes the benchmarks' sweeps time against the registered ones."""
-    from cupy_paged._checks import BF16
-    from cupy_paged.ops import decode
-
-    return [decode.kernel_key(BF16, head_dim, tiles)
-            for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
-
-
-@pytest.mark.parametrize("key", _candidate_keys(), ids=str)
-def test_sweep_candidates_compile(key):
-    """A candidate shape reaches the GPU only in a sweep: it must build, unspilled, before that."""
-    for arch in key.archs():
-        report = _compiler.compile_offline(key, arch)
-        assert all(k.spill_stores == k.spill_loads == 0 for k in report.kernels), f"{key} spills on {arch}"
+        assert kernel.spill_stores == kernel.spill_loads == 0, f"{kernel.kernel} spills on {arch}"
 
 
 def test_pinned_architecture_keys():
@@ -70,6 +90,9 @@ def test_pinned_architecture_keys():
     # wgmma only assembles for sm_90a: a plain sm_90 build must fail, or the key would not need pinning
     with pytest.raises(RuntimeError, match="failed to compile"):
         _compiler.compile_offline(_compiler.KernelKey(pinned[0].source, pinned[0].params), "sm_90")
+    # a pinned key is built for its architecture only: another is refused, not replaced
+    with pytest.raises(ValueError, match="pinned"):
+        _compiler.compile_offline(pinned[0], "sm_90")
 
 
 def test_generated_wgmma_header_is_current():

@@ -1,6 +1,8 @@
 """flash_attn_varlen_func on the GPU (cuda_src/varlen.cu, cuda_src/varlen_wgmma.cu) against the
-CPU reference backend.  Every test runs once per kernel: ``wgmma`` (the default on compute
-capability 9.0, for the head dims it serves) and ``mma_sync`` (the default elsewhere).
+CPU reference backend.  Every test is parametrized over both kernels: ``wgmma`` (the default on
+compute capability 9.0, for the head dims it serves) and ``mma_sync`` (the default elsewhere);
+the fixture skips the runs that do not apply (a head dim wgmma does not serve, another kernel's
+candidate shapes, the wgmma dispatch check under ``mma_sync``).
 
 Every case draws fresh random inputs, runs the public function once on NumPy copies (the
 reference) and once on CuPy arrays with a NaN-poisoned ``out``, and checks every element of
@@ -14,6 +16,7 @@ import pytest
 
 import cupy_paged
 from cupy_paged.layout import cu_seqlens_from_lengths
+from cupy_paged.ops import varlen as varlen_ops
 from _util import DTYPES, assert_close, assert_same_bits, poisoned, randn, scatter_paged, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +28,6 @@ NUM_HEADS = 8
 def kernel(request, monkeypatch):
     """Runs the test on one of the two varlen kernels."""
     import cupy
-    from cupy_paged.ops import varlen as varlen_ops
 
     if request.param == "mma_sync":
         monkeypatch.setattr(varlen_ops, "USE_WGMMA", False)
@@ -43,12 +45,33 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-def test_wgmma_kernel_is_the_default_on_hopper(kernel):
-    """The wgmma path is really taken (so the tests under ``wgmma`` test it)."""
-    from cupy_paged.ops import varlen as varlen_ops
-
+def test_wgmma_kernel_is_the_default_on_hopper(kernel, monkeypatch):
+    """The wgmma path is really taken (so the tests under ``wgmma`` test it): a call launches the
+    wgmma kernel for every head dim it serves, and the mma.sync kernel for the others."""
+    if kernel != "wgmma":
+        pytest.skip("checks the dispatch to the wgmma kernel")
     for head_dim in (32, 64, 96, 128, 256):
         assert varlen_ops.wgmma_available(head_dim) == (kernel == "wgmma" and head_dim in varlen_ops.WGMMA_TILES)
+
+    launched = []
+    launch = varlen_ops._launch
+
+    def spy(device, dtype, head_dim, tiles):
+        launched.append((head_dim, tiles))
+        return launch(device, dtype, head_dim, tiles)
+
+    monkeypatch.setattr(varlen_ops, "_launch", spy)
+    for head_dim in (32, 64, 96, 128, 256):
+        launched.clear()
+        run_case(16, "bfloat16", head_dim, [5, 70], [9, 70], num_kv_heads=2, causal=True)
+        (shape,) = {tiles for d, tiles in launched if d == head_dim}
+        _, kernel_name = varlen_ops.specialization(np.float16, head_dim, shape)
+        if head_dim in varlen_ops.WGMMA_TILES:
+            assert shape == varlen_ops.WGMMA_TILES[head_dim] and kernel_name == varlen_ops.WGMMA_KERNEL
+        else:
+            assert shape == varlen_ops.TILES[head_dim] and kernel_name == varlen_ops.KERNEL
+
+
 LSE_RTOL = 1e-3  # the LSE is float32 from fp32 scores: only exp2/log2 rounding separates them
 
 
@@ -233,11 +256,8 @@ CANDIDATES = {
 @pytest.mark.parametrize("candidate", sorted(CANDIDATES))
 def test_candidate_variants(monkeypatch, candidate):
     """Each candidate through the public function: the edge grid causal with LSE, chunked
-    prefill, and paged K/V with every option."""
-    from cupy_paged.ops import varlen as varlen_ops
-
+    prefill, and paged K/V with every option (the fixture runs it under ``mma_sync`` only)."""
     head_dim, shape = CANDIDATES[candidate]
-    monkeypatch.setattr(varlen_ops, "USE_WGMMA", False)
     monkeypatch.setitem(varlen_ops.TILES, head_dim, varlen_ops.Tiles(**shape))
     _candidate_cases(15, head_dim)
 
@@ -252,22 +272,13 @@ def _candidate_cases(seed, head_dim):
              window=(100, 3), softcap=10.0, alibi=True, lse=True)
 
 
-# wgmma tile shapes that the benchmark's --sweep times next to the registered WGMMA_TILES
-# (the earlier default of D=64, two warpgroups, among them).
-WGMMA_CANDIDATES = {
-    "d128_1group_n64_s2": (128, dict(block_n=64, stages=2, groups=1)),
-    "d128_n128_s3": (128, dict(block_n=128, stages=3)),
-    "d64_2groups_n128_s2": (64, dict(block_n=128, stages=2)),
-    "d64_1group_n128_s2": (64, dict(block_n=128, stages=2, groups=1)),
-}
-
-
-@pytest.mark.parametrize("candidate", sorted(WGMMA_CANDIDATES))
-def test_wgmma_candidates(monkeypatch, candidate):
-    from cupy_paged.ops import varlen as varlen_ops
-
-    head_dim, shape = WGMMA_CANDIDATES[candidate]
-    monkeypatch.setitem(varlen_ops.WGMMA_TILES, head_dim, varlen_ops.WgmmaTiles(**shape))
+# The wgmma tile shapes that the benchmark's --sweep times next to the registered WGMMA_TILES
+# (ops.varlen.WGMMA_CANDIDATES).  A failure here rules out that shape only.
+@pytest.mark.parametrize("head_dim,tiles", [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
+                                            for head_dim, shapes in sorted(varlen_ops.WGMMA_CANDIDATES.items())
+                                            for tiles in shapes])
+def test_wgmma_candidates(monkeypatch, head_dim, tiles):
+    monkeypatch.setitem(varlen_ops.WGMMA_TILES, head_dim, tiles)
     _candidate_cases(18, head_dim)
 
 

@@ -7,6 +7,8 @@ sm_90a, head dims in :data:`WGMMA_TILES`) runs on compute capability 9.0, ``varl
 head dim) each; tile shapes come from :data:`TILES` and :data:`WGMMA_TILES`.  Causal
 masking, sliding windows, softcap, ALiBi, the LSE output and paged K/V (any block size)
 are run-time arguments, so a fresh machine compiles at most one module per (dtype, head dim).
+``run(p, tiles)`` launches another shape: :data:`WGMMA_CANDIDATES` are the ones the
+benchmark's ``--sweep`` times and ``tests/test_varlen_gpu.py`` checks.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
 from .._compiler import KernelKey, get_function, register_family
-from ._common import cuda_scalar, element_strides, is_vectorised, smem_row_bytes, vectorised
+from ._common import cuda_scalar, device_property, element_strides, is_vectorised, smem_row_bytes, vectorised
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
@@ -39,6 +41,10 @@ class Tiles:
     warps: int
     stages: int
     min_blocks: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     def label(self) -> str:
         return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}m{self.min_blocks}"
@@ -94,6 +100,14 @@ WGMMA_TILES = {
     256: WgmmaTiles(64, 2),            # 198 KB
 }
 
+# Other wgmma tile shapes (head dim -> shapes), timed by benchmarks/bench_varlen.py --sweep next
+# to WGMMA_TILES and checked by tests/test_varlen_gpu.py::test_wgmma_candidates (the earlier
+# default of D=64, two warpgroups, among them).
+WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
+    64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
+    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
+}
+
 
 def wgmma_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKey:
     """The wgmma specialization (sm_90a) for ``dtype`` and ``head_dim``."""
@@ -113,6 +127,13 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     return KernelKey(SOURCE, params)
 
 
+def specialization(dtype, head_dim: int, tiles: Tiles | WgmmaTiles) -> tuple[KernelKey, str]:
+    """(kernel key, kernel name) of a tile shape of either kernel; the shape's type picks it."""
+    if isinstance(tiles, WgmmaTiles):
+        return wgmma_key(dtype, head_dim, tiles), WGMMA_KERNEL
+    return kernel_key(dtype, head_dim, tiles), KERNEL
+
+
 def all_keys():
     return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
 
@@ -125,30 +146,23 @@ register_family("varlen", all_keys)
 register_family("varlen_wgmma", all_wgmma_keys)
 
 
-def wgmma_available(head_dim: int) -> bool:
-    """Whether the wgmma kernel serves ``head_dim`` on the current device."""
-    import cupy
+def wgmma_available(head_dim: int, device: int | None = None) -> bool:
+    """Whether the wgmma kernel serves ``head_dim`` on ``device`` (default: the current one)."""
+    if not USE_WGMMA or head_dim not in WGMMA_TILES:
+        return False
+    if device is None:
+        import cupy
 
-    return (USE_WGMMA and head_dim in WGMMA_TILES
-            and _compute_capability(cupy.cuda.runtime.getDevice()) == "90")
-
-
-@functools.cache
-def _compute_capability(device: int) -> str:
-    import cupy
-
-    return cupy.cuda.Device(device).compute_capability
+        device = cupy.cuda.runtime.getDevice()
+    return device_property(device, "major") == 9 and device_property(device, "minor") == 0
 
 
 @functools.lru_cache(maxsize=512)
 def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
-    """(kernel, dynamic shared memory, query rows per CTA, threads) of a tile shape: what a
-    call's shapes decide, looked up once per (device, dtype, head dim, shape)."""
+    """(kernel, dynamic shared memory) of a tile shape: what a call's shapes decide, looked up
+    once per (device, dtype, head dim, shape)."""
     smem = tiles.smem_bytes(head_dim)
-    if isinstance(tiles, WgmmaTiles):
-        return (get_function(wgmma_key(dtype, head_dim, tiles), WGMMA_KERNEL, smem), smem,
-                tiles.block_m, tiles.threads)
-    return get_function(kernel_key(dtype, head_dim, tiles), KERNEL, smem), smem, tiles.block_m, 32 * tiles.warps
+    return get_function(*specialization(dtype, head_dim, tiles), smem), smem
 
 
 def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
@@ -160,9 +174,10 @@ def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
     if p.batch == 0 or total_q == 0 or p.max_seqlen_q == 0:
         return
     head_dim, num_heads = p.head_dim, p.num_heads
+    device = cupy.cuda.runtime.getDevice()
     if tiles is None:
-        tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim) else TILES[head_dim]
-    function, smem, block_m, threads = _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, head_dim, tiles)
+        tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim, device) else TILES[head_dim]
+    function, smem = _launch(device, p.q.dtype, head_dim, tiles)
 
     # A paged cache is C-contiguous and 16-byte aligned (_checks), so its slots (block *
     # block_size + offset) are one positive stride apart, as the kernel addresses them, and it is
@@ -190,8 +205,8 @@ def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
     q_row, q_head, _ = element_strides(q)
     left, right = p.window
 
-    grid = ((p.max_seqlen_q + block_m - 1) // block_m, num_heads, p.batch)
-    function(grid, (threads,),
+    grid = ((p.max_seqlen_q + tiles.block_m - 1) // tiles.block_m, num_heads, p.batch)
+    function(grid, (tiles.threads,),
              (q, k, v, out, p.lse if p.lse is not None else null,
               p.cu_seqlens_q, p.cu_seqlens_k, table,
               p.alibi_slopes if p.alibi_slopes is not None else null,
