@@ -29,9 +29,9 @@
 // that needs it, and the CTAs of split 0 / row group 0 copy the new tokens into the cache.  No CTA
 // reads a cache slot that this launch writes, so the fused append has no race.
 //
-// A contiguous cache [B, S, Hkv, D] comes with no block table: it is read as blocks of one token,
-// the id of key j of sequence b being b * S + j.  An int cache_seqlens comes as one value for every
-// sequence (DecodeParams::cached_all) instead of an array.  So a call builds no index arrays.
+// A contiguous cache [B, S, Hkv, D] is read as B * S blocks of one token through an identity table
+// (ops/decode.py keeps one per device), and an int cache_seqlens comes as one value for every
+// sequence (DecodeParams::cached_all): a call builds no index arrays.
 //
 // Safety: a block id outside [0, num_blocks), a block-table column past max_blocks and a negative
 // cache_seqlens are treated as holes: no read, no write, the keys count as masked.
@@ -104,20 +104,15 @@ struct KeySource {
   const T* k_new;
   const T* v_new;
   long long kn_token, vn_token;  // element strides of k_new/v_new along seqlen_new
-  const int* table_row;          // block_table[b], or null for a contiguous cache
-  int first_block;               // contiguous cache: the id of the sequence's first block (b * S)
-  int max_blocks, num_blocks, block_shift;  // block size 1 << block_shift
+  const int* table_row;          // block_table[b]
+  int max_blocks, num_blocks, block_size, block_shift;  // block_size = 1 << block_shift
   int num_kv_heads, kv_head, cached;        // cached = cache_seqlens[b] (>= 0)
 
   // The block size is a power of two: no division (NOTES_decode.md, v13c: +4% at 256 x 2048).
   __device__ __forceinline__ int column(int j) const { return j >> block_shift; }
-  __device__ __forceinline__ int offset(int j) const { return j & ((1 << block_shift) - 1); }
+  __device__ __forceinline__ int offset(int j) const { return j & (block_size - 1); }
   __device__ __forceinline__ long long cache_vec(int block, int j, int vec) const {
-    return ((((long long)block << block_shift) + offset(j)) * num_kv_heads + kv_head) * kChunks + vec;
-  }
-  // The block id of table column `col` (< max_blocks); a hole is < 0 or >= num_blocks.
-  __device__ __forceinline__ int block_id(int col) const {
-    return table_row ? __ldg(table_row + col) : first_block + col;
+    return (((long long)block * block_size + offset(j)) * num_kv_heads + kv_head) * kChunks + vec;
   }
 };
 
@@ -165,16 +160,15 @@ __device__ __forceinline__ bool issue_tile(const KeySource& src, int start, int 
   return all_ok;
 }
 
-// The block-table entries of the tile at `start` -> its id slot in shared memory, one 4-byte
-// cp.async per key (a contiguous cache's ids are computed and stored).  Keys from `limit` on and
-// keys past the table read nothing (the slot gets 0, which read_blocks discards).
-__device__ __forceinline__ void issue_ids(const KeySource& src, int start, int limit, int* slot) {
+// The block-table entries of the tile at `start` -> its id slot (`slot`, a shared-memory
+// address), one 4-byte cp.async per key.  Keys from `limit` on and keys past the table read
+// nothing (the slot gets 0, which read_blocks discards).
+__device__ __forceinline__ void issue_ids(const KeySource& src, int start, int limit, u32 slot) {
   for (int key = threadIdx.x; key < kTileKeys; key += kThreads) {
     const int j = start + key;
     const int col = src.column(j);
     const bool ok = j < limit && col < src.max_blocks;
-    if (src.table_row) cp::cp_async_4(cp::smem_address(slot + key), src.table_row + (ok ? col : 0), ok);
-    else slot[key] = ok ? src.first_block + col : 0;
+    cp::cp_async_4(slot + 4 * key, src.table_row + (ok ? col : 0), ok);
   }
 }
 
@@ -217,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     cp::Vec8* k_cache_w, cp::Vec8* v_cache_w,  // the same caches, written by the append (no restrict: aliases)
     const T* __restrict__ k_new, const T* __restrict__ v_new,                        // [B, Sn, Hkv, D] or null
     const int* __restrict__ cache_seqlens,  // [B], or null: params.cached_all for every sequence
-    const int* __restrict__ block_table,    // [B, max_blocks], or null: a contiguous cache
+    const int* __restrict__ block_table,    // [B, max_blocks]
     const float* __restrict__ alibi_slopes,
     T* __restrict__ out,                  // [B, Sq, H, D] contiguous
     float* __restrict__ lse,              // [B, H, Sq] or null
@@ -241,7 +235,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   const u32 vs = ks + Smem::kV;
   const u32 qs = ks + Smem::kQ;
   int* flags = reinterpret_cast<int*>(smem_raw + Smem::kFlags);
-  int* ids = reinterpret_cast<int*>(smem_raw + Smem::kIds);  // [kIdSlots][kTileKeys]
+  const int* ids = reinterpret_cast<const int*>(smem_raw + Smem::kIds);  // [kIdSlots][kTileKeys]
+  const u32 ids_s = ks + Smem::kIds;
 
   const int row_group = blockIdx.x % row_groups;
   const int split = blockIdx.x / row_groups;
@@ -259,10 +254,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   src.v_new = v_new ? v_new + b * vn_batch + kv_head * vn_head : nullptr;
   src.kn_token = kn_token;
   src.vn_token = vn_token;
-  src.table_row = block_table ? block_table + (long long)b * max_blocks : nullptr;
-  src.first_block = b * max_blocks;
+  src.table_row = block_table + (long long)b * max_blocks;
   src.max_blocks = max_blocks;
   src.num_blocks = num_blocks;
+  src.block_size = 1 << block_shift;
   src.block_shift = block_shift;
   src.num_kv_heads = num_kv_heads;
   src.kv_head = kv_head;
@@ -329,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // Prologue, second round trip: the block ids of the first tiles (NOTES_decode.md, v9: issuing
   // them with the first round trip where the keys start at 0 gained nothing).
   const int id_limit = min(end, src.cached);  // keys whose block ids are read
-  for (int s = 0; s < kStages - 1 && s < num_tiles; ++s) issue_ids(src, start + s * kTileKeys, id_limit, ids + s * kTileKeys);
+  for (int s = 0; s < kStages - 1 && s < num_tiles; ++s) issue_ids(src, start + s * kTileKeys, id_limit, ids_s + s * kTileKeys * 4);
   cp::cp_async_commit();
   cp::cp_async_wait<0>();
   __syncthreads();
@@ -341,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     const int tile_start = start + tile * kTileKeys;
     read_blocks(src, tile_start, ids + (tile % kIdSlots) * kTileKeys, blocks);
     const int ahead = tile + kStages - 1;
-    if (ahead < num_tiles) issue_ids(src, start + ahead * kTileKeys, id_limit, ids + (ahead % kIdSlots) * kTileKeys);
+    if (ahead < num_tiles) issue_ids(src, start + ahead * kTileKeys, id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
     return k_new ? issue_tile<true>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags)
                  : issue_tile<false>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags);
   };
@@ -359,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
       const int j = src.cached + tok;
       const int col = src.column(j);
       if (col >= max_blocks) continue;
-      const int id = src.block_id(col);
+      const int id = __ldg(src.table_row + col);
       if (id < 0 || id >= num_blocks) continue;
       const long long at = src.cache_vec(id, j, v);
       k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];

@@ -260,10 +260,10 @@ def test_cuda_graph_replay_equals_eager():
 
 
 def test_cuda_graph_of_a_contiguous_cache_with_an_int_length():
-    """A contiguous cache and an int cache_seqlens reach the kernel as they are (no block table, the
-    length by value), so a call with a length never seen before can be captured (the warm-up only
-    loads the kernel): its replay equals an eager call bitwise, caches included, and both match the
-    CPU reference."""
+    """A contiguous cache and an int cache_seqlens need no per-call index arrays (one identity
+    table per device, the length by value), so after a warm-up with another length (it loads the
+    kernel and sizes the identity table) a call with a new length can be captured: its replay
+    equals an eager call bitwise, caches included, and both match the CPU reference."""
     import cupy
 
     rng = np.random.default_rng(21)

@@ -18,8 +18,9 @@ the cache's capacity per sequence: ``max_blocks * block_size``, or S of a contig
 choosing it needs no device-to-host copy and a captured graph replays the same choice.  What the
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
 the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).  A contiguous
-cache is launched without a block table (the kernel reads it as blocks of one token) and an int
-``cache_seqlens`` as one value in that struct, so a call builds no index arrays.
+cache is read as blocks of one token through one identity table per device (grown like the
+workspace, so it too must be sized before a capture: one eager call), and an int
+``cache_seqlens`` travels as one value in that struct, so a call builds no index arrays.
 
 Tile shapes
 -----------
@@ -156,27 +157,50 @@ def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int
 # --------------------------------------------------------------------------- workspace
 
 _WORKSPACES: dict[tuple[int, int], object] = {}
-_RETIRED: list[object] = []  # outgrown workspaces: a captured graph may still write into them
+_IDENTITIES: dict[int, object] = {}
+_RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
+
+
+def _grown(store: dict, key, size: int, make, what: str):
+    """``store[key]``, replaced by ``make(n)`` (n >= size, at least doubling) when it holds fewer
+    than ``size`` elements.  Growing allocates, so under graph capture it raises instead; an
+    outgrown buffer is kept alive for the graphs captured with it."""
+    import cupy
+
+    current = store.get(key)
+    if current is None or current.size < size:
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError(
+                f"{what} must hold {size} elements but holds {0 if current is None else current.size}: "
+                "make one eager call with the same shapes on this stream before capture (for the "
+                "split-KV workspace, cupy_paged.ops.decode.reserve_workspace(...) also does)")
+        if current is not None:
+            _RETIRED.append(current)
+        current = make(max(size, 2 * (0 if current is None else current.size)))
+        store[key] = current
+    return current
 
 
 def _workspace(num_floats: int):
+    """The current stream's float32 split-KV workspace, of at least ``num_floats``."""
     import cupy
 
-    stream = cupy.cuda.get_current_stream()
-    key = (cupy.cuda.Device().id, stream.ptr)
-    current = _WORKSPACES.get(key)
-    if current is None or current.size < num_floats:
-        if stream.is_capturing():
-            raise RuntimeError(
-                f"the split-KV workspace must hold {num_floats} floats but this stream's has "
-                f"{0 if current is None else current.size}: make one eager call with the same shapes "
-                "on this stream, or call cupy_paged.ops.decode.reserve_workspace(...), before capture")
-        if current is not None:
-            _RETIRED.append(current)
-        size = max(num_floats, 2 * (0 if current is None else current.size))
-        current = cupy.empty(size, dtype=np.float32)
-        _WORKSPACES[key] = current
-    return current
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    return _grown(_WORKSPACES, key, num_floats, lambda n: cupy.empty(n, np.float32), "the split-KV workspace")
+
+
+def _identity_table(size: int):
+    """int32 ``0, 1, ..., size - 1`` (at least) on the current device: the block table of a
+    contiguous cache ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).
+    One per device, grown, never built per call."""
+    import cupy
+
+    def make(n):
+        table = cupy.arange(n, dtype=np.int32)
+        cupy.cuda.get_current_stream().synchronize()  # filled before another stream reads it
+        return table
+
+    return _grown(_IDENTITIES, cupy.cuda.Device().id, size, make, "the identity block table")
 
 
 def _workspace_floats(splits: int, rows_total: int, head_dim: int) -> int:
@@ -225,20 +249,19 @@ class _Launch:
     threads: int       # of a paged_decode CTA
 
 
-def _cache_geometry(p: DecodeProblem) -> tuple[object, int, int, int]:
-    """``(block_table or None, max_blocks, num_blocks, block_shift)`` as paged_decode reads the
-    cache: a paged one through its table; a contiguous ``[B, S, Hkv, D]`` one without a table, as
-    B * S blocks of one token (any S, and no table to build)."""
+def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
+    """``(max_blocks, num_blocks, block_shift)`` as paged_decode reads the cache: a paged one
+    through its table; a contiguous ``[B, S, Hkv, D]`` one as B * S blocks of one token (any S)."""
     if p.block_table is None:
         seqlen_cache = int(p.k_cache.shape[1])
-        return None, seqlen_cache, p.batch * seqlen_cache, 0
-    return p.block_table, int(p.block_table.shape[1]), int(p.k_cache.shape[0]), p.block_size.bit_length() - 1
+        return seqlen_cache, p.batch * seqlen_cache, 0
+    return int(p.block_table.shape[1]), int(p.k_cache.shape[0]), p.block_size.bit_length() - 1
 
 
 def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
     import cupy
 
-    _, max_blocks, _, shift = _cache_geometry(p)
+    max_blocks, _, shift = _cache_geometry(p)
     return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.num_kv_heads, max_blocks << shift,
                    p.num_splits, tiles or TILES[p.head_dim])
 
@@ -287,7 +310,8 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
     if batch == 0:
         return
     num_kv_heads = p.k_cache.shape[2]
-    table, max_blocks, num_blocks, shift = _cache_geometry(p)
+    max_blocks, num_blocks, shift = _cache_geometry(p)
+    table = p.block_table if p.block_table is not None else _identity_table(num_blocks)
     launch = _launch_plan(p, tiles)
     splits = launch.splits
 
@@ -320,7 +344,7 @@ def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
         p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
     launch.decode((launch.row_groups * splits, num_kv_heads, batch), (launch.threads,),
                   (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
-                   lengths, null if table is None else table,
+                   lengths, table,
                    null if p.alibi_slopes is None else p.alibi_slopes,
                    p.out, lse, part_out, part_lse, null if trace is None else trace),
                   shared_mem=launch.smem)
