@@ -73,4 +73,31 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The device error word: int[4] = {code, sequence (or token), detail, count}, one per device
+// (cupy_paged/_errors.py allocates it, passes it to every launch and reads it in check_errors()).
+// A kernel that meets a bad index value -- something the host could not check without a copy --
+// treats it as a hole and records it here; the first report wins the code, every report counts.
+// The codes are _errors.CODES, in this order.
+enum ErrorCode : int {
+  kErrNone = 0,
+  kErrBlockId = 1,      // block_table entry outside [0, num_blocks) where a block is needed (detail: column)
+  kErrTableShort = 2,   // cache_seqlens (+ new tokens) past the block table / cache (detail: keys needed)
+  kErrSeqlen = 3,       // cache_seqlens negative (detail: the value)
+  kErrCuSeqlensQ = 4,   // cu_seqlens_q decreasing, past q, or longer than max_seqlen_q (detail: length)
+  kErrCuSeqlensK = 5,   // cu_seqlens_k decreasing or past k (detail: length)
+  kErrSlot = 6,         // slot_mapping entry past the cache (sequence: token index; detail: slot, clipped)
+  kErrBatchIdx = 7,     // cache_batch_idx outside [0, cache batch) (detail: the value)
+  kErrLeftpad = 8,      // cache_leftpad negative or past cache_seqlens (detail: the value)
+  kErrRotary = 9,       // a rotary position past rotary_cos's rows (detail: the position)
+};
+
+__device__ __forceinline__ void report_error(int* errors, int code, long long where, long long detail) {
+  if (errors == nullptr) return;
+  if (atomicCAS(errors, 0, code) == 0) {
+    errors[1] = static_cast<int>(where);
+    errors[2] = static_cast<int>(detail < -2147483647ll ? -2147483647ll : detail > 2147483647ll ? 2147483647ll : detail);
+  }
+  atomicAdd(errors + 3, 1);
+}
+
 }  // namespace cp

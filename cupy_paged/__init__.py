@@ -6,7 +6,8 @@ and a NumPy-style paged KV-cache manager and scheduler.
 """
 __version__ = "0.1.0"
 
-from .attention import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache  # noqa: E402
+from ._errors import check_errors, set_debug  # noqa: E402
+from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache  # noqa: E402
 from .block_pool import BlockPool, CacheFull  # noqa: E402
 from .cache import PagedAttentionCache  # noqa: E402
 from .layout import block_table_from_lists, cu_seqlens_from_lengths, slot_mapping_from_positions  # noqa: E402
@@ -16,6 +17,9 @@ from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig  # noq
 
 __all__ = [
     "flash_attn_varlen_func",
+    "flash_attn_func",
+    "check_errors",
+    "set_debug",
     "flash_attn_with_kvcache",
     "write_kv_cache",
     "merge_attention_states",

@@ -1,14 +1,18 @@
-"""The one array boundary: every public function turns its inputs into arrays here.
+"""The one array boundary: every public function reads its array arguments here.
 
-NumPy arrays stay NumPy arrays and run on the CPU reference backend.  CuPy arrays,
-anything exposing ``__cuda_array_interface__`` (numba device arrays) and anything
-exposing ``__dlpack__`` on a CUDA device (PyTorch, JAX) become CuPy arrays that
-share the caller's memory: no copy, and writes (``out=``, in-place cache appends)
-are seen by the caller.  Mixing host and device arrays in one call raises.
+NumPy arrays (and torch CPU tensors, viewed as NumPy arrays) run on the CPU reference
+backend.  Device arrays -- CuPy arrays, torch CUDA tensors, anything exposing
+``__cuda_array_interface__`` (numba) or ``__dlpack__`` on a CUDA device (JAX) -- are read as
+an :class:`Array`: pointer, shape, strides, dtype and device, taken from the object's own
+attributes, never through a DLPack import (which costs tens of microseconds a tensor).
+Nothing is copied; writes (``out=``, cache appends) are seen by the caller.  Outputs are made
+in the caller's kind: torch tensors for torch inputs, CuPy arrays otherwise, NumPy arrays for
+NumPy inputs.  Mixing host and device arrays in one call raises.
 """
 from __future__ import annotations
 
 import functools
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -19,6 +23,182 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     cupy = None
 
 CPU, CUDA = "cpu", "cuda"
+# Kinds of array: where it lives and which framework makes the outputs.
+NUMPY, CUPY, TORCH, FOREIGN = "numpy", "cupy", "torch", "foreign"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class Array:
+    """One device array argument as the kernels see it.
+
+    ``ptr`` (int, the address of element 0), ``shape`` and ``strides`` (tuples, strides in
+    elements), ``dtype`` (a NumPy dtype; bfloat16 is ``ml_dtypes.bfloat16``), ``device`` (the
+    CUDA device id), ``kind`` (``"cupy"``, ``"torch"`` or ``"foreign"``) and ``obj`` (the caller's
+    object).
+    """
+
+    __slots__ = ("obj", "kind", "ptr", "shape", "strides", "dtype", "device")
+
+    def __init__(self, obj, kind, ptr, shape, strides, dtype, device):
+        self.obj, self.kind, self.ptr = obj, kind, ptr
+        self.shape, self.strides, self.dtype, self.device = shape, strides, dtype, device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def c_contiguous(self) -> bool:
+        """Row-major dense (axes of length 1 and empty arrays do not count)."""
+        if self.size == 0:
+            return True
+        expected = 1
+        for extent, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if extent != 1 and stride != expected:
+                return False
+            expected *= extent
+        return True
+
+    def dense_last(self) -> bool:
+        return self.size == 0 or self.shape[-1] == 1 or self.strides[-1] == 1
+
+    def vectorised(self) -> bool:
+        """Movable 16 bytes at a time: a 16-byte aligned base, every stride but the last a
+        multiple of 16 bytes, a dense last axis."""
+        item = self.dtype.itemsize
+        return (self.ptr % 16 == 0 and self.dense_last()
+                and all((s * item) % 16 == 0 for s, n in zip(self.strides[:-1], self.shape[:-1]) if n != 1))
+
+    def cupy(self):
+        """A CuPy array sharing this memory (for the few steps that need CuPy's operations)."""
+        if self.kind == CUPY:
+            return self.obj
+        item = self.dtype.itemsize
+        extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) if self.size else 0
+        memory = cupy.cuda.UnownedMemory(self.ptr, extent * item, self.obj, self.device)
+        return cupy.ndarray(self.shape, self.dtype, cupy.cuda.MemoryPointer(memory, 0),
+                            tuple(s * item for s in self.strides))
+
+
+# --------------------------------------------------------------------------- torch, lazily
+
+@functools.cache
+def _torch():
+    return sys.modules["torch"]
+
+
+@functools.cache
+def torch_dtypes() -> dict:
+    """torch dtype -> NumPy dtype, for the float and integer dtypes the package reads."""
+    torch = _torch()
+    return {torch.float16: np.dtype(np.float16), torch.bfloat16: BF16, torch.float32: np.dtype(np.float32),
+            torch.float64: np.dtype(np.float64), torch.int32: np.dtype(np.int32),
+            torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
+            torch.int16: np.dtype(np.int16), torch.uint8: np.dtype(np.uint8), torch.int8: np.dtype(np.int8)}
+
+
+@functools.cache
+def numpy_to_torch() -> dict:
+    return {v: k for k, v in torch_dtypes().items()}
+
+
+_KIND_OF_TYPE: dict = {}
+
+
+def kind_of(obj) -> str | None:
+    """``"numpy"``, ``"cupy"``, ``"torch"``, ``"foreign"`` (a CUDA array by protocol) or None."""
+    t = type(obj)
+    kind = _KIND_OF_TYPE.get(t)
+    if kind is None:
+        if issubclass(t, np.ndarray):
+            kind = NUMPY
+        elif cupy is not None and issubclass(t, cupy.ndarray):
+            kind = CUPY
+        elif "torch" in sys.modules and isinstance(obj, sys.modules["torch"].Tensor):
+            kind = TORCH
+        elif hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "__dlpack__"):
+            kind = FOREIGN
+        else:
+            return None
+        _KIND_OF_TYPE[t] = kind
+    return kind
+
+
+def signature(obj):
+    """What of a device array decides a launch, cheaply: (type, shape, strides, dtype, device).
+    Equal signatures mean the same checks pass and the same launch fits (only pointers differ)."""
+    if obj is None:
+        return None
+    t = type(obj)
+    kind = _KIND_OF_TYPE.get(t)
+    if kind is TORCH:
+        return (obj.shape, obj.stride(), obj.dtype, obj.get_device())
+    if kind is CUPY:
+        return (obj.shape, obj.strides, obj.dtype, obj.data.device_id)
+    return (t, id(obj))  # anything else: never memoised usefully (a fresh id each time)
+
+
+def data_ptr(obj) -> int:
+    """The address of a CuPy array's or torch tensor's element 0."""
+    return obj.data_ptr() if _KIND_OF_TYPE.get(type(obj)) is TORCH else obj.data.ptr
+
+
+def _torch_host(obj):
+    """A torch CPU tensor as a NumPy array sharing its memory (bfloat16 through its bits)."""
+    torch = _torch()
+    tensor = obj.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(BF16)
+    if tensor.dtype not in torch_dtypes():
+        raise TypeError(f"unsupported torch dtype {tensor.dtype}")
+    return tensor.numpy()
+
+
+def read(obj, name: str):
+    """``obj`` as a NumPy array (host) or an :class:`Array` (device); ``TypeError`` naming
+    ``name`` for anything else."""
+    kind = kind_of(obj)
+    if kind is NUMPY:
+        return obj
+    if kind is CUPY:
+        return Array(obj, CUPY, obj.data.ptr, obj.shape, tuple(s // obj.itemsize for s in obj.strides),
+                     obj.dtype, obj.data.device_id)
+    if kind is TORCH:
+        device = obj.get_device()
+        if device < 0:
+            try:
+                return _torch_host(obj)
+            except TypeError:
+                raise TypeError(f"{name} has torch dtype {obj.dtype}, which cupy_paged does not read") from None
+        dtype = torch_dtypes().get(obj.dtype)
+        if dtype is None:
+            raise TypeError(f"{name} has torch dtype {obj.dtype}, which cupy_paged does not read")
+        return Array(obj, TORCH, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, device)
+    if kind is FOREIGN:
+        if cupy is not None and _is_cuda_dlpack(obj):
+            # DLPack first: it carries bfloat16 as a type, where a CUDA array interface says only
+            # "2-byte void".  The import costs microseconds; CuPy and torch never come this way.
+            array = _bfloat16_view(cupy.from_dlpack(obj))
+            return Array(obj, FOREIGN, array.data.ptr, array.shape,
+                         tuple(s // array.itemsize for s in array.strides), array.dtype, array.data.device_id)
+        if cupy is not None and hasattr(obj, "__cuda_array_interface__"):
+            array = cupy.asarray(obj)
+            return Array(obj, FOREIGN, array.data.ptr, array.shape,
+                         tuple(s // array.itemsize for s in array.strides), array.dtype, array.data.device_id)
+        if hasattr(obj, "__dlpack__") and not _is_cuda_dlpack(obj):
+            return np.from_dlpack(obj)
+    raise TypeError(f"{name} must be a NumPy array, a CuPy array, a torch tensor or a CUDA array exposing "
+                    f"__dlpack__ or __cuda_array_interface__; got {type(obj).__name__}")
 
 
 def _is_cuda_dlpack(obj) -> bool:
@@ -34,58 +214,61 @@ def _is_cuda_dlpack(obj) -> bool:
     return int(device_type) in (2, 13)
 
 
-def as_array(obj, name: str):
-    """``obj`` as a NumPy or CuPy array, zero-copy; ``TypeError`` naming ``name`` otherwise."""
-    if isinstance(obj, np.ndarray):
-        return obj
-    if cupy is not None:
-        if isinstance(obj, cupy.ndarray):
-            return obj
-        # DLPack first: it carries bfloat16 as a type, where the CUDA array interface of
-        # PyTorch says only "2-byte void".
-        if _is_cuda_dlpack(obj):
-            return _bfloat16_view(cupy.from_dlpack(obj))
-        if hasattr(obj, "__cuda_array_interface__"):
-            return cupy.asarray(obj)
-    if hasattr(obj, "__dlpack__") and not _is_cuda_dlpack(obj):
-        return np.from_dlpack(obj)
-    raise TypeError(f"{name} must be a NumPy array, a CuPy array or a CUDA array exposing "
-                    f"__dlpack__ or __cuda_array_interface__; got {type(obj).__name__}")
-
-
 def _bfloat16_view(array):
-    """CuPy imports a DLPack bfloat16 tensor as raw 2-byte voids ('V2'): view it as bfloat16.
-
-    bfloat16 is the only 2-byte DLPack float CuPy has no dtype code for, so a 'V2' array
-    from DLPack is bfloat16 (the view shares memory).
-    """
+    """CuPy imports a DLPack bfloat16 tensor as raw 2-byte voids ('V2'): view it as bfloat16."""
     if array.dtype.kind == "V" and array.dtype.itemsize == 2:
         return array.view(ml_dtypes.bfloat16)
     return array
+
+
+def as_array(obj, name: str):
+    """``obj`` as a NumPy or CuPy array, zero-copy (for the cache manager and the merge)."""
+    value = read(obj, name)
+    return value.cupy() if isinstance(value, Array) else value
 
 
 def backend_of(named: dict) -> str:
     """``"cpu"`` or ``"cuda"`` for a dict of name -> array (``None`` entries ignored).
 
     Raises ``TypeError`` naming the first argument on the other side when host and
-    device arrays are mixed.
+    device arrays are mixed, and ``ValueError`` when device arrays sit on two devices.
     """
     seen: dict[str, str] = {}
+    devices: dict[int, str] = {}
     for name, array in named.items():
         if array is None:
             continue
-        side = CPU if isinstance(array, np.ndarray) else CUDA
-        seen.setdefault(side, name)
+        if isinstance(array, np.ndarray):
+            seen.setdefault(CPU, name)
+        else:
+            seen.setdefault(CUDA, name)
+            device = array.device if isinstance(array, Array) else array.data.device_id
+            devices.setdefault(device, name)
     if len(seen) == 2:
         raise TypeError(f"{seen[CUDA]} is on a CUDA device but {seen[CPU]} is a NumPy array: "
                         "pass all arrays on the same side")
+    if len(devices) > 1:
+        (d0, n0), (d1, n1) = list(devices.items())[:2]
+        raise ValueError(f"{n1} is on CUDA device {d1} but {n0} is on device {d0}: pass all arrays on one device")
     return next(iter(seen), CPU)
 
 
+def empty(kind: str, like, shape: tuple, dtype):
+    """A new array of ``shape``/``dtype`` in the caller's ``kind`` on ``like``'s device (``like``:
+    the caller's object of that kind)."""
+    if kind is TORCH:
+        return like.new_empty(shape, dtype=numpy_to_torch()[np.dtype(dtype)])
+    if kind is NUMPY:
+        return np.empty(shape, dtype)
+    return cupy.empty(shape, dtype)
+
+
 def to_host(array) -> np.ndarray:
-    """A NumPy copy of a small index array (``cu_seqlens``, ``cache_seqlens``...)."""
+    """A NumPy copy of a small index array (``cu_seqlens``, ``cache_seqlens``...): a sync."""
     if isinstance(array, np.ndarray):
         return array
+    if isinstance(array, Array):
+        array = array.cupy()
     return cupy.asnumpy(array)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops
-from ._arrays import CUDA, as_array, backend_of
+from ._arrays import CUDA, as_array, backend_of, empty, kind_of
 from ._checks import BF16, check_out
 
 _FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))  # cuda_src/merge.cu's entry points
@@ -69,8 +69,10 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
     >>> float(merged[0, 0, 0]), round(float(merged_lse[0, 0]), 4)
     (2.0, 0.6931)
     """
+    kind, like = kind_of(out_a), out_a
     out_a, out_b = as_array(out_a, "out_a"), as_array(out_b, "out_b")
     lse_a, lse_b = as_array(lse_a, "lse_a"), as_array(lse_b, "lse_b")
+    out_obj = out
     out = None if out is None else as_array(out, "out")
     backend = backend_of(dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b, out=out))
     if out_a.dtype not in _FLOAT_OUT:
@@ -84,10 +86,14 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if lse.dtype != np.float32:
             raise TypeError(f"{name} must have dtype float32; got {lse.dtype}")
-    out = check_out(out, "out", tuple(out_a.shape), out_a.dtype, out_a)
+    out = check_out(out, "out", tuple(out_a.shape), out_a.dtype, backend)
     if backend == CUDA:
-        return ops.merge.run(out_a, lse_a, out_b, lse_b, out, tokens, seqlen)
-    return _merge_numpy(out_a, lse_a, out_b, lse_b, out)
+        # Outputs in the caller's kind (torch in, torch out), written through CuPy views.
+        result = out_obj if out is not None else empty(kind, like, tuple(out_a.shape), out_a.dtype)
+        lse_obj = empty(kind, like, tuple(lse_a.shape), np.float32)
+        ops.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen)
+        return result, lse_obj
+    return _merge_numpy(out_a, lse_a, out_b, lse_b, np.empty(out_a.shape, out_a.dtype) if out is None else out)
 
 
 def _rows(lse, ndim: int):

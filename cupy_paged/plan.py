@@ -14,7 +14,9 @@ import math
 import numpy as np
 
 from . import _plan_kernels
-from ._arrays import CUDA, to_host
+from ._arrays import CUDA, CUPY, TORCH, Array, data_ptr, empty, kind_of, read, signature, to_host
+from ._checks import prepare_decode, prepare_varlen
+from ._streams import handle
 from .attention import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 
 DECODE, VARLEN = "decode", "varlen"
@@ -95,11 +97,13 @@ class StepPlan:
                                    self.block_size, out)
         return out
 
-    def attention(self, q, k, v, k_cache, v_cache, softmax_scale=None, **kwargs):
+    def attention(self, q, k, v, k_cache, v_cache, softmax_scale=None, *, out=None, stream=None, **kwargs):
         """Causal attention of one layer for this step, through the plan's kernel path.
 
         Writes the new ``k``/``v`` into the paged caches and attends each new token to
-        its sequence's cached and new keys.
+        its sequence's cached and new keys.  On the GPU the launch of each layer shape is
+        resolved once per step (the first layer); every further layer reads its arrays'
+        pointers and launches.
 
         Parameters
         ----------
@@ -111,13 +115,18 @@ class StepPlan:
             ``[num_blocks, block_size, num_kv_heads, head_dim]``, e.g. ``PagedAttentionCache.layer(i)``.
         softmax_scale : float, optional
             Default ``1 / sqrt(head_dim)``.
+        out : array, optional
+            ``[num_tokens, num_heads, head_dim]`` like ``q``, written in place.
+        stream : optional
+            As in ``flash_attn_varlen_func``.
         **kwargs
-            Passed on (``softcap``, ``window_size``, ``alibi_slopes``).
+            Passed on (``softcap``, ``window_size``, ``alibi_slopes``); these take the public
+            functions' path, resolved per call.
 
         Returns
         -------
         array
-            ``[num_tokens, num_heads, head_dim]``.
+            ``[num_tokens, num_heads, head_dim]``, of the caller's kind.
 
         Examples
         --------
@@ -130,19 +139,103 @@ class StepPlan:
         >>> plan.attention(x, x, x, *cache.layer(0)).shape
         (5, 1, 32)
         """
-        # The plan's index arrays were built (and are consistent) by build_plan: the per-layer
-        # calls skip the host copies of the value checks, so a layer never syncs.
+        kind = kind_of(q)
+        if not kwargs and (kind is TORCH or kind is CUPY):
+            try:
+                key = (signature(q), signature(k), signature(v), signature(k_cache), signature(v_cache),
+                       signature(out), softmax_scale)
+                layer = self._layers.get(key)
+            except TypeError:
+                key = layer = None
+            if layer is None and key is not None:
+                layer = _LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out)
+                self._layers[key] = layer
+            if layer is not None:
+                return layer.run(kind, q, k, v, k_cache, v_cache, out, stream)
+        # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
+        # check nothing on the host.
         if self.path == DECODE:
-            out = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
-                                          cache_seqlens=self.cache_seqlens, block_table=self.block_table,
-                                          softmax_scale=softmax_scale, causal=True, check_values=False,
-                                          **kwargs)
-            return out[:, 0]
-        write_kv_cache(k_cache, v_cache, k, v, self.slot_mapping, check_values=False)
+            out4 = None if out is None else out[:, None]
+            result = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
+                                             cache_seqlens=self.cache_seqlens, block_table=self.block_table,
+                                             softmax_scale=softmax_scale, causal=True, check_values=False,
+                                             out=out4, stream=stream, **kwargs)
+            return result[:, 0]
+        write_kv_cache(k_cache, v_cache, k, v, self.slot_mapping, check_values=False, stream=stream)
         return flash_attn_varlen_func(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k,
                                       self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale,
                                       causal=True, block_table=self.block_table, check_values=False,
-                                      **kwargs)
+                                      out=out, stream=stream, **kwargs)
+
+    @functools.cached_property
+    def _layers(self) -> dict:
+        return {}
+
+
+def _with_token_axis(array: Array) -> Array:
+    """``[T, H, D]`` as ``[T, 1, H, D]`` (the decode kernel's one token per sequence), no copy."""
+    return Array(array.obj, array.kind, array.ptr, (array.shape[0], 1) + tuple(array.shape[1:]),
+                 (array.strides[0],) + tuple(array.strides), array.dtype, array.device)
+
+
+class _LayerLaunch:
+    """The launches of one layer shape of a step: built on the first layer, replayed by the rest."""
+
+    def __init__(self, plan: StepPlan, q, k, v, k_cache, v_cache, softmax_scale, out):
+        from . import ops
+
+        aq, ak, av = read(q, "q"), read(k, "k"), read(v, "v")
+        ak_cache, av_cache = read(k_cache, "k_cache"), read(v_cache, "v_cache")
+        aout = None if out is None else read(out, "out")
+        self.device = aq.device
+        self.decode = plan.path == DECODE
+        if self.decode:
+            p = prepare_decode(_with_token_axis(aq), ak_cache, av_cache, _with_token_axis(ak), _with_token_axis(av),
+                               cache_seqlens=read(plan.cache_seqlens, "cache_seqlens"),
+                               block_table=read(plan.block_table, "block_table"), softmax_scale=softmax_scale,
+                               causal=True, out=None if aout is None else _with_token_axis(aout),
+                               check_values=False)
+            for array in (p.q, p.k_new, p.v_new):
+                if not array.vectorised():
+                    raise ValueError("q, k and v of a layer must have 16-byte aligned rows")
+            self.launch = ops.decode.DecodeLaunch(p)
+            self.index_ptrs = (p.cache_seqlens.ptr, p.block_table.ptr)
+        else:
+            for name, array in (("k", ak), ("v", av)):
+                if not array.vectorised():
+                    raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
+            self.write = ops.kv_write.WriteLaunch(ak_cache, ak, av)
+            p = prepare_varlen(aq, ak_cache, av_cache, read(plan.cu_seqlens_q, "cu_seqlens_q"),
+                               read(plan.cu_seqlens_k, "cu_seqlens_k"), plan.max_seqlen_q, plan.max_seqlen_k,
+                               softmax_scale, True, (-1, -1), 0.0, None, read(plan.block_table, "block_table"),
+                               False, aout, False)
+            if not p.q.vectorised():
+                raise ValueError("q of a layer must have 16-byte aligned rows")
+            self.launch = ops.varlen.VarlenLaunch(p)
+            self.index_ptrs = (p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, p.block_table.ptr,
+                               read(plan.slot_mapping, "slot_mapping").ptr)
+            self.max_seqlen_q = plan.max_seqlen_q
+        self.out_shape = tuple(aq.shape)
+
+    def run(self, kind, q, k, v, k_cache, v_cache, out, stream):
+        stream = handle(stream, kind, self.device)
+        q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
+        kc_ptr, vc_ptr = data_ptr(k_cache), data_ptr(v_cache)
+        if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
+            raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
+        if out is None:
+            out = empty(kind, q, self.out_shape, self.launch.dtype)
+        out_arg = (out, data_ptr(out))
+        if self.decode:
+            seqlens, table = self.index_ptrs
+            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, seqlens, table, 0, 0, 0, 0, 0), 0,
+                            out_arg, None, stream)
+        else:
+            cu_q, cu_k, table, slots = self.index_ptrs
+            self.write.run((kc_ptr, vc_ptr, k_ptr, v_ptr, slots), stream)
+            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, cu_q, cu_k, table, 0), self.max_seqlen_q, out_arg,
+                            None, stream)
+        return out
 
 
 def _layout(batch: int, tokens: int, width: int) -> tuple[dict, int]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import struct
 
 import numpy as np
 
@@ -48,3 +49,47 @@ def device_property(device: int, name: str):
     import cupy
 
     return cupy.cuda.runtime.getDeviceProperties(device)[name]
+
+
+# Pointers and the 8-byte scalars are 8-aligned in a kernel's parameter buffer, 4-byte scalars
+# 4-aligned, a struct by value aligned as its widest member: the C layout that struct's native
+# mode ("@") also gives, so one format string lays out a kernel's whole argument list.
+_LAUNCH_PARAM_END, _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
+
+
+class Launcher:
+    """One kernel launched through ``cuLaunchKernel`` with its whole argument list packed into
+    one buffer (the driver's ``CU_LAUNCH_PARAM_BUFFER_POINTER``): a launch is one ``pack_into``
+    and one driver call, a few microseconds, where CuPy's per-argument boxing costs about half
+    a microsecond an argument.  The driver copies the buffer at the launch (so it is reused, and
+    a graph capture records the values of that moment).
+
+    Parameters
+    ----------
+    function : cupy.cuda.Function
+        The kernel, loaded on the device it will run on.
+    layout : str
+        Its parameters as ``struct`` codes in order, native alignment: ``P`` a pointer, ``q``/``i``
+        64/32-bit ints, ``f`` a float, ``{n}s`` a struct of n bytes (8-aligned: put it first).
+    """
+
+    def __init__(self, function, layout: str):
+        import threading
+
+        from cupy_backends.cuda.api import driver
+
+        self._launch = driver.launchKernel
+        self.function = function
+        self._ptr = function.ptr
+        self._struct = struct.Struct("@" + layout)
+        self._buffer = np.zeros(max(self._struct.size, 8), np.uint8)
+        self._size = np.array([self._struct.size], np.uint64)
+        self._extra = np.array([_LAUNCH_PARAM_BUFFER_POINTER, self._buffer.ctypes.data,
+                                _LAUNCH_PARAM_BUFFER_SIZE, self._size.ctypes.data, _LAUNCH_PARAM_END], np.uint64)
+        self._extra_ptr = int(self._extra.ctypes.data)
+        self._lock = threading.Lock()
+
+    def __call__(self, grid: tuple, threads: int, smem: int, stream: int, *args) -> None:
+        with self._lock:  # one buffer: two threads must not pack it at once
+            self._struct.pack_into(self._buffer, 0, *args)
+            self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, 0, self._extra_ptr)

@@ -33,13 +33,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import struct
 
 import numpy as np
 
-from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem
+from .._arrays import CUPY, data_ptr, empty
+from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, alibi_batch_stride, element_strides
 from .._compiler import KernelKey, get_function, register_family
-from ._common import cuda_scalar, device_property, element_strides, smem_row_bytes, vectorised
+from .._errors import word
+from .._streams import handle, is_capturing
+from ._common import Launcher, cuda_scalar, device_property, smem_row_bytes
 
 SOURCE = "decode.cu"
 WARPS = 4               # warps per CTA of the registered shapes
@@ -102,15 +104,18 @@ CANDIDATES: dict[int, tuple[Tiles, ...]] = {
 }
 
 
-def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
-    """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``."""
+def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False) -> KernelKey:
+    """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``;
+    ``rotary``: the variant that rotates q and the new keys (its own code, so that the plain
+    kernel's loop carries none of it)."""
     tiles = tiles or TILES[head_dim]
-    return KernelKey(SOURCE, (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-                              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps)))
+    params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
+              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps))
+    return KernelKey(SOURCE, params + ((("ROTARY", 1),) if rotary else ()))
 
 
 def all_keys():
-    return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
+    return [kernel_key(dtype, d, rotary=r) for r in (False, True) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
 
 
 register_family("decode", all_keys)
@@ -161,15 +166,13 @@ _IDENTITIES: dict[int, object] = {}
 _RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
 
 
-def _grown(store: dict, key, size: int, make, what: str):
+def _grown(store: dict, key, size: int, make, what: str, stream: int):
     """``store[key]``, replaced by ``make(n)`` (n >= size, at least doubling) when it holds fewer
-    than ``size`` elements.  Growing allocates, so under graph capture it raises instead; an
-    outgrown buffer is kept alive for the graphs captured with it."""
-    import cupy
-
+    than ``size`` elements.  Growing allocates, so while ``stream`` captures a graph it raises
+    instead; an outgrown buffer is kept alive for the graphs captured with it."""
     current = store.get(key)
     if current is None or current.size < size:
-        if cupy.cuda.get_current_stream().is_capturing():
+        if is_capturing(stream):
             raise RuntimeError(
                 f"{what} must hold {size} elements but holds {0 if current is None else current.size}: "
                 "make one eager call with the same shapes on this stream before capture (for the "
@@ -181,26 +184,30 @@ def _grown(store: dict, key, size: int, make, what: str):
     return current
 
 
-def _workspace(num_floats: int):
-    """The current stream's float32 split-KV workspace, of at least ``num_floats``."""
+def _workspace(num_floats: int, device: int, stream: int):
+    """The float32 split-KV workspace of (device, stream), of at least ``num_floats``."""
     import cupy
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    return _grown(_WORKSPACES, key, num_floats, lambda n: cupy.empty(n, np.float32), "the split-KV workspace")
+    def make(n):
+        workspace = cupy.empty(n, np.float32)
+        cupy.cuda.Device(device).synchronize()  # allocated before another stream uses it
+        return workspace
+
+    return _grown(_WORKSPACES, (device, stream), num_floats, make, "the split-KV workspace", stream)
 
 
-def _identity_table(size: int):
-    """int32 ``0, 1, ..., size - 1`` (at least) on the current device: the block table of a
-    contiguous cache ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).
-    One per device, grown, never built per call."""
+def _identity_table(size: int, device: int, stream: int):
+    """int32 ``0, 1, ..., size - 1`` (at least) on ``device``: the block table of a contiguous cache
+    ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).  One per device,
+    grown, never built per call."""
     import cupy
 
     def make(n):
         table = cupy.arange(n, dtype=np.int32)
-        cupy.cuda.get_current_stream().synchronize()  # filled before another stream reads it
+        cupy.cuda.Device(device).synchronize()  # filled before another stream reads it
         return table
 
-    return _grown(_IDENTITIES, cupy.cuda.Device().id, size, make, "the identity block table")
+    return _grown(_IDENTITIES, device, size, make, "the identity block table", stream)
 
 
 def _workspace_floats(splits: int, rows_total: int, head_dim: int) -> int:
@@ -208,10 +215,11 @@ def _workspace_floats(splits: int, rows_total: int, head_dim: int) -> int:
 
 
 def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
-                      num_splits: int = MAX_SPLITS) -> None:
-    """Grow the current stream's split-KV workspace for calls up to these shapes.
+                      num_splits: int = MAX_SPLITS, stream=None) -> None:
+    """Grow the split-KV workspace of ``stream`` (default CuPy's current stream) for calls up to
+    these shapes.
 
-    Call it outside CUDA graph capture, on the stream that will capture, so that
+    Call it outside CUDA graph capture, for the stream that will capture, so that
     ``flash_attn_with_kvcache`` allocates nothing while the graph is being captured.
 
     Parameters
@@ -220,24 +228,32 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
         The largest ``q`` shape ``[batch, seqlen_q, num_heads, head_dim]`` to be captured.
     num_splits : int
         The largest split count (default: the most the kernel uses, 128).
+    stream : optional
+        As ``flash_attn_with_kvcache``'s ``stream=``.
 
     >>> reserve_workspace(64, 1, 32, 128)            # doctest: +SKIP
     """
+    import cupy
+
     splits = min(max(int(num_splits), 1), MAX_SPLITS)
-    _workspace(_workspace_floats(splits, batch * seqlen_q * num_heads, head_dim))
+    device = cupy.cuda.runtime.getDevice()
+    _workspace(_workspace_floats(splits, batch * seqlen_q * num_heads, head_dim), device,
+               handle(stream, CUPY, device))
 
 
 # --------------------------------------------------------------------------- launch
 
-# The scalar arguments of paged_decode as one struct (DecodeParams in decode.cu): 9 int64 strides,
-# 14 int32, 2 float32, no padding (136 bytes).  CuPy passes a NumPy array of one element by value.
-_PARAMS = struct.Struct("<9q14i2f")
-_PARAMS_DTYPE = np.dtype((np.void, _PARAMS.size))
+# paged_decode's parameters: DecodeParams by value (9 int64 strides, 20 int32, 2 float32: 160
+# bytes), then 21 pointers, in decode.cu's order.
+_PARAMS_LAYOUT = "9q20i2f"
+_DECODE_LAYOUT = _PARAMS_LAYOUT + "21P"
+# combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
+_COMBINE_LAYOUT = "PPiqiiPP"
 _NO_STRIDES = (0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Launch:
+class _Shape:
     """What a call's shapes decide: kernels, shared memory, grid and split count."""
 
     decode: object
@@ -251,30 +267,22 @@ class _Launch:
 
 def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
     """``(max_blocks, num_blocks, block_shift)`` as paged_decode reads the cache: a paged one
-    through its table; a contiguous ``[B, S, Hkv, D]`` one as B * S blocks of one token (any S)."""
+    through its table; a contiguous ``[Bc, S, Hkv, D]`` one as Bc * S blocks of one token (any S)."""
     if p.block_table is None:
         seqlen_cache = int(p.k_cache.shape[1])
-        return seqlen_cache, p.batch * seqlen_cache, 0
+        return seqlen_cache, int(p.k_cache.shape[0]) * seqlen_cache, 0
     return int(p.block_table.shape[1]), int(p.k_cache.shape[0]), p.block_size.bit_length() - 1
 
 
-def _launch_plan(p: DecodeProblem, tiles: Tiles | None = None) -> _Launch:
-    import cupy
-
-    max_blocks, _, shift = _cache_geometry(p)
-    return _launch(cupy.cuda.runtime.getDevice(), p.q.dtype, p.q.shape, p.num_kv_heads, max_blocks << shift,
-                   p.num_splits, tiles or TILES[p.head_dim])
-
-
 @functools.lru_cache(maxsize=4096)
-def _launch(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int, num_splits: int,
-            tiles: Tiles) -> _Launch:
+def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int, num_splits: int,
+           tiles: Tiles, rotary: bool) -> _Shape:
     """What these shapes decide, kept per shape: a decode loop pays the kernel look-up and the
     split heuristic once."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     rows = (num_heads // num_kv_heads) * seqlen_q
     row_groups = -(-rows // ROWS_PER_CTA)
-    kernels = kernel_key(dtype, head_dim, tiles)
+    kernels = kernel_key(dtype, head_dim, tiles, rotary)
     smem = tiles.smem_bytes(head_dim)
     decode = get_function(kernels, "paged_decode", smem)
     if num_splits:
@@ -282,73 +290,137 @@ def _launch(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int
     else:
         splits = choose_splits(batch * num_kv_heads * row_groups, max_keys, tiles.keys,
                                _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads))
-    return _Launch(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                   splits, rows, row_groups, tiles.threads)
+    return _Shape(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
+                  splits, rows, row_groups, tiles.threads)
+
+
+def _strides3(array) -> tuple:
+    return tuple(int(s) for s in element_strides(array)[:3])
+
+
+class DecodeLaunch:
+    """One ``flash_attn_with_kvcache`` call shape, resolved: kernels, grid, split count and every
+    scalar argument packed once; :meth:`run` adds the pointers and launches.
+
+    Built from a checked problem whose arrays are device :class:`~cupy_paged._arrays.Array`
+    descriptors; valid for every call with the same shapes, strides, dtypes, device and
+    scalar arguments (the memo of ``attention.py`` keys it so).
+    """
+
+    def __init__(self, p: DecodeProblem, tiles: Tiles | None = None, trace=None):
+        tiles = tiles or TILES[p.head_dim]
+        self.device = p.q.device
+        max_blocks, num_blocks, shift = _cache_geometry(p)
+        shape = _shape(self.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
+                       p.num_splits, tiles, p.rotary_cos is not None)
+        self.shape = shape
+        self.splits = shape.splits
+        batch, seqlen_q, num_heads, head_dim = (int(x) for x in p.q.shape)
+        self.batch = batch
+        self.out_shape = (batch, seqlen_q, num_heads, head_dim)
+        self.lse_shape = (batch, num_heads, seqlen_q)
+        self.dtype = p.q.dtype
+        self.want_lse = p.want_lse or p.lse is not None
+        self.contiguous_cache = p.block_table is None
+        self.identity_size = num_blocks
+        self.capacity = max_blocks << shift
+        self.seqlen_new = p.seqlen_new
+        self.cached_default = p.cache_seqlens if isinstance(p.cache_seqlens, int) else 0
+        self.rows_total = batch * seqlen_q * num_heads
+        self.workspace_floats = _workspace_floats(shape.splits, self.rows_total, head_dim)
+        self.lse_offset = 4 * shape.splits * self.rows_total * head_dim  # bytes: part_lse after part_out
+        self.grid = (shape.row_groups * shape.splits, p.num_kv_heads, batch)
+        self.combine_grid = (self.rows_total, 1, 1)
+        self.trace = 0 if trace is None else int(trace.data.ptr)
+        k_strides = _strides3(p.k_new) if p.k_new is not None else _NO_STRIDES
+        v_strides = _strides3(p.v_new) if p.v_new is not None else _NO_STRIDES
+        left, right = p.window
+        rotary_flags = int(p.rotary_interleaved) | (int(p.rotary_per_token) << 1)
+        seqlen_ro = 0 if p.rotary_cos is None else int(p.rotary_cos.shape[0])
+        # DecodeParams, cached_all (index 12) filled per call.
+        self.params = [*_strides3(p.q), *k_strides, *v_strides,
+                       max_blocks, num_blocks, shift, 0,
+                       seqlen_q, p.seqlen_new, num_heads, p.num_kv_heads, shape.rows, shape.row_groups,
+                       left, right, shape.splits, int(p.k_cache.shape[0]) if self.contiguous_cache else 0,
+                       p.rotary_dim, rotary_flags, seqlen_ro, alibi_batch_stride(p.alibi_slopes), 0, 0,
+                       p.softmax_scale, p.softcap]
+        self.errors = word(self.device)
+        self.launch = Launcher(shape.decode, _DECODE_LAYOUT)
+        self.combine = Launcher(shape.combine, _COMBINE_LAYOUT) if shape.combine is not None else None
+
+    def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int):
+        """Launch on ``stream``.  ``ptrs``: q, k_cache, v_cache, k_new, v_new, cache_seqlens,
+        block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, alibi_slopes (0 for
+        none); ``out``/``lse_out``: ``(object, pointer)`` or None (made here, in ``kind`` like
+        ``like``).  Returns (out, lse or None)."""
+        out_obj = empty(kind, like, self.out_shape, self.dtype) if out is None else out[0]
+        out_ptr = data_ptr(out_obj) if out is None else out[1]
+        lse_obj, lse_ptr = None, 0
+        if lse_out is not None:
+            lse_obj, lse_ptr = lse_out
+        elif self.want_lse:
+            lse_obj = empty(kind, like, self.lse_shape, np.float32)
+            lse_ptr = data_ptr(lse_obj)
+        if self.batch == 0:
+            return out_obj, lse_obj
+        q, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad, cos, sin, alibi = ptrs
+        if self.contiguous_cache:
+            table = _identity_table(self.identity_size, self.device, stream).data.ptr
+        part_out = part_lse = 0
+        if self.splits > 1:
+            workspace = _workspace(self.workspace_floats, self.device, stream)
+            part_out = workspace.data.ptr
+            part_lse = part_out + self.lse_offset
+        params = self.params
+        params[12] = cached_all
+        shape = self.shape
+        self.launch(self.grid, shape.threads, shape.smem, stream, *params,
+                    q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad,
+                    cos, sin, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors, self.trace)
+        if self.combine is not None:
+            self.combine(self.combine_grid, COMBINE_THREADS, 0, stream, part_out, part_lse, self.splits,
+                         self.rows_total, self.out_shape[1], self.out_shape[2], out_ptr, lse_ptr)
+        return out_obj, lse_obj
 
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
     """The split count ``run`` will use for ``p`` (``p.num_splits``, or the heuristic for 0)."""
-    return _launch_plan(p, tiles).splits
+    max_blocks, _, shift = _cache_geometry(p)
+    return _shape(p.q.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
+                  p.num_splits, tiles or TILES[p.head_dim], p.rotary_cos is not None).splits
 
 
 def trace_size(p: DecodeProblem, tiles: Tiles | None = None) -> int:
     """Elements of the ``trace`` buffer ``run`` fills for ``p``: 3 per CTA of the decode launch."""
-    launch = _launch_plan(p, tiles)
-    return 3 * launch.row_groups * launch.splits * p.num_kv_heads * p.batch
+    max_blocks, _, shift = _cache_geometry(p)
+    shape = _shape(p.q.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
+                   p.num_splits, tiles or TILES[p.head_dim], p.rotary_cos is not None)
+    return 3 * shape.row_groups * shape.splits * p.num_kv_heads * p.batch
 
 
-def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None) -> None:
-    """Append ``p.k_new``/``p.v_new`` to the caches and fill ``p.out`` (and ``p.lse``) on the GPU.
+def ptr(array) -> int:
+    """The address of a problem's array (0 for None)."""
+    return 0 if array is None else array.ptr
 
-    Launches on CuPy's current stream with no host synchronisation; allocates only when an
-    input needs realignment or the split workspace must grow (see the module docstring).
-    ``tiles`` (a candidate shape, default ``TILES[head_dim]``) is for the benchmark's sweep;
-    ``trace`` (a uint64 CuPy array of 3 per CTA, ``trace_size``) receives each CTA's start and
-    end on the GPU's nanosecond clock and its SM, for the benchmark's ``--trace``.
-    """
-    batch, seqlen_q, num_heads, head_dim = p.q.shape
-    if batch == 0:
-        return
-    num_kv_heads = p.k_cache.shape[2]
-    max_blocks, num_blocks, shift = _cache_geometry(p)
-    table = p.block_table if p.block_table is not None else _identity_table(num_blocks)
-    launch = _launch_plan(p, tiles)
-    splits = launch.splits
 
-    q = vectorised(p.q)
-    null = np.uint64(0)
-    if p.k_new is not None:
-        k_new, v_new = vectorised(p.k_new), vectorised(p.v_new)
-        k_strides, v_strides = element_strides(k_new, 3), element_strides(v_new, 3)
-        seqlen_new = k_new.shape[1]
-    else:
-        k_new = v_new = null
-        k_strides = v_strides = _NO_STRIDES
-        seqlen_new = 0
-    rows_total = batch * seqlen_q * num_heads
-    if splits > 1:
-        workspace = _workspace(_workspace_floats(splits, rows_total, head_dim))
-        part_out = workspace
-        part_lse = workspace[splits * rows_total * head_dim:]
-    else:
-        part_out = part_lse = null
-    lse = null if p.lse is None else p.lse
-    # cache_seqlens: an int32 array, or one int for every sequence (passed by value, no array)
-    lengths, cached_all = (null, p.cache_seqlens) if isinstance(p.cache_seqlens, int) else (p.cache_seqlens, 0)
-    window_left, window_right = p.window
-    params = np.frombuffer(_PARAMS.pack(
-        *element_strides(q, 3), *k_strides, *v_strides,
-        max_blocks, num_blocks, shift, cached_all,
-        seqlen_q, seqlen_new, num_heads, num_kv_heads, launch.rows, launch.row_groups,
-        window_left, window_right, splits, 0,
-        p.softmax_scale, p.softcap), dtype=_PARAMS_DTYPE)
-    launch.decode((launch.row_groups * splits, num_kv_heads, batch), (launch.threads,),
-                  (params, q, p.k_cache, p.v_cache, p.k_cache, p.v_cache, k_new, v_new,
-                   lengths, table,
-                   null if p.alibi_slopes is None else p.alibi_slopes,
-                   p.out, lse, part_out, part_lse, null if trace is None else trace),
-                  shared_mem=launch.smem)
-    if splits > 1:
-        launch.combine((rows_total,), (COMBINE_THREADS,),
-                       (part_out, part_lse, np.int32(splits), np.int64(rows_total), np.int32(seqlen_q),
-                        np.int32(num_heads), p.out, lse))
+def problem_args(p: DecodeProblem) -> tuple:
+    """(ptrs, cached_all, out, lse_out) of :meth:`DecodeLaunch.run` for a checked problem."""
+    seqlens = p.cache_seqlens
+    ptrs = (p.q.ptr, p.k_cache.ptr, p.v_cache.ptr, ptr(p.k_new), ptr(p.v_new),
+            0 if isinstance(seqlens, int) else seqlens.ptr, ptr(p.block_table), ptr(p.cache_batch_idx),
+            ptr(p.cache_leftpad), ptr(p.rotary_cos), ptr(p.rotary_sin), ptr(p.alibi_slopes))
+    out = None if p.out is None else (p.out.obj, p.out.ptr)
+    lse = None if p.lse is None else (p.lse.obj, p.lse.ptr)
+    return ptrs, seqlens if isinstance(seqlens, int) else 0, out, lse
+
+
+def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None, stream: int | None = None):
+    """Append ``p.k_new``/``p.v_new`` to the caches and compute attention on the GPU, on ``stream``
+    (default: the caller's current stream for ``p.q``'s kind).  ``tiles`` (a candidate shape,
+    default ``TILES[head_dim]``) is for the benchmark's sweep; ``trace`` (a uint64 CuPy array of 3
+    per CTA, ``trace_size``) receives each CTA's start and end on the GPU's nanosecond clock and
+    its SM, for the benchmark's ``--trace``.  Returns (out, lse or None) in ``p.q``'s kind."""
+    launch = DecodeLaunch(p, tiles, trace)
+    if stream is None:
+        stream = handle(None, p.q.kind, p.q.device)
+    return launch.run(p.q.kind, p.q.obj, *problem_args(p), stream)

@@ -17,18 +17,16 @@ def all_keys():
 register_family("merge", all_keys)
 
 
-def run(out_a, lse_a, out_b, lse_b, out, tokens: int, seqlen: int):
-    """Merge checked CUDA partials into ``out``; returns ``(out, merged lse)``."""
+def run(out_a, lse_a, out_b, lse_b, out, lse, tokens: int, seqlen: int):
+    """Merge checked CUDA partials (CuPy arrays) into ``out`` and ``lse``."""
     import cupy
 
     heads, dim = int(out_a.shape[-2]), int(out_a.shape[-1])
     a, b = cupy.ascontiguousarray(out_a), cupy.ascontiguousarray(out_b)
     lse_a, lse_b = cupy.ascontiguousarray(lse_a), cupy.ascontiguousarray(lse_b)
-    lse = cupy.empty(lse_a.shape, np.float32)
     total = tokens * heads * dim
     if total:
         function = get_function(KEY, f"merge_states_{np.dtype(out_a.dtype).name}")
         function((-(-total // THREADS),), (THREADS,),
                  (a, lse_a, b, lse_b, out, lse, np.int64(tokens), np.int32(max(seqlen, 1)),
                   np.int32(heads), np.int32(dim)))
-    return out, lse

@@ -17,9 +17,12 @@ import functools
 
 import numpy as np
 
-from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem
+from .._arrays import data_ptr, empty
+from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem, alibi_batch_stride, element_strides
 from .._compiler import KernelKey, get_function, register_family
-from ._common import cuda_scalar, device_property, element_strides, is_vectorised, smem_row_bytes, vectorised
+from .._errors import word
+from .._streams import handle
+from ._common import Launcher, cuda_scalar, device_property, smem_row_bytes
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
@@ -165,55 +168,93 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
     return get_function(*specialization(dtype, head_dim, tiles), smem), smem
 
 
-def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None) -> None:
-    """Launch the varlen kernel on a checked CUDA problem; writes ``p.out`` (and ``p.lse``).
-    ``tiles`` (a candidate shape; its type picks the kernel) is for the benchmark's sweep."""
-    import cupy
+# varlen_fwd / varlen_fwd_wgmma parameters (VARLEN_FWD_PARAMS in varlen_common.cuh): q, k, v, out,
+# lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes; q_row, q_head, k_row, k_head, v_row,
+# v_head; total_q, kv_rows, num_heads, group_size, table_width, block_shift; softmax_scale, softcap;
+# window_left, window_right, max_seqlen_q, alibi_batch_stride; errors.
+_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P"
 
-    total_q = int(p.q.shape[0])
-    if p.batch == 0 or total_q == 0 or p.max_seqlen_q == 0:
-        return
-    head_dim, num_heads = p.head_dim, p.num_heads
-    device = cupy.cuda.runtime.getDevice()
-    if tiles is None:
-        tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim, device) else TILES[head_dim]
-    function, smem = _launch(device, p.q.dtype, head_dim, tiles)
 
-    # A paged cache is C-contiguous and 16-byte aligned (_checks), so its slots (block *
-    # block_size + offset) are one positive stride apart, as the kernel addresses them, and it is
-    # used in place; contiguous k/v of one call may be copied into that layout.
-    paged = p.block_table is not None
-    q = vectorised(p.q)
-    k, v = (p.k, p.v) if paged else (vectorised(p.k), vectorised(p.v))
-    out = p.out if is_vectorised(p.out) else cupy.empty_like(p.out)
-    null = np.uintp(0)
-    if not paged:
-        (k_row, k_head, _), (v_row, v_head, _) = element_strides(k), element_strides(v)
-        table, table_width, block_shift = null, 0, 0
-    else:
-        _, k_row, k_head, _ = element_strides(k)
-        _, v_row, v_head, _ = element_strides(v)
-        table, table_width = p.block_table, int(p.block_table.shape[1])
-        block_shift = int(p.block_size).bit_length() - 1
-    kv_rows = int(k.shape[0])  # rows, or blocks when paged
-    if kv_rows * (p.block_size or 1) >= 2 ** 31:
-        raise ValueError(f"k has {kv_rows} rows/blocks: the kernel indexes rows (slots) with int32")
-    # varlen_common.cuh offsets a row within a key tile by (row < BLOCK_N) * row stride in int32.
-    if max(k_row, v_row) * tiles.block_n >= 2 ** 31:
-        raise ValueError(f"k and v rows must be less than {2 ** 31 // tiles.block_n} elements apart; "
-                         f"got {max(k_row, v_row)}")
-    q_row, q_head, _ = element_strides(q)
-    left, right = p.window
+class VarlenLaunch:
+    """One ``flash_attn_varlen_func`` call shape, resolved: the kernel, its shared memory and every
+    scalar argument packed once; :meth:`run` adds the pointers and ``max_seqlen_q`` (the grid)."""
 
-    grid = ((p.max_seqlen_q + tiles.block_m - 1) // tiles.block_m, num_heads, p.batch)
-    function(grid, (tiles.threads,),
-             (q, k, v, out, p.lse if p.lse is not None else null,
-              p.cu_seqlens_q, p.cu_seqlens_k, table,
-              p.alibi_slopes if p.alibi_slopes is not None else null,
-              q_row, q_head, np.int32(k_row), k_head, np.int32(v_row), v_head,
-              np.int32(total_q), np.int32(kv_rows), np.int32(num_heads),
-              np.int32(num_heads // p.num_kv_heads), np.int32(table_width), np.int32(block_shift),
-              np.float32(p.softmax_scale), np.float32(p.softcap), np.int32(left), np.int32(right)),
-             shared_mem=smem)
-    if out is not p.out:
-        p.out[...] = out
+    def __init__(self, p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None):
+        head_dim, num_heads = p.head_dim, p.num_heads
+        self.device = device = p.q.device
+        if tiles is None:
+            tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim, device) else TILES[head_dim]
+        self.tiles = tiles
+        function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
+        self.launch = Launcher(function, _LAYOUT)
+        self.total_q = total_q = int(p.q.shape[0])
+        self.batch = p.batch
+        self.out_shape = (total_q, num_heads, head_dim)
+        self.lse_shape = (num_heads, total_q)
+        self.dtype = p.q.dtype
+        self.want_lse = p.want_lse or p.lse is not None
+        paged = p.block_table is not None
+        if not paged:
+            (k_row, k_head, _), (v_row, v_head, _) = element_strides(p.k), element_strides(p.v)
+            table_width, block_shift = 0, 0
+        else:
+            _, k_row, k_head, _ = element_strides(p.k)
+            _, v_row, v_head, _ = element_strides(p.v)
+            table_width = int(p.block_table.shape[1])
+            block_shift = int(p.block_size).bit_length() - 1
+        kv_rows = int(p.k.shape[0])  # rows, or blocks when paged
+        if kv_rows * (p.block_size or 1) >= 2 ** 31:
+            raise ValueError(f"k has {kv_rows} rows/blocks: the kernel indexes rows (slots) with int32")
+        # varlen_common.cuh offsets a row within a key tile by (row < BLOCK_N) * row stride in int32.
+        if max(k_row, v_row) * tiles.block_n >= 2 ** 31:
+            raise ValueError(f"k and v rows must be less than {2 ** 31 // tiles.block_n} elements apart; "
+                             f"got {max(k_row, v_row)}")
+        q_row, q_head, _ = element_strides(p.q)
+        left, right = p.window
+        self.heads = num_heads
+        self.scalars = [q_row, q_head, k_row, k_head, v_row, v_head,
+                        total_q, kv_rows, num_heads, num_heads // p.num_kv_heads, table_width, block_shift,
+                        p.softmax_scale, p.softcap, left, right]
+        self.alibi_stride = alibi_batch_stride(p.alibi_slopes)
+        self.errors = word(device)
+
+    def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int):
+        """Launch on ``stream``.  ``ptrs``: q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
+        alibi_slopes (0 for none); ``out``/``lse_out`` ``(object, pointer)`` or None (made here).
+        Returns (out, lse or None)."""
+        out_obj = empty(kind, like, self.out_shape, self.dtype) if out is None else out[0]
+        out_ptr = data_ptr(out_obj) if out is None else out[1]
+        lse_obj, lse_ptr = None, 0
+        if lse_out is not None:
+            lse_obj, lse_ptr = lse_out
+        elif self.want_lse:
+            lse_obj = empty(kind, like, self.lse_shape, np.float32)
+            lse_ptr = data_ptr(lse_obj)
+        if self.batch == 0 or self.total_q == 0 or max_seqlen_q == 0:
+            return out_obj, lse_obj
+        q, k, v, cu_q, cu_k, table, alibi = ptrs
+        block_m = self.tiles.block_m
+        grid = ((max_seqlen_q + block_m - 1) // block_m, self.heads, self.batch)
+        self.launch(grid, self.tiles.threads, self.smem, stream, q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table,
+                    alibi, *self.scalars, max_seqlen_q, self.alibi_stride, self.errors)
+        return out_obj, lse_obj
+
+
+def problem_args(p: VarlenProblem) -> tuple:
+    """(ptrs, max_seqlen_q, out, lse_out) of :meth:`VarlenLaunch.run` for a checked problem."""
+    table = 0 if p.block_table is None else p.block_table.ptr
+    alibi = 0 if p.alibi_slopes is None else p.alibi_slopes.ptr
+    ptrs = (p.q.ptr, p.k.ptr, p.v.ptr, p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, table, alibi)
+    out = None if p.out is None else (p.out.obj, p.out.ptr)
+    lse = None if p.lse is None else (p.lse.obj, p.lse.ptr)
+    return ptrs, p.max_seqlen_q, out, lse
+
+
+def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None, stream: int | None = None):
+    """Launch the varlen kernel on a checked CUDA problem whose arrays the kernel can read as they
+    are (see ``attention.py``); returns (out, lse or None) in ``p.q``'s kind.  ``tiles`` (a candidate
+    shape; its type picks the kernel) is for the benchmark's sweep."""
+    launch = VarlenLaunch(p, tiles)
+    if stream is None:
+        stream = handle(None, p.q.kind, p.q.device)
+    return launch.run(p.q.kind, p.q.obj, *problem_args(p), stream)
