@@ -111,8 +111,8 @@ def make_paged(rng, batch, context, block_size, copies=1, shuffle=True):
 def decode_problem(paged_set, num_splits=0, out=None):
     """The checked problem of one ``make_paged`` set (no value checks), as ``ops.decode`` runs it."""
     q, k, v, table, lens = paged_set
-    return cupy_paged._checks.prepare_decode(q, k, v, None, None, lens, table, None, False, (-1, -1),
-                                             0.0, None, num_splits, False, out, check_values=False)
+    return cupy_paged._checks.prepare_decode(q, k, v, cache_seqlens=lens, block_table=table, num_splits=num_splits,
+                                             out=out, check_values=False)
 
 
 def ours(sets, num_splits=0):

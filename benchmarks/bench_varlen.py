@@ -122,7 +122,11 @@ class Batch:
 
         p = _checks.prepare_varlen(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
                                    None, True, (-1, -1), 0.0, None, None, False, self.out, False)
-        return lambda: varlen_ops.run(p, tiles)
+        launch = varlen_ops.VarlenLaunch(p, tiles)  # resolved once: the closure times the launch
+        args = varlen_ops.problem_args(p)
+        import cupy as _cupy
+
+        return lambda: launch.run("cupy", None, *args, _cupy.cuda.get_current_stream().ptr)
 
     def paged(self, block_size, seed=1):
         """(k_cache, v_cache, block_table) holding the same keys behind a shuffled table."""

@@ -4,22 +4,23 @@
 # finished comes back even if the call is cut short) under its own time limit; a short table
 # prints last.
 #   usage (repository root): bash benchmarks/device_run.sh [warm tests bench sanitize ...]
-#   (bench = bench_decode bench_varlen; each can also run alone)
-#   per-step limits in seconds: T_WARM T_TESTS T_BENCH (T_BENCH_DECODE for the decode benchmark
-#   alone) T_SANITIZE; extra arguments: TEST_ARGS,
-#   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10), SANITIZE_ARGS
+#   (bench = bench_decode bench_varlen bench_calls; each can also run alone)
+#   per-step limits in seconds: T_WARM T_TESTS T_BENCH (T_BENCH_DECODE, T_BENCH_CALLS for those
+#   benchmarks alone) T_SANITIZE; extra arguments: TEST_ARGS,
+#   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10),
+#   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 steps=${*:-warm tests bench sanitize}
-steps=${steps//bench /bench_decode bench_varlen }
-[[ $steps == *bench ]] && steps="${steps%bench}bench_decode bench_varlen"
+steps=${steps//bench /bench_decode bench_varlen bench_calls }
+[[ $steps == *bench ]] && steps="${steps%bench}bench_decode bench_varlen bench_calls"
 collect_results() {  # one file for every results/*.json, since the device returns few files
   python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
 found = {p.name: json.loads(p.read_text()) for p in sorted(pathlib.Path("benchmarks/results").glob("*.json"))
-         if p.name in ("decode.json", "varlen.json")}
+         if p.name in ("decode.json", "varlen.json", "calls.json")}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
 PY
 }
@@ -50,12 +51,16 @@ for step in $steps; do
       rm -f benchmarks/results/varlen.json
       run_step bench_varlen bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py ${BENCH_VARLEN_ARGS:---reps 10}
       collect_results ;;
+    bench_calls)
+      rm -f benchmarks/results/calls.json
+      run_step bench_calls bench_calls "${T_BENCH_CALLS:-${T_BENCH:-150}}" python3 benchmarks/bench_calls.py ${BENCH_CALLS_ARGS:-}
+      collect_results ;;
     sanitize)
       run_step memcheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-}
       run_step racecheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 \
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-} ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen sanitize)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls sanitize)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -253,14 +253,27 @@ def backend_of(named: dict) -> str:
     return next(iter(seen), CPU)
 
 
-def empty(kind: str, like, shape: tuple, dtype):
+def empty(kind: str, like, shape: tuple, dtype, stream: int | None = None):
     """A new array of ``shape``/``dtype`` in the caller's ``kind`` on ``like``'s device (``like``:
-    the caller's object of that kind)."""
-    if kind is TORCH:
-        return like.new_empty(shape, dtype=numpy_to_torch()[np.dtype(dtype)])
+    the caller's object of that kind).  ``stream``: the stream the array is written on when it is
+    not the framework's current one (the memory pools hand memory out per stream)."""
     if kind is NUMPY:
         return np.empty(shape, dtype)
+    if stream is not None:
+        with on_stream(kind, stream):
+            return empty(kind, like, shape, dtype)
+    if kind is TORCH:
+        return like.new_empty(shape, dtype=numpy_to_torch()[np.dtype(dtype)])
     return cupy.empty(shape, dtype)
+
+
+def on_stream(kind: str, stream: int):
+    """A context making ``stream`` the current stream of ``kind``'s framework (for the rare copy or
+    allocation a call makes on an explicit ``stream=``)."""
+    if kind is TORCH:
+        torch = _torch()
+        return torch.cuda.stream(torch.cuda.ExternalStream(stream))
+    return cupy.cuda.ExternalStream(stream)
 
 
 def to_host(array) -> np.ndarray:

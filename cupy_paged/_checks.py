@@ -22,7 +22,7 @@ import numbers
 import ml_dtypes
 import numpy as np
 
-from ._arrays import CUDA, Array, backend_of, to_host
+from ._arrays import CUDA, Array, backend_of, read, to_host
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_DTYPES = (np.dtype(np.float16), BF16)
@@ -49,6 +49,14 @@ def element_strides(array) -> tuple:
     if isinstance(array, Array):
         return array.strides
     return tuple(s // array.itemsize for s in array.strides)
+
+
+def as_read(obj, name: str):
+    """An argument as the checks take it: NumPy arrays and :class:`Array` descriptors as they are,
+    any other array read at the boundary (for direct callers of the ``prepare_*`` functions)."""
+    if obj is None or isinstance(obj, (np.ndarray, Array, numbers.Number)):
+        return obj
+    return read(obj, name)
 
 
 # --------------------------------------------------------------------------- scalars
@@ -332,6 +340,10 @@ def drop_unit_batch(array):
 def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, block_table,
                    return_softmax_lse, out, check_values=None, lse_out=None) -> VarlenProblem:
+    q, k, v, out, lse_out = (as_read(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
+                                                        (lse_out, "lse_out")))
+    cu_seqlens_q, cu_seqlens_k = as_read(cu_seqlens_q, "cu_seqlens_q"), as_read(cu_seqlens_k, "cu_seqlens_k")
+    alibi_slopes, block_table = as_read(alibi_slopes, "alibi_slopes"), as_read(block_table, "block_table")
     backend = backend_of(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               alibi_slopes=alibi_slopes, block_table=block_table, out=out, lse_out=lse_out))
     causal = check_bool(causal, "causal")
@@ -504,6 +516,12 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                    return_softmax_lse=False, out=None, lse_out=None, check_values=None) -> DecodeProblem:
+    q, k_cache, v_cache, k, v = (as_read(a, n) for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"),
+                                                            (k, "k"), (v, "v")))
+    rotary_cos, rotary_sin = as_read(rotary_cos, "rotary_cos"), as_read(rotary_sin, "rotary_sin")
+    cache_seqlens, cache_batch_idx = as_read(cache_seqlens, "cache_seqlens"), as_read(cache_batch_idx, "cache_batch_idx")
+    cache_leftpad, block_table = as_read(cache_leftpad, "cache_leftpad"), as_read(block_table, "block_table")
+    alibi_slopes, out, lse_out = as_read(alibi_slopes, "alibi_slopes"), as_read(out, "out"), as_read(lse_out, "lse_out")
     seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Number) else cache_seqlens
     backend = backend_of(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
                               rotary_sin=rotary_sin, cache_seqlens=seqlens_array, cache_batch_idx=cache_batch_idx,
@@ -653,6 +671,9 @@ def _check_decode_values(cache_seqlens, block_table, cache_batch_idx, cache_left
 
 def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=None):
     """Checks for ``write_kv_cache``; returns (backend, slot_mapping as int32)."""
+    k_cache, v_cache, k, v = (as_read(a, n) for a, n in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"),
+                                                         (v, "v")))
+    slot_mapping = as_read(slot_mapping, "slot_mapping")
     backend = backend_of(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping))
     check_values = check_values_mode(check_values)
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"

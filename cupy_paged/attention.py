@@ -15,7 +15,7 @@ import numbers
 import numpy as np
 
 from . import _errors, ops, reference
-from ._arrays import CPU, CUPY, NUMPY, TORCH, Array, data_ptr, kind_of, read, signature
+from ._arrays import CPU, CUPY, NUMPY, TORCH, Array, data_ptr, kind_of, on_stream, read, signature
 from ._checks import BF16, prepare_decode, prepare_varlen, prepare_write
 from ._streams import handle
 
@@ -52,21 +52,36 @@ def _current_device() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
-def _device_copy(array: Array) -> Array:
-    """A C-contiguous device copy of ``array`` (for inputs the kernels cannot read as they are:
-    misaligned or strided rows, strided index arrays)."""
+def _on_device(device: int):
+    """The device's context for a slow-path launch (a no-op when it is the current one)."""
+    import contextlib
+
     import cupy
 
-    return read(cupy.ascontiguousarray(array.cupy()), "copy")
+    return contextlib.nullcontext() if device == _current_device() else cupy.cuda.Device(device)
 
 
-def _readable(array, vectors: bool):
+def _device_copy(array: Array, stream: int) -> Array:
+    """A C-contiguous device copy of ``array`` made on ``stream`` (for inputs the kernels cannot
+    read as they are: misaligned or strided rows, strided index arrays)."""
+    import cupy
+
+    with cupy.cuda.ExternalStream(stream):
+        return read(cupy.ascontiguousarray(array.cupy()), "copy")
+
+
+def _readable(array, vectors: bool, stream: int):
     """``(array, copied)``: a device array the kernels can read as it is (16-byte rows when
-    ``vectors``, else dense), or a copy of it."""
+    ``vectors``, else dense), or a copy of it made on ``stream``."""
     if not isinstance(array, Array):
         return array, False
     fine = array.vectorised() if vectors else array.c_contiguous()
-    return (array, False) if fine else (_device_copy(array), True)
+    return (array, False) if fine else (_device_copy(array, stream), True)
+
+
+def _alloc_stream(stream, kind: str, handle_: int):
+    """The stream outputs are allocated for: the call's own when the caller named one."""
+    return handle_ if stream is not None and kind in _FAST_KINDS else None
 
 
 def _host_result(value, kind: str):
@@ -170,11 +185,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == _current_device()):
             q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
             if not (q_ptr | k_ptr | v_ptr) & 15:
+                h = handle(stream, kind, launch.device)
                 result = launch.run(kind, q, (q_ptr, k_ptr, v_ptr, data_ptr(cu_seqlens_q), data_ptr(cu_seqlens_k),
                                               _ptr(block_table), _ptr(alibi_slopes)),
                                     max_seqlen_q, None if out is None else (out, data_ptr(out)),
-                                    None if lse_out is None else (lse_out, data_ptr(lse_out)),
-                                    handle(stream, kind, launch.device))
+                                    None if lse_out is None else (lse_out, data_ptr(lse_out)), h,
+                                    None if stream is None else h)
                 return _varlen_result(result, q, launch.want_lse, return_attn_probs)
     else:
         key = None
@@ -225,23 +241,18 @@ def _varlen_slow(key, kind, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
             return result_out, result_lse, None
         return (result_out, result_lse) if p.lse is not None else result_out
     copied = False
-    paged = p.block_table is not None
-    p.q, c = _readable(p.q, True)
-    copied |= c
-    if not paged:
-        p.k, c = _readable(p.k, True)
-        copied |= c
-        p.v, c = _readable(p.v, True)
-        copied |= c
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "block_table"):
-        value, c = _readable(getattr(p, name), False)
+    h = handle(stream, kind, p.q.device)
+    names = ("q",) + (() if p.block_table is not None else ("k", "v"))
+    for name in names + ("cu_seqlens_q", "cu_seqlens_k", "block_table"):
+        value, c = _readable(getattr(p, name), name in names, h)
         setattr(p, name, value)
         copied |= c
-    launch = ops.varlen.VarlenLaunch(p)
-    if not copied:
-        _remember(key, launch)
-    result = launch.run(kind if kind in _FAST_KINDS else CUPY, q if kind in _FAST_KINDS else None,
-                        *ops.varlen.problem_args(p), handle(stream, kind, launch.device))
+    with _on_device(p.q.device):
+        launch = ops.varlen.VarlenLaunch(p)
+        if not copied:
+            _remember(key, launch)
+        result = launch.run(kind if kind in _FAST_KINDS else CUPY, q if kind in _FAST_KINDS else None,
+                            *ops.varlen.problem_args(p), h, _alloc_stream(stream, kind, h))
     _errors.after_launch()
     return _varlen_result(result, q, p.want_lse, attn_probs)
 
@@ -336,9 +347,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 ptrs = (q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, 0 if int_length else _ptr(cache_seqlens),
                         _ptr(block_table), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(rotary_cos),
                         _ptr(rotary_sin), _ptr(alibi_slopes))
+                h = handle(stream, kind, launch.device)
                 out_obj, lse = launch.run(kind, q, ptrs, cached_all, None if out is None else (out, data_ptr(out)),
-                                          None if lse_out is None else (lse_out, data_ptr(lse_out)),
-                                          handle(stream, kind, launch.device))
+                                          None if lse_out is None else (lse_out, data_ptr(lse_out)), h,
+                                          None if stream is None else h)
                 return (out_obj, lse) if launch.want_lse else out_obj
     else:
         key = None
@@ -369,23 +381,19 @@ def _decode_slow(key, kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
         result_lse = lse_out if lse_out is not None else _host_result(p.lse, host_kind)
         return (result_out, result_lse) if p.lse is not None else result_out
     copied = False
-    for name in ("q", "k_new", "v_new"):
-        value, c = _readable(getattr(p, name), True)
+    h = handle(stream, kind, p.q.device)
+    for name in ("q", "k_new", "v_new", "cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad",
+                 "rotary_cos", "rotary_sin"):
+        value, c = _readable(getattr(p, name), name in ("q", "k_new", "v_new"), h)
         setattr(p, name, value)
         copied |= c
-    for name in ("block_table", "cache_batch_idx", "cache_leftpad", "rotary_cos", "rotary_sin"):
-        value, c = _readable(getattr(p, name), False)
-        setattr(p, name, value)
-        copied |= c
-    if isinstance(p.cache_seqlens, Array):
-        p.cache_seqlens, c = _readable(p.cache_seqlens, False)
-        copied |= c
-    launch = ops.decode.DecodeLaunch(p)
-    if not copied and (cache_seqlens is None or type(cache_seqlens) is int or isinstance(p.cache_seqlens, Array)):
-        _remember(key, launch)
-    ptrs, cached_all, out_arg, lse_arg = ops.decode.problem_args(p)
-    result = launch.run(kind if kind in _FAST_KINDS else CUPY, q if kind in _FAST_KINDS else None, ptrs,
-                        cached_all, out_arg, lse_arg, handle(stream, kind, launch.device))
+    with _on_device(p.q.device):
+        launch = ops.decode.DecodeLaunch(p)
+        if not copied and (cache_seqlens is None or type(cache_seqlens) is int or isinstance(p.cache_seqlens, Array)):
+            _remember(key, launch)
+        ptrs, cached_all, out_arg, lse_arg = ops.decode.problem_args(p)
+        result = launch.run(kind if kind in _FAST_KINDS else CUPY, q if kind in _FAST_KINDS else None, ptrs,
+                            cached_all, out_arg, lse_arg, h, _alloc_stream(stream, kind, h))
     _errors.after_launch()
     return result if launch.want_lse else result[0]
 
@@ -417,8 +425,9 @@ def _uniform_cu_seqlens(batch: int, seqlen: int, device: int | None):
     return found
 
 
-def _flatten_batch(array, name: str):
-    """``[B, S, H, D]`` -> ``[B * S, H, D]``: a view where the strides allow, else a copy."""
+def _flatten_batch(array, name: str, stream: int | None = None):
+    """``[B, S, H, D]`` -> ``[B * S, H, D]``: a view where the strides allow, else a copy (made on
+    ``stream``)."""
     if array.ndim != 4:
         raise ValueError(f"{name} must have shape [batch_size, seqlen, num_heads, head_dim]; got {tuple(array.shape)}")
     batch, seqlen, heads, dim = (int(s) for s in array.shape)
@@ -426,7 +435,7 @@ def _flatten_batch(array, name: str):
         return array.reshape(batch * seqlen, heads, dim)
     strides = array.strides
     if batch > 1 and seqlen > 0 and strides[0] != seqlen * strides[1]:
-        array = _device_copy(array)
+        array = _device_copy(array, stream)
         strides = array.strides
     return Array(array.obj, array.kind, array.ptr, (batch * seqlen, heads, dim), strides[1:], array.dtype,
                  array.device)
@@ -474,17 +483,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise ValueError(f"k must have batch_size {batch} like q; got {tuple(ak.shape)}")
     seqlen_k = int(ak.shape[1])
     device = aq.device if isinstance(aq, Array) else None
+    h = None if device is None else handle(stream, kind, device)
     cu_q = _uniform_cu_seqlens(batch, seqlen_q, device)
     cu_k = _uniform_cu_seqlens(batch, seqlen_k, device)
     flat_out = None
     if arrays["out"] is not None:
         if tuple(arrays["out"].shape) != tuple(aq.shape):
             raise ValueError(f"out must have shape {list(aq.shape)}; got {tuple(arrays['out'].shape)}")
-        flat_out = _flatten_batch(arrays["out"], "out")
+        flat_out = _flatten_batch(arrays["out"], "out", h)
     if device is None:
         args = (aq.reshape(-1, *aq.shape[2:]), ak.reshape(-1, *ak.shape[2:]), av.reshape(-1, *av.shape[2:]))
     else:
-        args = (_flatten_batch(aq, "q"), _flatten_batch(ak, "k"), _flatten_batch(av, "v"))
+        args = (_flatten_batch(aq, "q", h), _flatten_batch(ak, "k", h), _flatten_batch(av, "v", h))
     # Already read: the Array descriptors go straight to the varlen path's checks and launch.
     p = prepare_varlen(*args, cu_q if device is None else read(cu_q, "cu_seqlens_q"),
                        cu_k if device is None else read(cu_k, "cu_seqlens_k"), seqlen_q, seqlen_k, softmax_scale,
@@ -497,17 +507,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             p.lse.reshape(p.num_heads, batch, seqlen_q).transpose(1, 0, 2))
         return (result, _host_result(lse, host_kind), None) if attn_probs else result
     for name in ("q", "k", "v"):
-        setattr(p, name, _readable(getattr(p, name), True)[0])
-    launch = ops.varlen.VarlenLaunch(p)
+        setattr(p, name, _readable(getattr(p, name), True, h)[0])
     fast = kind if kind in _FAST_KINDS else CUPY
-    result, lse = launch.run(fast, q if kind in _FAST_KINDS else None, *ops.varlen.problem_args(p),
-                             handle(stream, kind, launch.device))
+    with _on_device(p.q.device):
+        launch = ops.varlen.VarlenLaunch(p)
+        result, lse = launch.run(fast, q if kind in _FAST_KINDS else None, *ops.varlen.problem_args(p), h,
+                                 _alloc_stream(stream, kind, h))
     _errors.after_launch()
     result = out if out is not None else _reshaped(result, tuple(aq.shape))
     if not attn_probs:
         return result
     lse = lse.reshape(p.num_heads, batch, seqlen_q)
-    lse = lse.permute(1, 0, 2).contiguous() if fast is TORCH else lse.transpose(1, 0, 2).copy()
+    with on_stream(fast, h):  # the transpose copy is ordered after the kernel, on the call's stream
+        lse = lse.permute(1, 0, 2).contiguous() if fast is TORCH else lse.transpose(1, 0, 2).copy()
     return result, lse, None
 
 
@@ -562,10 +574,12 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_v
     if backend == CPU:
         reference.write_kv_cache(a["k_cache"], a["v_cache"], a["k"], a["v"], slots)
         return
-    (k_dev, c1), (v_dev, c2), (slots, c3) = _readable(a["k"], True), _readable(a["v"], True), _readable(slots, False)
-    launch = ops.kv_write.WriteLaunch(a["k_cache"], k_dev, v_dev)
-    if not (c1 or c2 or c3):
-        _remember(key, launch)
-    launch.run((a["k_cache"].ptr, a["v_cache"].ptr, k_dev.ptr, v_dev.ptr, slots.ptr),
-               handle(stream, kind, launch.device))
+    h = handle(stream, kind, a["k_cache"].device)
+    (k_dev, c1), (v_dev, c2), (slots, c3) = (_readable(a["k"], True, h), _readable(a["v"], True, h),
+                                             _readable(slots, False, h))
+    with _on_device(a["k_cache"].device):
+        launch = ops.kv_write.WriteLaunch(a["k_cache"], k_dev, v_dev)
+        if not (c1 or c2 or c3):
+            _remember(key, launch)
+        launch.run((a["k_cache"].ptr, a["v_cache"].ptr, k_dev.ptr, v_dev.ptr, slots.ptr), h)
     _errors.after_launch()

@@ -348,18 +348,19 @@ class DecodeLaunch:
         self.launch = Launcher(shape.decode, _DECODE_LAYOUT)
         self.combine = Launcher(shape.combine, _COMBINE_LAYOUT) if shape.combine is not None else None
 
-    def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int):
+    def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,
+            alloc_stream: int | None = None):
         """Launch on ``stream``.  ``ptrs``: q, k_cache, v_cache, k_new, v_new, cache_seqlens,
         block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, alibi_slopes (0 for
         none); ``out``/``lse_out``: ``(object, pointer)`` or None (made here, in ``kind`` like
-        ``like``).  Returns (out, lse or None)."""
-        out_obj = empty(kind, like, self.out_shape, self.dtype) if out is None else out[0]
+        ``like``, on ``alloc_stream`` when the caller named a stream).  Returns (out, lse or None)."""
+        out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream) if out is None else out[0]
         out_ptr = data_ptr(out_obj) if out is None else out[1]
         lse_obj, lse_ptr = None, 0
         if lse_out is not None:
             lse_obj, lse_ptr = lse_out
         elif self.want_lse:
-            lse_obj = empty(kind, like, self.lse_shape, np.float32)
+            lse_obj = empty(kind, like, self.lse_shape, np.float32, alloc_stream)
             lse_ptr = data_ptr(lse_obj)
         if self.batch == 0:
             return out_obj, lse_obj

@@ -1,7 +1,6 @@
 """Launch glue of ``cuda_src/kv_write.cu`` (``write_kv_cache`` on CUDA arrays)."""
 from __future__ import annotations
 
-import numpy as np
 
 from .._checks import HEAD_DIMS, element_strides
 from .._compiler import KernelKey, get_function, register_family

@@ -218,17 +218,18 @@ class VarlenLaunch:
         self.alibi_stride = alibi_batch_stride(p.alibi_slopes)
         self.errors = word(device)
 
-    def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int):
+    def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
+            alloc_stream: int | None = None):
         """Launch on ``stream``.  ``ptrs``: q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
         alibi_slopes (0 for none); ``out``/``lse_out`` ``(object, pointer)`` or None (made here).
         Returns (out, lse or None)."""
-        out_obj = empty(kind, like, self.out_shape, self.dtype) if out is None else out[0]
+        out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream) if out is None else out[0]
         out_ptr = data_ptr(out_obj) if out is None else out[1]
         lse_obj, lse_ptr = None, 0
         if lse_out is not None:
             lse_obj, lse_ptr = lse_out
         elif self.want_lse:
-            lse_obj = empty(kind, like, self.lse_shape, np.float32)
+            lse_obj = empty(kind, like, self.lse_shape, np.float32, alloc_stream)
             lse_ptr = data_ptr(lse_obj)
         if self.batch == 0 or self.total_q == 0 or max_seqlen_q == 0:
             return out_obj, lse_obj
