@@ -6,8 +6,10 @@
 //   TILE_KEYS  keys per pipeline stage (a multiple of 16 keys per warp)
 //   STAGES     depth of the cp.async pipeline (>= 3): STAGES - 1 tiles in flight
 //   WARPS      warps per CTA (1, 2, 4 or 8); a CTA asks for 8 warps' worth of residency per SM
-// Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q) is a run-time
-// argument, so two dtypes x five head dims are the whole family.
+//   ROTARY     0 or 1: whether the kernel holds the rotary-embedding code (default 0).  The code
+//              stays out of the ROTARY=0 kernel entirely, its K/V loop included.
+// Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q, rotary layout)
+// is a run-time argument, so two dtypes x five head dims (x rotary or not) are the whole family.
 //
 // paged_decode: one CTA of WARPS warps per (row group, split, kv head, sequence).  A "row" is one
 // (query head of the GQA group, query token) pair; a row group is the 16 rows of an mma A operand
@@ -29,14 +31,37 @@
 // that needs it, and the CTAs of split 0 / row group 0 copy the new tokens into the cache.  No CTA
 // reads a cache slot that this launch writes, so the fused append has no race.
 //
-// A contiguous cache [B, S, Hkv, D] is read as B * S blocks of one token through an identity table
+// A contiguous cache [Bc, S, Hkv, D] is read as Bc * S blocks of one token through an identity table
 // (ops/decode.py keeps one per device), and an int cache_seqlens comes as one value for every
-// sequence (DecodeParams::cached_all): a call builds no index arrays.
+// sequence (DecodeParams::cached_all): a call builds no index arrays.  Sequence b reads cache row
+// cache_batch_idx[b] (else b) from position L = cache_leftpad[b] (else 0): its table row starts L
+// columns into the identity row of that cache row, it has S - L usable columns and
+// cache_seqlens[b] - L cached keys.  Keys are numbered from L on, so the masks, the windows and the
+// ALiBi distances (all relative) need nothing else; only rotary positions are absolute (L + key).
 //
-// Safety: a block id outside [0, num_blocks), a block-table column past max_blocks and a negative
-// cache_seqlens are treated as holes: no read, no write, the keys count as masked.
+// Rotary embedding (ROTARY=1, rotary_dim > 0; FlashAttention-2's semantics): the Q tile is rotated
+// in shared memory after its load (query token i at cache_seqlens[b] + i with rotary_flags bit 1,
+// else at cache_seqlens[b]), the new keys in the K stage of each tile that holds some (new key t at
+// cache_seqlens[b] + t), and the fused append writes the same rotated keys; v is never rotated.
+// Rows are the cp::SmemTile layout, so a rotation moves whole 16-byte chunks: interleaved (GPT-J)
+// pairs sit in one chunk, NeoX pairs (i, i + rotary_dim / 2) in chunks c and c + rotary_dim / 16.
+// rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] are read 2 bytes at a time: any C-contiguous
+// array will do.
+//
+// Safety: a block id outside [0, num_blocks), a block-table column past the usable columns, a
+// negative cache_seqlens, a cache row outside the cache are treated as holes: no read, no write, the
+// keys count as masked (a new token whose slot is a hole is still attended, from k_new, but not
+// appended; a sequence whose cache row is outside the cache sees no key at all).  The bad values are
+// reported in the device error word (cp::report_error) outside the K/V loop: the sequence-level
+// checks by split 0 / row group 0 / kv head 0, the block ids by the row group 0 / kv head 0 CTA of
+// each split over its own key range (split 0 also over the columns before it), so that no CTA reads
+// a long table row alone.  A rotary position past seqlen_ro leaves that row unrotated (reported).
 #include "common.cuh"
 #include "mma.cuh"
+
+#ifndef ROTARY
+#define ROTARY 0
+#endif
 
 namespace decode {
 
@@ -83,19 +108,23 @@ static_assert(kPasses >= 1 && kTileKeys % kKeysPerPass == 0, "each thread issues
 static_assert(kStages >= 3, "the loaded-tile vote needs the next tile issued an iteration early");
 
 // Shared memory (bytes): K stages, V stages, one flag per key (1 = the key was loaded), the Q tile,
-// the block id of each key of kIdSlots tiles, the sequence's cache_seqlens entry.  The first bytes are reused for the
-// cross-warp merge at the end.
+// the block id of each key of kIdSlots tiles, and 16 bytes of the sequence's entries: cache_seqlens,
+// cache_batch_idx, cache_leftpad, the smallest bad block-table column found (Seq below).  The first
+// bytes are reused for the cross-warp merge at the end.
 struct Smem {
   static constexpr int kStageBytes = Tile::bytes(kTileKeys);
   static constexpr int kV = kStages * kStageBytes;
   static constexpr int kFlags = 2 * kStages * kStageBytes;
   static constexpr int kQ = kFlags + kStages * kTileKeys * 4;
   static constexpr int kIds = kQ + Tile::bytes(kRows);
-  static constexpr int kSeqlen = kIds + kIdSlots * kTileKeys * 4;  // cache_seqlens[b], 16 bytes
+  static constexpr int kSeqlen = kIds + kIdSlots * kTileKeys * 4;  // Seq, 16 bytes
   static constexpr int kBytes = kSeqlen + 16;
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
   static_assert(kMergeBytes <= kFlags, "merge scratch must fit in the pipeline buffers");
 };
+// The 4 ints at Smem::kSeqlen.
+enum Seq : int { kSeqLength = 0, kSeqRow = 1, kSeqLeftpad = 2, kSeqBadColumn = 3 };
+constexpr int kNoColumn = 0x7fffffff;  // kSeqBadColumn before any bad column is found
 
 // Where the keys of one sequence live: the cache through the block table, the new tokens in k_new.
 struct KeySource {
@@ -104,9 +133,10 @@ struct KeySource {
   const T* k_new;
   const T* v_new;
   long long kn_token, vn_token;  // element strides of k_new/v_new along seqlen_new
-  const int* table_row;          // block_table[b]
-  int max_blocks, num_blocks, block_size, block_shift;  // block_size = 1 << block_shift
-  int num_kv_heads, kv_head, cached;        // cached = cache_seqlens[b] (>= 0)
+  const int* table_row;          // block_table[b] (a contiguous cache: its row's identity, from L on)
+  int max_blocks;                // usable columns of table_row (0: none)
+  int num_blocks, block_size, block_shift;  // block_size = 1 << block_shift
+  int num_kv_heads, kv_head, cached;        // cached keys: cache_seqlens[b] - L (>= 0)
 
   // The block size is a power of two: no division (NOTES_decode.md, v13c: +4% at 256 x 2048).
   __device__ __forceinline__ int column(int j) const { return j >> block_shift; }
@@ -185,20 +215,144 @@ __device__ __forceinline__ void read_blocks(const KeySource& src, int start, con
   }
 }
 
+#if ROTARY
+// Rotary embedding on 16-byte chunks of 8 elements.  Each product and each sum is rounded on its
+// own (no FMA contraction, as NumPy's float32 arithmetic in the reference): the fused append and
+// the K stage rotate the same key, and the cache must get the bits the attended key had.
+__device__ __forceinline__ float2 to_float2(u32 w, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 to_float2(u32 w, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+// (x, y) -> (x cos - y sin, x sin + y cos).
+__device__ __forceinline__ void rotate(float& x, float& y, float c, float s) {
+  const float xr = __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s));
+  y = __fadd_rn(__fmul_rn(x, s), __fmul_rn(y, c));
+  x = xr;
+}
+// 2 * kWords consecutive elements of a cos/sin row, packed in pairs like a chunk's words.
+template <int kWords>
+__device__ __forceinline__ void load_pairs(const T* row, u32 (&w)[kWords]) {
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(row);
+#pragma unroll
+  for (int k = 0; k < kWords; ++k)
+    w[k] = static_cast<u32>(__ldg(h + 2 * k)) | (static_cast<u32>(__ldg(h + 2 * k + 1)) << 16);
+}
+// Interleaved (GPT-J): chunk u holds pairs 4u..4u+3 as elements (2i, 2i + 1); cw/sw: cos/sin[4u..4u+3].
+__device__ __forceinline__ uint4 rotate_interleaved(uint4 v, const u32 (&cw)[2], const u32 (&sw)[2]) {
+  u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 cf = to_float2(cw[k / 2], T()), sf = to_float2(sw[k / 2], T());
+    float2 p = to_float2(w[k], T());
+    rotate(p.x, p.y, k % 2 ? cf.y : cf.x, k % 2 ? sf.y : sf.x);
+    w[k] = cp::from_float2(p.x, p.y, T());
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// NeoX: x = chunk u (elements i = 8u..8u+7), y = the chunk rotary_dim / 2 elements on; cw/sw: cos/sin[8u..8u+7].
+__device__ __forceinline__ void rotate_neox(uint4& x, uint4& y, const u32 (&cw)[4], const u32 (&sw)[4]) {
+  u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float2 xf = to_float2(xw[k], T()), yf = to_float2(yw[k], T());
+    const float2 cf = to_float2(cw[k], T()), sf = to_float2(sw[k], T());
+    rotate(xf.x, yf.x, cf.x, sf.x);
+    rotate(xf.y, yf.y, cf.y, sf.y);
+    xw[k] = cp::from_float2(xf.x, xf.y, T());
+    yw[k] = cp::from_float2(yf.x, yf.y, T());
+  }
+  x = make_uint4(xw[0], xw[1], xw[2], xw[3]);
+  y = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+}
+
+// Where the rotation of one row reads its cos/sin rows: rotary_cos/sin + position * (rotary_dim / 2).
+struct Rotary {
+  const T* cos;
+  const T* sin;
+  int dim;           // rotary_dim (> 0, a multiple of 16, <= head dim)
+  int seqlen_ro;     // rows of cos/sin: a position from seqlen_ro on is left unrotated
+  bool interleaved;
+  // Work units of one row: a chunk of 4 pairs (interleaved), a pair of chunks (NeoX).
+  __device__ __forceinline__ int units() const { return interleaved ? dim / 8 : dim / 16; }
+  __device__ __forceinline__ long long row_at(long long position) const { return position * (dim / 2); }
+};
+
+// Unit `unit` of row `row` of a swizzled tile at `tile` (shared memory), at `position` (< seqlen_ro).
+__device__ __forceinline__ void rotate_tile_unit(const Rotary& ro, unsigned char* tile, int row, int unit,
+                                                 long long position) {
+  const T* c = ro.cos + ro.row_at(position);
+  const T* s = ro.sin + ro.row_at(position);
+  if (ro.interleaved) {
+    u32 cw[2], sw[2];
+    load_pairs(c + 4 * unit, cw);
+    load_pairs(s + 4 * unit, sw);
+    uint4* p = reinterpret_cast<uint4*>(tile + Tile::offset(row, unit));
+    *p = rotate_interleaved(*p, cw, sw);
+  } else {
+    u32 cw[4], sw[4];
+    load_pairs(c + 8 * unit, cw);
+    load_pairs(s + 8 * unit, sw);
+    uint4* px = reinterpret_cast<uint4*>(tile + Tile::offset(row, unit));
+    uint4* py = reinterpret_cast<uint4*>(tile + Tile::offset(row, unit + ro.dim / 16));
+    uint4 x = *px, y = *py;
+    rotate_neox(x, y, cw, sw);
+    *px = x;
+    *py = y;
+  }
+}
+
+// Chunk `v` of a new key row `key` (global memory) after rotation at `position` (< seqlen_ro): the
+// fused append's value, computed by the same arithmetic as rotate_tile_unit.
+__device__ __forceinline__ cp::Vec8 rotated_chunk(const Rotary& ro, const cp::Vec8* key, int v, long long position) {
+  const T* c = ro.cos + ro.row_at(position);
+  const T* s = ro.sin + ro.row_at(position);
+  cp::Vec8 out = key[v];
+  if (ro.interleaved) {
+    if (v < ro.dim / 8) {
+      u32 cw[2], sw[2];
+      load_pairs(c + 4 * v, cw);
+      load_pairs(s + 4 * v, sw);
+      out.raw = rotate_interleaved(out.raw, cw, sw);
+    }
+  } else {
+    const int half = ro.dim / 16;  // chunks of one half of the rotated dims
+    if (v < 2 * half) {
+      const int unit = v < half ? v : v - half;
+      u32 cw[4], sw[4];
+      load_pairs(c + 8 * unit, cw);
+      load_pairs(s + 8 * unit, sw);
+      uint4 x = key[unit].raw, y = key[unit + half].raw;
+      rotate_neox(x, y, cw, sw);
+      out.raw = v < half ? x : y;
+    }
+  }
+  return out;
+}
+#endif  // ROTARY
+
 // Scalar arguments of paged_decode, passed as one struct by value (ops/decode.py packs it with
-// struct.pack("<9q14i2f")): one kernel argument instead of 35 keeps the host's launch cost down.
+// struct.pack("<9q20i2f")): one kernel argument instead of 41 keeps the host's launch cost down.
 struct DecodeParams {
   long long q_batch, q_token, q_head;     // element strides of q
   long long kn_batch, kn_token, kn_head;  // of k_new (0 without new tokens)
   long long vn_batch, vn_token, vn_head;  // of v_new
-  int max_blocks, num_blocks, block_shift;
+  int max_blocks, num_blocks, block_shift;  // a contiguous cache: S, Bc * S, 0
   int cached_all;                         // every sequence's cache_seqlens when that pointer is null
   int seqlen_q, seqlen_new, num_heads, num_kv_heads;
   int num_rows, row_groups, win_left, win_right;
-  int num_splits, unused;                 // unused: pads the struct to its 8-byte alignment
+  int num_splits;
+  int cache_rows;                         // Bc of a contiguous cache, 0 for a paged one
+  int rotary_dim;                         // 0: no rotary embedding (always 0 for ROTARY=0)
+  int rotary_flags;                       // bit 0: interleaved (else NeoX); bit 1: q token i at +i
+  int seqlen_ro;                          // rows of rotary_cos / rotary_sin
+  int alibi_batch_stride;                 // 0: alibi_slopes [H]; H: [B, H]
+  int unused0, unused1;                   // pad the struct to its 8-byte alignment
   float softmax_scale, softcap;
 };
-static_assert(sizeof(DecodeParams) == 9 * 8 + 14 * 4 + 2 * 4, "DecodeParams must match the host's struct.pack layout");
+static_assert(sizeof(DecodeParams) == 9 * 8 + 20 * 4 + 2 * 4 && sizeof(DecodeParams) == 160,
+              "DecodeParams must match the host's struct.pack layout");
 
 }  // namespace decode
 
@@ -211,12 +365,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     cp::Vec8* k_cache_w, cp::Vec8* v_cache_w,  // the same caches, written by the append (no restrict: aliases)
     const T* __restrict__ k_new, const T* __restrict__ v_new,                        // [B, Sn, Hkv, D] or null
     const int* __restrict__ cache_seqlens,  // [B], or null: params.cached_all for every sequence
-    const int* __restrict__ block_table,    // [B, max_blocks]
-    const float* __restrict__ alibi_slopes,
+    const int* __restrict__ block_table,    // [B, max_blocks] (a contiguous cache: the identity)
+    const int* __restrict__ cache_batch_idx,  // [B] or null: the contiguous cache's row of sequence b
+    const int* __restrict__ cache_leftpad,    // [B] or null: sequence b's first position (contiguous cache)
+    const T* __restrict__ rotary_cos,         // [seqlen_ro, rotary_dim / 2] or null
+    const T* __restrict__ rotary_sin,
+    const float* __restrict__ alibi_slopes,   // [H] or [B, H] (params.alibi_batch_stride) or null
     T* __restrict__ out,                  // [B, Sq, H, D] contiguous
     float* __restrict__ lse,              // [B, H, Sq] or null
     float* __restrict__ part_out,         // [num_splits, B*Sq*H, D] when num_splits > 1
     float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
+    int* errors,                          // the device error word (cp::report_error) or null
     unsigned long long* __restrict__ trace) {  // null, or [CTAs][3]: start ns, end ns, SM (benchmark)
   const unsigned long long started = trace ? cp::global_ns() : 0;
   const long long q_batch = params.q_batch, q_token = params.q_token, q_head = params.q_head;
@@ -254,18 +413,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   src.v_new = v_new ? v_new + b * vn_batch + kv_head * vn_head : nullptr;
   src.kn_token = kn_token;
   src.vn_token = vn_token;
-  src.table_row = block_table + (long long)b * max_blocks;
-  src.max_blocks = max_blocks;
   src.num_blocks = num_blocks;
   src.block_size = 1 << block_shift;
   src.block_shift = block_shift;
   src.num_kv_heads = num_kv_heads;
   src.kv_head = kv_head;
-  // Prologue, first round trip: cache_seqlens[b] and the Q tile [16 rows][D] (padding rows zero)
-  // -> shared memory by cp.async, so that both are in flight together.
+  // Prologue, first round trip: the sequence's entries (Seq) and the Q tile [16 rows][D] (padding
+  // rows zero) -> shared memory by cp.async, so that all are in flight together.
+  int* seq = reinterpret_cast<int*>(smem_raw + Smem::kSeqlen);
   if (threadIdx.x == 0) {
-    if (cache_seqlens) cp::cp_async_4(ks + Smem::kSeqlen, cache_seqlens + b, true);
-    else *reinterpret_cast<int*>(smem_raw + Smem::kSeqlen) = params.cached_all;
+    if (cache_seqlens) cp::cp_async_4(ks + Smem::kSeqlen + 4 * kSeqLength, cache_seqlens + b, true);
+    else seq[kSeqLength] = params.cached_all;
+    if (cache_batch_idx) cp::cp_async_4(ks + Smem::kSeqlen + 4 * kSeqRow, cache_batch_idx + b, true);
+    else seq[kSeqRow] = b;
+    if (cache_leftpad) cp::cp_async_4(ks + Smem::kSeqlen + 4 * kSeqLeftpad, cache_leftpad + b, true);
+    else seq[kSeqLeftpad] = 0;
+    seq[kSeqBadColumn] = kNoColumn;
   }
   for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
     const int r = index / kChunks, c = index % kChunks;
@@ -279,8 +442,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   cp::cp_async_commit();
   cp::cp_async_wait<0>();
   __syncthreads();
-  src.cached = max(*reinterpret_cast<const int*>(smem_raw + Smem::kSeqlen), 0);
-  const int num_keys = src.cached + seqlen_new;  // Lk
+  // The sequence's keys: cache positions [L, length) through its table row, then the new tokens.
+  // A contiguous cache folds the row and L into the table row (see the header); a paged one has
+  // L = 0 and no row choice (the host allows neither with a table).
+  const int length = seq[kSeqLength];         // cache_seqlens[b] as given
+  const int cached_end = max(length, 0);      // a negative length counts as 0
+  const int cache_row = seq[kSeqRow], leftpad = seq[kSeqLeftpad];
+  const int cache_rows = params.cache_rows;
+  bool row_ok = true, leftpad_ok = true;
+  int first_pos = 0;                          // L: the cache position of key 0
+  long long table_at = (long long)b * max_blocks;
+  int width = max_blocks;                     // usable columns of the table row
+  if (cache_rows > 0) {
+    row_ok = cache_row >= 0 && cache_row < cache_rows;
+    leftpad_ok = leftpad >= 0 && leftpad <= cached_end;
+    first_pos = leftpad_ok ? leftpad : 0;
+    table_at = (long long)(row_ok ? cache_row : 0) * max_blocks + first_pos;
+    width = row_ok ? max(max_blocks - first_pos, 0) : 0;
+  }
+  src.table_row = block_table + table_at;
+  src.max_blocks = width;
+  // A cache row outside the cache: no key at all (cached or new), nothing appended.
+  src.cached = row_ok ? cached_end - first_pos : 0;
+  const int new_keys = row_ok ? seqlen_new : 0;
+  const int num_keys = src.cached + new_keys;  // Lk
 
   // Rows of the CTA: row r is (group head, query token) = divmod(row_group * 16 + r, seqlen_q),
   // bottom-right aligned (query i sits at key i + Lk - Sq).  The keys every real row sees bound the
@@ -305,7 +490,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
       my_hi[hr] = hi;
       my_pos[hr] = pos;
       // Scores live in the log2 domain, so the slope does too.
-      my_slope[hr] = (real && alibi_slopes) ? alibi_slopes[kv_head * group + row / seqlen_q] * kLog2e : 0.f;
+      my_slope[hr] = (real && alibi_slopes)
+                         ? alibi_slopes[(long long)b * params.alibi_batch_stride + kv_head * group + row / seqlen_q] * kLog2e
+                         : 0.f;
     }
   }
   // Softcap c on natural-log scores, rewritten for log2-domain scores x: c' tanh(x / c'), c' = c log2 e.
@@ -346,20 +533,88 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     if (s < num_tiles) issued_ok[s] = issue(s);
     cp::cp_async_commit();
   }
+#if ROTARY
+  // Rotary embedding: a rotary_dim the kernel cannot take (the host checks it) counts as none.
+  Rotary ro;
+  {
+    const int dim = params.rotary_dim;
+    const bool usable = dim > 0 && dim <= kHeadDim && dim % 16 == 0 && rotary_cos && rotary_sin;
+    ro.cos = rotary_cos;
+    ro.sin = rotary_sin;
+    ro.dim = usable ? dim : 0;
+    ro.seqlen_ro = params.seqlen_ro;
+    ro.interleaved = (params.rotary_flags & 1) != 0;
+  }
+  const bool q_per_token = (params.rotary_flags & 2) != 0;
+  // The Q tile rotated in place, once the first tiles are in flight; the barrier below (the first
+  // loaded-tile vote) orders it before the Q fragments are read.
+  if (ro.dim > 0) {
+    const int units = ro.units();
+    for (int index = threadIdx.x; index < kRows * units; index += kThreads) {
+      const int r = index / units, unit = index % units;
+      const int row = row_group * kRows + r;
+      const long long position = (long long)cached_end + (q_per_token ? row % seqlen_q : 0);
+      if (row < num_rows && position < ro.seqlen_ro) rotate_tile_unit(ro, smem_raw + Smem::kQ, r, unit, position);
+    }
+  }
+#endif
+
   // Fused append, once the first tiles are in flight: split 0 / row group 0 writes this kv
-  // head's new tokens into the cache (slots no CTA of this launch reads).
-  if (seqlen_new > 0 && split == 0 && row_group == 0) {
-    for (int index = threadIdx.x; index < seqlen_new * kChunks; index += kThreads) {
+  // head's new tokens into the cache (slots no CTA of this launch reads), k rotated like the
+  // keys attended.
+  if (new_keys > 0 && split == 0 && row_group == 0) {
+    for (int index = threadIdx.x; index < new_keys * kChunks; index += kThreads) {
       const int tok = index / kChunks, v = index % kChunks;
       const int j = src.cached + tok;
       const int col = src.column(j);
-      if (col >= max_blocks) continue;
+      if (col >= src.max_blocks) continue;
       const int id = __ldg(src.table_row + col);
       if (id < 0 || id >= num_blocks) continue;
       const long long at = src.cache_vec(id, j, v);
-      k_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token)[v];
+      const cp::Vec8* key = reinterpret_cast<const cp::Vec8*>(src.k_new + tok * kn_token);
+#if ROTARY
+      const long long position = (long long)cached_end + tok;
+      k_cache_w[at] = ro.dim > 0 && position < ro.seqlen_ro ? rotated_chunk(ro, key, v, position) : key[v];
+#else
+      k_cache_w[at] = key[v];
+#endif
       v_cache_w[at] = reinterpret_cast<const cp::Vec8*>(src.v_new + tok * vn_token)[v];
     }
+  }
+
+  // Checks of the index values (cp::report_error), off the K/V loop: the sequence-level ones by
+  // one thread of split 0 / row group 0 / kv head 0; the block ids by the row group 0 / kv head 0
+  // CTA of every split, over the columns whose first key is in its range (split 0: from column 0),
+  // which together are the columns of the keys [0, Lk) once each.  A contiguous cache's table is
+  // the host's identity: its ids are never checked.
+  const bool checker = row_group == 0 && kv_head == 0;
+  const long long needed = (long long)src.cached + new_keys;  // keys needing a slot
+  if (checker && split == 0 && threadIdx.x == 0) {
+    if (length < 0) cp::report_error(errors, cp::kErrSeqlen, b, length);
+    if (!row_ok) cp::report_error(errors, cp::kErrBatchIdx, b, cache_row);
+    if (!leftpad_ok) cp::report_error(errors, cp::kErrLeftpad, b, leftpad);
+    if (needed > 0 && ((needed - 1) >> block_shift) >= width)
+      cp::report_error(errors, cp::kErrTableShort, b, first_pos + needed);
+#if ROTARY
+    if (ro.dim > 0) {
+      const long long last = (long long)cached_end + max(q_per_token ? seqlen_q - 1 : 0, new_keys - 1);
+      if (last >= ro.seqlen_ro) cp::report_error(errors, cp::kErrRotary, b, last);
+    }
+#endif
+  }
+  const bool check_ids = checker && cache_rows == 0;
+  if (check_ids) {
+    const long long round_up = src.block_size - 1;
+    const long long columns = min((needed + round_up) >> block_shift, (long long)width);
+    const int from = split == 0 ? 0 : (int)min(((long long)start + round_up) >> block_shift, columns);
+    const int to = (int)min(((long long)end + round_up) >> block_shift, columns);
+    int bad = kNoColumn;
+    for (int c = from + threadIdx.x; c < to; c += kThreads) {
+      const int id = __ldg(src.table_row + c);
+      if (static_cast<unsigned>(id) >= static_cast<unsigned>(num_blocks)) bad = min(bad, c);
+    }
+    bad = __reduce_min_sync(0xffffffffu, bad);
+    if (lane == 0 && bad != kNoColumn) atomicMin(seq + kSeqBadColumn, bad);
   }
 
   // Whether all of tile t's keys were loaded, voted at the barrier before its use; the barrier of
@@ -370,6 +625,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   bool pending[kStages - 2];
 #pragma unroll
   for (int i = 0; i < kStages - 2; ++i) pending[i] = issued_ok[i + 1];
+  // The split's smallest bad column, merged over the warps before that barrier.
+  if (check_ids && threadIdx.x == 0 && seq[kSeqBadColumn] != kNoColumn)
+    cp::report_error(errors, cp::kErrBlockId, b, seq[kSeqBadColumn]);
 
   // Q fragments (A operand, one per k-step): lanes 0-15 address rows 0-15 of chunk 2kk, 16-31 of 2kk+1.
   u32 qa[kQInRegs ? kKSteps : 1][4];
@@ -381,6 +639,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   const int k_row = (lane >> 4) * 8 + (lane & 7), k_chunk = (lane >> 3) & 1;  // B of Q K^T
   const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk = lane >> 4;  // B of P V (.trans)
 
+#if ROTARY
+  const bool rotates_keys = ro.dim > 0 && end > src.cached;  // the CTA's range holds new keys
+#endif
   // Online softmax state in the log2 domain for rows g and g + 8; o[n-tile] are C fragments.
   float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
   float o[kHeadDim / 8][4];
@@ -403,6 +664,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     const u32 k_tile = ks + stage * Smem::kStageBytes, v_tile = vs + stage * Smem::kStageBytes;
     const int warp_key = warp * kKeysPerWarp;  // first key of this warp in the tile
     const int tile_start = start + tile * kTileKeys;
+#if ROTARY
+    // The new keys of this tile rotated in its K stage (landed: the barrier above), a CTA-uniform
+    // branch taken by the tiles that hold some; the barrier after it orders them before Q K^T.
+    if (rotates_keys && tile_start + kTileKeys > src.cached) {
+      const int units = ro.units();
+      const int first = max(src.cached - tile_start, 0);
+      const int rows = min(end - tile_start, kTileKeys) - first;
+      for (int index = threadIdx.x; index < rows * units; index += kThreads) {
+        const int key = first + index / units, unit = index % units;
+        const long long position = (long long)first_pos + tile_start + key;
+        if (position < ro.seqlen_ro) rotate_tile_unit(ro, smem_raw + stage * Smem::kStageBytes, key, unit, position);
+      }
+      __syncthreads();
+    }
+#endif
 
     // S = Q K^T for this warp's keys: s[group][n-tile of 8 keys][C fragment].
     float s[kGroups][2][4];

@@ -5,7 +5,8 @@
 // a thread issued before its stores.  Index arithmetic is 32-bit with a compile-time row
 // length, so the kernel is bound by memory, not by 64-bit integer division.  A negative
 // slot (padding) is skipped; a slot at or past the cache's capacity is skipped too, so no
-// slot mapping can make this kernel write outside the caches.
+// slot mapping can make this kernel write outside the caches, and reported to the device
+// error word (kErrSlot: where = the token, detail = the slot), once per token.
 #include "common.cuh"
 
 constexpr int kThreads = 128;
@@ -18,10 +19,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) write_kv_cache(
     const int* __restrict__ slot_mapping,                      // [num_tokens]
     int num_kv_heads, long long num_slots,
     long long k_token_stride, int k_head_stride,               // in 16-byte vectors
-    long long v_token_stride, int v_head_stride) {
+    long long v_token_stride, int v_head_stride,
+    int* errors) {                                             // the device error word, or null
   const long long token = blockIdx.x;
   const long long slot = slot_mapping[token];
-  if (slot < 0 || slot >= num_slots) return;
+  if (slot < 0) return;  // padding
+  if (slot >= num_slots) {
+    if (threadIdx.x == 0) cp::report_error(errors, cp::kErrSlot, token, slot);
+    return;
+  }
   const int row_vecs = num_kv_heads * kRowVecs;
   const uint4* k_src = k + token * k_token_stride;
   const uint4* v_src = v + token * v_token_stride;

@@ -27,7 +27,11 @@
 //
 // Safety: rows past a sequence's end, block ids outside [0, num_blocks), block-table columns
 // past its width and cu_seqlens entries outside the arrays are never dereferenced: such keys
-// are loaded as zeros and masked out ("holes"), such query rows are neither read nor written.
+// are loaded as zeros and masked out ("holes"), such query rows are neither read nor written
+// (every q/out/lse row is checked against [0, total_q), so a negative or decreasing cu_seqlens_q
+// cannot move a write outside q's rows; a decreasing range counts as an empty sequence).  One CTA
+// per sequence also reports such values to the device error word (check_sequence in
+// varlen_common.cuh), at its end, apart from the K/V loop.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -160,66 +164,68 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
   unsigned char* s_loadable = smem + Tr::kQBytes + 2 * Tr::kStages * Tr::kKVBytes;
 
   Task t;
-  if (!make_task(t, VARLEN_FWD_ARGS)) return;
-  const int m0 = t.m0, length_q = t.length_q, length_k = t.length_k, offset = t.offset;
-  const int tile_first = t.tile_first, num_tiles = t.num_tiles;
-  const bool mods = t.mods;
-  const float slope = t.slope, scale_log2 = t.scale_log2;
+  if (make_task(t, VARLEN_FWD_ARGS)) {  // the CTA's work; then its one exit (check_sequence says why)
+    const int m0 = t.m0, length_q = t.length_q, length_k = t.length_k, offset = t.offset;
+    const int tile_first = t.tile_first, num_tiles = t.num_tiles;
+    const bool mods = t.mods;
+    const float slope = t.slope, scale_log2 = t.scale_log2;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int warp_row0 = warp * Tr::kWarpRows;   // within the tile
-  const int row0 = m0 + warp_row0;              // within the sequence
-  const int row_last = min(row0 + Tr::kWarpRows, length_q) - 1;
-  const bool warp_active = row0 < length_q;     // a warp past the sequence's end only loads
-  const LaneOffsets lo = lane_offsets(warp_row0, lane);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp_row0 = warp * Tr::kWarpRows;   // within the tile
+    const int row0 = m0 + warp_row0;              // within the sequence
+    const int row_last = min(row0 + Tr::kWarpRows, length_q) - 1;
+    const bool warp_active = row0 < length_q;     // a warp past the sequence's end only loads
+    const LaneOffsets lo = lane_offsets(warp_row0, lane);
 
-  WarpState st;
-  init_state(st);
+    WarpState st;
+    init_state(st);
 
-  int hole_bits = load_prologue(s_q, s_kv, s_loadable, t, q_row, total_q);  // bit s: a hole in stage s
+    int hole_bits = load_prologue(s_q, s_kv, s_loadable, t, q_row, total_q);  // bit s: a hole in stage s
 
-  PFrags p;
+    PFrags p;
 
-  for (int it = 0; it < num_tiles; ++it) {
-    const int stage = it % Tr::kStages;
-    const int n0 = (tile_first - it) * Tr::kBlockN;
-    // Wait for this tile; the barrier also frees the stage that no warp reads any more.
-    cp::cp_async_wait<Tr::kAhead - 1>();
-    const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % Tr::kStages;
+      const int n0 = (tile_first - it) * Tr::kBlockN;
+      // Wait for this tile; the barrier also frees the stage that no warp reads any more.
+      cp::cp_async_wait<Tr::kAhead - 1>();
+      const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
 
-    // Does this warp see any key of the tile?  (A warp past the sequence's end only loads.)
-    const bool visible = warp_active &&
-                         (window_right < 0 || n0 <= row_last + offset + window_right) &&
-                         (window_left < 0 || n0 + Tr::kBlockN - 1 >= row0 + offset - window_left);
-    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes, s_v = s_k + Tr::kKVBytes;
-    float s[Tr::kMTiles][Tr::kNTiles][4];
-    if (visible) qk_tile(s, s_q, s_k, lo);                                   // S = Q K^T
+      // Does this warp see any key of the tile?  (A warp past the sequence's end only loads.)
+      const bool visible = warp_active &&
+                           (window_right < 0 || n0 <= row_last + offset + window_right) &&
+                           (window_left < 0 || n0 + Tr::kBlockN - 1 >= row0 + offset - window_left);
+      const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes, s_v = s_k + Tr::kKVBytes;
+      float s[Tr::kMTiles][Tr::kNTiles][4];
+      if (visible) qk_tile(s, s_q, s_k, lo);                                   // S = Q K^T
 
-    // Prefetch the tile kAhead ahead into the stage freed by the barrier.  Issued after the QK^T mma instructions, so that its address
-    // arithmetic fills issue slots while the tensor cores drain them; every thread takes part.
-    {
-      const int ahead = it + Tr::kAhead, ps = ahead % Tr::kStages;
-      hole_bits &= ~(1 << ps);
-      if (ahead < num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, ahead);
-      cp::cp_async_commit();
+      // Prefetch the tile kAhead ahead into the stage freed by the barrier.  Issued after the QK^T mma instructions, so that its address
+      // arithmetic fills issue slots while the tensor cores drain them; every thread takes part.
+      {
+        const int ahead = it + Tr::kAhead, ps = ahead % Tr::kStages;
+        hole_bits &= ~(1 << ps);
+        if (ahead < num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, ahead);
+        cp::cp_async_commit();
+      }
+
+      if (!visible) continue;
+      // Does the tile straddle one of this warp's bounds?  (Under causal masking: only the tiles
+      // on the diagonal, and a sequence's last, partial key tile.)
+      const bool needs_mask = hole || n0 + Tr::kBlockN > length_k ||
+                              (window_right >= 0 && n0 + Tr::kBlockN - 1 > row0 + offset + window_right) ||
+                              (window_left >= 0 && n0 < row_last + offset - window_left);
+      if (mods) apply_score_mods(s, softmax_scale, softcap, slope, row0, offset, n0, lane);
+      if (needs_mask)
+        apply_mask(s, row0, offset, n0, length_k, window_left, window_right, hole,
+                   s_loadable + stage * Tr::kBlockN, lane);
+      online_softmax(s, st, scale_log2);                                           // P = softmax(S)
+      pack_p(s, p);
+      pv_tile(p, st, s_v, lo);                                                     // O += P V
     }
+    cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
-    if (!visible) continue;
-    // Does the tile straddle one of this warp's bounds?  (Under causal masking: only the tiles
-    // on the diagonal, and a sequence's last, partial key tile.)
-    const bool needs_mask = hole || n0 + Tr::kBlockN > length_k ||
-                            (window_right >= 0 && n0 + Tr::kBlockN - 1 > row0 + offset + window_right) ||
-                            (window_left >= 0 && n0 < row_last + offset - window_left);
-    if (mods) apply_score_mods(s, softmax_scale, softcap, slope, row0, offset, n0, lane);
-    if (needs_mask)
-      apply_mask(s, row0, offset, n0, length_k, window_left, window_right, hole,
-                 s_loadable + stage * Tr::kBlockN, lane);
-    online_softmax(s, st, scale_log2);                                           // P = softmax(S)
-    pack_p(s, p);
-    pv_tile(p, st, s_v, lo);                                                     // O += P V
+    if (warp_active)
+      store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, scale_log2, lane);
   }
-  cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
-
-  if (warp_active)
-    store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, scale_log2, lane);
+  check_inputs(VARLEN_FWD_ARGS);
 }

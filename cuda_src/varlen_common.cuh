@@ -58,13 +58,13 @@ struct TilePasses {
 };
 
 // Q tile -> shared memory (rows past the sequence or outside q are zero-filled).
-__device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row, int first_row,
+__device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row, long long first_row,
                                             int rows, int total_q) {
   using P = TilePasses<Tr::kBlockM>;
 #pragma unroll
   for (int pass = 0; pass < P::kCount; ++pass) {
     const int r = P::row(pass), c = P::chunk(pass);
-    const long long row = (long long)first_row + r;
+    const long long row = first_row + r;
     const bool ok = r < rows && row >= 0 && row < total_q;
     cp::cp_async_16(s_q + Tr::QTile::offset(r, c), q + (ok ? row * q_row + c * 8 : 0), ok);
   }
@@ -314,16 +314,70 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
       float *__restrict__ lse,      /* [H, total_q] or null */                                       \
       const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k,                    \
       const int *__restrict__ block_table,  /* [B, table_width] or null */                           \
-      const float *__restrict__ alibi_slopes, /* [H] or null */                                      \
+      const float *__restrict__ alibi_slopes, /* [H] or [B, H] (see alibi_batch_stride), or null */  \
       long long q_row, long long q_head,      /* strides in elements */                              \
       int k_row, long long k_head, int v_row, long long v_head, /* paged: per slot */                \
       int total_q, int kv_rows,               /* total_k, or num_blocks when paged */                \
       int num_heads, int group_size, int table_width, int block_shift, float softmax_scale,          \
-      float softcap, int window_left, int window_right
+      float softcap, int window_left, int window_right,                                              \
+      int max_seqlen_q,                       /* rows the grid covers (only checked against) */      \
+      int alibi_batch_stride,                 /* 0 for [H] slopes, H for [B, H] */                   \
+      int *errors                             /* the device error word (common.cuh), or null */
 #define VARLEN_FWD_ARGS                                                                            \
   q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, q_row, q_head, k_row,   \
       k_head, v_row, v_head, total_q, kv_rows, num_heads, group_size, table_width, block_shift,     \
-      softmax_scale, softcap, window_left, window_right
+      softmax_scale, softcap, window_left, window_right, max_seqlen_q, alibi_batch_stride, errors
+
+// The index values of this CTA's sequence that the host cannot check without a copy, checked
+// and reported to the error word (cp::report_error) once per sequence, by warp 0 of the CTA of
+// head 0 and query tile 0; the kernel treats whatever they find as holes anyway (rows it never
+// reads or writes, keys loaded as zeros and masked), so nothing waits for them.
+//   cu_seqlens_q: starts at 0, never decreases, stays within q's total_q rows, no length above
+//     max_seqlen_q (the grid's rows: a longer sequence's tail is not computed) -> kErrCuSeqlensQ;
+//   cu_seqlens_k: never decreases, and a contiguous k/v holds its rows -> kErrCuSeqlensK;
+//   block table: every key has a column (kErrTableShort, detail = keys) and every column that
+//     holds a key has a block id in [0, num_blocks) (kErrBlockId, detail = the first bad column).
+// Not inlined and called at the kernel's one exit: inlined, or called before the K/V loop or
+// from two exits, it changed the loop's register allocation and schedule; so it reloads what
+// it needs rather than keep anything alive across the loop.
+__device__ __noinline__ void check_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, const int* block_table,
+                                            int table_width, int block_shift, int total_q, int kv_rows,
+                                            int max_seqlen_q, int* errors) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x, seq = blockIdx.z;
+  const int q_start = cu_seqlens_q[seq], q_end = cu_seqlens_q[seq + 1];
+  const int k_start = cu_seqlens_k[seq], k_end = cu_seqlens_k[seq + 1];
+  const long long length_q = (long long)q_end - q_start, length_k = (long long)k_end - k_start;
+  if (lane == 0) {
+    if ((seq == 0 && q_start != 0) || length_q < 0 || q_end > total_q || length_q > max_seqlen_q)
+      cp::report_error(errors, cp::kErrCuSeqlensQ, seq, length_q);
+    if (length_k < 0 || (block_table == nullptr && (k_start < 0 || k_end > kv_rows)))
+      cp::report_error(errors, cp::kErrCuSeqlensK, seq, length_k);
+  }
+  if (block_table == nullptr || length_k <= 0) return;
+  const int* table = block_table + (long long)seq * table_width;
+  const long long columns = ((length_k - 1) >> block_shift) + 1;  // holding keys [0, length_k)
+  if (columns > table_width && lane == 0) cp::report_error(errors, cp::kErrTableShort, seq, length_k);
+  const int listed = static_cast<int>(min(columns, static_cast<long long>(table_width)));
+  // 32 columns at a time, one per lane; the warp stops at the first group with a bad id.
+  for (int base = 0; base < listed; base += 32) {
+    const int column = base + lane;
+    const bool bad = column < listed && static_cast<unsigned>(__ldg(table + column)) >= static_cast<unsigned>(kv_rows);
+    const unsigned found = __ballot_sync(0xffffffffu, bad);
+    if (found != 0u) {
+      if (lane == 0) cp::report_error(errors, cp::kErrBlockId, seq, base + __ffs(found) - 1);
+      break;
+    }
+  }
+}
+
+// Called by every thread at the kernel's end: the CTA of head 0 and query tile 0 (m_block 0 in
+// make_task, the last blockIdx.x) checks its sequence.
+__device__ __forceinline__ void check_inputs(VARLEN_FWD_PARAMS) {
+  if (blockIdx.y == 0 && blockIdx.x == gridDim.x - 1 && errors != nullptr)
+    check_sequence(cu_seqlens_q, cu_seqlens_k, block_table, table_width, block_shift, total_q, kv_rows,
+                   max_seqlen_q, errors);
+}
 
 // What one CTA computes: query rows [m0, m_end) of one head of one sequence against the key tiles
 // tile_first, tile_first - 1, ... (num_tiles of them) that hold every key one of its rows may see.
@@ -346,10 +400,12 @@ __device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
   // Longest-running query tiles (the last ones, under causal masking) start first.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y, seq = blockIdx.z;
-  t.q_start = cu_seqlens_q[seq];
-  t.length_q = cu_seqlens_q[seq + 1] - t.q_start;
-  const int k_start = cu_seqlens_k[seq];
-  t.length_k = cu_seqlens_k[seq + 1] - k_start;
+  // Lengths wrap instead of overflowing: one that does not fit an int (only a bad cu_seqlens has
+  // one) reads as negative, and a negative length is an empty sequence.
+  const int q_start = cu_seqlens_q[seq], k_start = cu_seqlens_k[seq];
+  t.q_start = q_start;
+  t.length_q = static_cast<int>(static_cast<unsigned>(cu_seqlens_q[seq + 1]) - static_cast<unsigned>(q_start));
+  t.length_k = static_cast<int>(static_cast<unsigned>(cu_seqlens_k[seq + 1]) - static_cast<unsigned>(k_start));
   t.m0 = m_block * Tr::kBlockM;
   if (t.m0 >= t.length_q) return false;
   t.m_end = min(t.m0 + Tr::kBlockM, t.length_q);
@@ -387,7 +443,7 @@ __device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
   src.v_pass = (long long)P::kRowsPerPass * v_row;
 
   t.mods = softcap > 0.f || alibi_slopes != nullptr;
-  t.slope = alibi_slopes != nullptr ? alibi_slopes[head] : 0.f;
+  t.slope = alibi_slopes != nullptr ? alibi_slopes[(long long)seq * alibi_batch_stride + head] : 0.f;
   // With mods the scores already carry softmax_scale; otherwise it is folded into exp2.
   t.scale_log2 = t.mods ? kLog2e : softmax_scale * kLog2e;
   return true;
@@ -418,7 +474,7 @@ __device__ __forceinline__ int load_stage(u32 s_kv, unsigned char* s_loadable, c
 // (bit s: this thread met a hole in the tile now in stage s).
 __device__ __forceinline__ int load_prologue(u32 s_q, u32 s_kv, unsigned char* s_loadable, const Task& t,
                                              long long q_row, int total_q) {
-  load_q_tile(s_q, t.q_head, q_row, t.q_start + t.m0, t.m_end - t.m0, total_q);
+  load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
   cp::cp_async_commit();
   int hole_bits = 0;
 #pragma unroll

@@ -134,68 +134,70 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
   unsigned char* s_loadable = smem_raw + (s_q - raw) + Tr::kQBytes + 2 * Tr::kStages * Tr::kKVBytes;
 
   Task t;
-  if (!make_task(t, VARLEN_FWD_ARGS)) return;
-  const int m0 = t.m0, length_q = t.length_q, offset = t.offset;
-  const int tile_first = t.tile_first, num_tiles = t.num_tiles;
+  if (make_task(t, VARLEN_FWD_ARGS)) {  // the CTA's work; then its one exit (check_sequence says why)
+    const int m0 = t.m0, length_q = t.length_q, offset = t.offset;
+    const int tile_first = t.tile_first, num_tiles = t.num_tiles;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp >> 2;
-  const int row0 = m0 + warp * Tr::kWarpRows;  // this warp's first row, within the sequence
-  const int row_last = min(row0 + Tr::kWarpRows, length_q) - 1;
-  const int group_row0 = m0 + group * Tr::kGroupRows;
-  const int group_last = min(group_row0 + Tr::kGroupRows, length_q) - 1;
-  const bool group_active = group_row0 < length_q;  // a warpgroup past the sequence's end only loads
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp >> 2;
+    const int row0 = m0 + warp * Tr::kWarpRows;  // this warp's first row, within the sequence
+    const int row_last = min(row0 + Tr::kWarpRows, length_q) - 1;
+    const int group_row0 = m0 + group * Tr::kGroupRows;
+    const int group_last = min(group_row0 + Tr::kGroupRows, length_q) - 1;
+    const bool group_active = group_row0 < length_q;  // a warpgroup past the sequence's end only loads
 
-  WarpState st;
-  init_state(st);
+    WarpState st;
+    init_state(st);
 
-  // Descriptors of k16 step 0: Q at this warpgroup's rows; K and V of stage 0 (a stage's offset
-  // and a step's are added in units of 16 bytes).
-  const u64 desc_q = cp::smem_descriptor(s_q + group * Tr::kGroupRows * 128, 16, 1024);
-  const u64 desc_k = cp::smem_descriptor(s_kv, 16, 1024);
-  const u64 desc_v = cp::smem_descriptor(s_kv + Tr::kKVBytes, Tr::KVTile::kColumnBytes, 1024);
+    // Descriptors of k16 step 0: Q at this warpgroup's rows; K and V of stage 0 (a stage's offset
+    // and a step's are added in units of 16 bytes).
+    const u64 desc_q = cp::smem_descriptor(s_q + group * Tr::kGroupRows * 128, 16, 1024);
+    const u64 desc_k = cp::smem_descriptor(s_kv, 16, 1024);
+    const u64 desc_v = cp::smem_descriptor(s_kv + Tr::kKVBytes, Tr::KVTile::kColumnBytes, 1024);
 
-  int hole_bits = load_prologue(s_q, s_kv, s_loadable, t, q_row, total_q);  // bit s: a hole in stage s
+    int hole_bits = load_prologue(s_q, s_kv, s_loadable, t, q_row, total_q);  // bit s: a hole in stage s
 
-  // Does this warpgroup see any key of the tile at n0?  (wgmma is issued by the whole warpgroup.)
-  auto sees = [&](int n0) {
-    return group_active && (window_right < 0 || n0 <= group_last + offset + window_right) &&
-           (window_left < 0 || n0 + Tr::kBlockN - 1 >= group_row0 + offset - window_left);
-  };
-  auto stage_step = [](int stage) { return static_cast<u64>((2 * stage * Tr::kKVBytes) >> 4); };
-  // Prefetch key tile `ahead` into its stage, which the barrier just freed; every thread takes part.
-  auto prefetch = [&](int ahead) {
-    const int ps = ahead % Tr::kStages;
-    hole_bits &= ~(1 << ps);
-    if (ahead < num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, ahead);
-    cp::cp_async_commit();
-  };
-  PFrags p;
-  RowFactors alphas;
+    // Does this warpgroup see any key of the tile at n0?  (wgmma is issued by the whole warpgroup.)
+    auto sees = [&](int n0) {
+      return group_active && (window_right < 0 || n0 <= group_last + offset + window_right) &&
+             (window_left < 0 || n0 + Tr::kBlockN - 1 >= group_row0 + offset - window_left);
+    };
+    auto stage_step = [](int stage) { return static_cast<u64>((2 * stage * Tr::kKVBytes) >> 4); };
+    // Prefetch key tile `ahead` into its stage, which the barrier just freed; every thread takes part.
+    auto prefetch = [&](int ahead) {
+      const int ps = ahead % Tr::kStages;
+      hole_bits &= ~(1 << ps);
+      if (ahead < num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, ahead);
+      cp::cp_async_commit();
+    };
+    PFrags p;
+    RowFactors alphas;
 
-  // Per tile: S = Q K^T (the prefetch overlaps it), softmax, O += P V, each waited for.
-  for (int it = 0; it < num_tiles; ++it) {
-    const int stage = it % Tr::kStages;
-    const int n0 = (tile_first - it) * Tr::kBlockN;
-    // Wait for this tile (and Q), hand it to the async proxy, publish it; the barrier also
-    // frees the stage that no warpgroup reads any more.
-    cp::cp_async_wait<Tr::kAhead - 1>();
-    cp::fence_proxy_async();
-    const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
-    const bool visible = sees(n0);
-    float s[1][Tr::kNTiles][4];
-    if (visible) qk_issue(s[0], desc_q, desc_k + stage_step(stage));          // S = Q K^T
-    prefetch(it + Tr::kAhead);
-    if (!visible) continue;
-    cp::wgmma_wait<0>();
-    fence_operands(s[0]);
-    scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
-                softmax_scale, softcap, window_left, window_right);           // P = softmax(S)
-    rescale_o(st, alphas);
-    pack_p(s, p);
-    pv_run(st.o[0], p[0], desc_v + stage_step(stage));                        // O += P V
+    // Per tile: S = Q K^T (the prefetch overlaps it), softmax, O += P V, each waited for.
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % Tr::kStages;
+      const int n0 = (tile_first - it) * Tr::kBlockN;
+      // Wait for this tile (and Q), hand it to the async proxy, publish it; the barrier also
+      // frees the stage that no warpgroup reads any more.
+      cp::cp_async_wait<Tr::kAhead - 1>();
+      cp::fence_proxy_async();
+      const bool hole = __syncthreads_or((hole_bits >> stage) & 1);
+      const bool visible = sees(n0);
+      float s[1][Tr::kNTiles][4];
+      if (visible) qk_issue(s[0], desc_q, desc_k + stage_step(stage));          // S = Q K^T
+      prefetch(it + Tr::kAhead);
+      if (!visible) continue;
+      cp::wgmma_wait<0>();
+      fence_operands(s[0]);
+      scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
+                  softmax_scale, softcap, window_left, window_right);           // P = softmax(S)
+      rescale_o(st, alphas);
+      pack_p(s, p);
+      pv_run(st.o[0], p[0], desc_v + stage_step(stage));                        // O += P V
+    }
+    cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+
+    if (row0 < length_q)
+      store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, t.scale_log2, lane);
   }
-  cp::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
-
-  if (row0 < length_q)
-    store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, t.scale_log2, lane);
+  check_inputs(VARLEN_FWD_ARGS);
 }

@@ -244,9 +244,9 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
 # --------------------------------------------------------------------------- launch
 
 # paged_decode's parameters: DecodeParams by value (9 int64 strides, 20 int32, 2 float32: 160
-# bytes), then 21 pointers, in decode.cu's order.
+# bytes), then 20 pointers, in decode.cu's order.
 _PARAMS_LAYOUT = "9q20i2f"
-_DECODE_LAYOUT = _PARAMS_LAYOUT + "21P"
+_DECODE_LAYOUT = _PARAMS_LAYOUT + "20P"
 # combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
 _COMBINE_LAYOUT = "PPiqiiPP"
 _NO_STRIDES = (0, 0, 0)
