@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import datetime
 import json
 import pathlib
@@ -94,6 +95,7 @@ class Timing:
     host_us: float
     chain_us: float
     chain_host_us: float
+    busy_host_us: float  # per call, calls queued behind a busy GPU (the host's own cost)
 
 
 def time_calls(calls: dict, reps: int, warmup: int = WARMUP, chain: int = CHAIN) -> dict:
@@ -128,9 +130,45 @@ def time_calls(calls: dict, reps: int, warmup: int = WARMUP, chain: int = CHAIN)
             stop.synchronize()
             samples[name]["chain"].append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / chain)
             samples[name]["chain_host"].append((t1 - t0) * 1e6 / chain)
+    # Host time with the GPU busy: the calls queue behind a spinning kernel, so the host's own
+    # cost per call is measured, not a wake-up after an idle wait nor the GPU's pace.
+    for _ in range(reps):
+        for name, call in calls.items():
+            busy(stream.ptr, BUSY_S)
+            t0 = time.perf_counter()
+            for _ in range(chain):
+                call()
+            t1 = time.perf_counter()
+            stream.synchronize()
+            samples[name].setdefault("busy_host", []).append((t1 - t0) * 1e6 / chain)
     median = lambda values: round(float(np.median(values)), 2)  # noqa: E731
-    return {name: Timing(median(s["gpu"]), median(s["host"]), median(s["chain"]), median(s["chain_host"]))
-            for name, s in samples.items()}
+    return {name: Timing(median(s["gpu"]), median(s["host"]), median(s["chain"]), median(s["chain_host"]),
+                         median(s["busy_host"])) for name, s in samples.items()}
+
+
+BUSY_S = 0.003  # long enough to cover a chain of calls' host time
+_SPIN = r"""
+extern "C" __global__ void spin(unsigned long long nanoseconds) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < nanoseconds);
+}
+"""
+
+
+@functools.cache
+def _spin_kernel():
+    import cupy
+
+    return cupy.RawKernel(_SPIN, "spin")
+
+
+def busy(stream: int, seconds: float) -> None:
+    """Keep ``stream`` busy on the GPU for ``seconds`` (one thread spinning on the global timer)."""
+    import cupy
+
+    with cupy.cuda.ExternalStream(stream):
+        _spin_kernel()((1,), (1,), (np.uint64(int(seconds * 1e9)),))
 
 
 def warm_clocks(seconds: float = CLOCK_WARM_S) -> None:
@@ -211,6 +249,8 @@ def make_row(case: str, label: str, timings: dict, vs: str | None, target: Targe
         "host_us": own.host_us, "target": target.describe(), "met": met,
         "vs": vs, "ratio": ratio,
         "back_to_back_us": own.chain_us, "host_us_back_to_back": own.chain_host_us,
+        "host_us_busy_gpu": own.busy_host_us,
+        "peers_host_us_busy_gpu": {name: t.busy_host_us for name, t in others.items()},
         "peers_host_us": {name: t.host_us for name, t in others.items()},
         "peers_back_to_back_us": {name: t.chain_us for name, t in others.items()},
         **extra,
@@ -470,13 +510,14 @@ def fmt(value, digits: int = 2) -> str:
 def print_table(rows: list) -> None:
     """The markdown table of the run: one line per call of ours, against the peer its target names."""
     print("\n| case | ours GPU us | peer | peer GPU us | ratio | target | met? | ours host us | peer host us "
-          "| ours b2b us | peer b2b us |")
-    print("| --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+          "| ours host us, GPU busy | peer host us, GPU busy | ours b2b us | peer b2b us |")
+    print("| --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         vs = r["vs"]
         met = {True: "yes", False: "**no**", None: "?"}[r["met"]]
         print(f"| {r['name']} | {fmt(r['value'])} | {vs or '-'} | {fmt(r['peers'].get(vs))} | {fmt(r['ratio'], 3)} "
               f"| {r['target']} | {met} | {fmt(r['host_us'])} | {fmt(r['peers_host_us'].get(vs))} "
+              f"| {fmt(r['host_us_busy_gpu'])} | {fmt(r['peers_host_us_busy_gpu'].get(vs))} "
               f"| {fmt(r['back_to_back_us'])} | {fmt(r['peers_back_to_back_us'].get(vs))} |")
 
 

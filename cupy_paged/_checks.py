@@ -690,7 +690,6 @@ def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=None):
         check_rank(array, name, (3,), token_layout)
         if tuple(int(s) for s in array.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must have shape {token_layout}; got {tuple(array.shape)}")
-        check_dense_last(array, name)
     check_same_shape(k, v, "k", "v")
     check_same_dtype(k_cache, "k_cache", v_cache=v_cache, k=k, v=v)
     slots = check_index(slot_mapping, "slot_mapping", 1, f"[num_tokens = {int(k.shape[0])}]")

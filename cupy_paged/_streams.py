@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ._arrays import TORCH
+from ._arrays import TORCH, cupy
 
 
 @functools.cache
@@ -27,8 +27,6 @@ def handle(stream, kind: str, device: int) -> int:
     if stream is None:
         if kind is TORCH:
             return _torch_current_raw()(device)
-        import cupy
-
         return cupy.cuda.get_current_stream().ptr
     if isinstance(stream, bool):
         raise TypeError(f"stream must be a stream handle (int) or a stream object; got {stream!r}")
@@ -50,6 +48,4 @@ def handle(stream, kind: str, device: int) -> int:
 
 def is_capturing(stream: int) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph."""
-    import cupy
-
     return cupy.cuda.runtime.streamIsCapturing(stream) != 0

@@ -15,7 +15,7 @@ import numbers
 import numpy as np
 
 from . import _errors, ops, reference
-from ._arrays import CPU, CUPY, NUMPY, TORCH, Array, data_ptr, kind_of, on_stream, read, signature
+from ._arrays import _KIND_OF_TYPE, CPU, CUPY, NUMPY, TORCH, Array, cupy, data_ptr, kind_of, on_stream, read
 from ._checks import BF16, prepare_decode, prepare_varlen, prepare_write
 from ._streams import handle
 
@@ -29,13 +29,16 @@ class _Unmemoisable(Exception):
 
 
 def _sig(obj):
+    """``signature(obj)`` of a torch tensor or CuPy array (None for None); anything else cannot key
+    the memo."""
     if obj is None:
         return None
-    t = type(obj)
-    kind = kind_of(obj)
-    if kind is TORCH or kind is CUPY:
-        return signature(obj)
-    raise _Unmemoisable(t)
+    kind = _KIND_OF_TYPE.get(type(obj)) or kind_of(obj)
+    if kind is TORCH:
+        return (obj.shape, obj.stride(), obj.dtype, obj.get_device())
+    if kind is CUPY:
+        return (obj.shape, obj.strides, obj.dtype, obj.data.device_id)
+    raise _Unmemoisable(type(obj))
 
 
 def _remember(key, launch) -> None:
@@ -47,8 +50,6 @@ def _remember(key, launch) -> None:
 
 
 def _current_device() -> int:
-    import cupy
-
     return cupy.cuda.runtime.getDevice()
 
 
@@ -172,12 +173,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     >>> cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True).shape
     (14, 4, 64)
     """
-    kind = kind_of(q)
+    kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not _errors._debug:
         try:
-            key = ("varlen", _sig(q), _sig(k), _sig(v), _sig(cu_seqlens_q), _sig(cu_seqlens_k),
-                   _sig(block_table), _sig(alibi_slopes), _sig(out), _sig(lse_out), dropout_p, softmax_scale,
-                   causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse)
+            s = _sig
+            key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
+                   None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
+                   None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
+                   softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse)
             launch = _MEMO.get(key)
         except (_Unmemoisable, TypeError):
             key = launch = None
@@ -323,15 +326,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     >>> out.shape
     (3, 1, 4, 64)
     """
-    kind = kind_of(q)
+    kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not _errors._debug:
         int_length = type(cache_seqlens) is int
         try:
-            key = ("decode", _sig(q), _sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(rotary_cos),
-                   _sig(rotary_sin), "int" if int_length else _sig(cache_seqlens), _sig(cache_batch_idx),
-                   _sig(cache_leftpad), _sig(block_table), softmax_scale, causal, window_size, softcap,
-                   rotary_interleaved, _sig(alibi_slopes), num_splits, return_softmax_lse, _sig(out),
-                   _sig(lse_out))
+            s = _sig  # the None checks inline: most optional arguments are None
+            key = ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k),
+                   None if v is None else s(v), None if rotary_cos is None else s(rotary_cos),
+                   None if rotary_sin is None else s(rotary_sin),
+                   "int" if int_length else None if cache_seqlens is None else s(cache_seqlens),
+                   None if cache_batch_idx is None else s(cache_batch_idx),
+                   None if cache_leftpad is None else s(cache_leftpad),
+                   None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
+                   rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
+                   return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out))
             launch = _MEMO.get(key)
         except (_Unmemoisable, TypeError):
             key = launch = None
@@ -344,9 +352,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr = (data_ptr(q), data_ptr(k_cache), data_ptr(v_cache),
                                                      _ptr(k), _ptr(v))
             if fits and not (q_ptr | kc_ptr | vc_ptr | kn_ptr | vn_ptr) & 15:
-                ptrs = (q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, 0 if int_length else _ptr(cache_seqlens),
-                        _ptr(block_table), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(rotary_cos),
-                        _ptr(rotary_sin), _ptr(alibi_slopes))
+                p = _ptr
+                ptrs = (q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, 0 if int_length else p(cache_seqlens),
+                        p(block_table), 0 if cache_batch_idx is None else p(cache_batch_idx),
+                        0 if cache_leftpad is None else p(cache_leftpad), 0 if rotary_cos is None else p(rotary_cos),
+                        0 if rotary_sin is None else p(rotary_sin), 0 if alibi_slopes is None else p(alibi_slopes))
                 h = handle(stream, kind, launch.device)
                 out_obj, lse = launch.run(kind, q, ptrs, cached_all, None if out is None else (out, data_ptr(out)),
                                           None if lse_out is None else (lse_out, data_ptr(lse_out)), h,

@@ -311,9 +311,8 @@ def test_params_struct_matches_kernel_source():
             continue
         kind = next(k for k in codes if line.startswith(k + " "))
         layout += codes[kind] * len(line[len(kind):].split(","))
-    expected = re.sub(r"(\d+)(\w)", lambda m: m.group(2) * int(m.group(1)), decode._PARAMS.format.lstrip("<"))
+    expected = re.sub(r"(\d+)(\w)", lambda m: m.group(2) * int(m.group(1)), decode._PARAMS_LAYOUT)
     assert layout == expected
-    assert decode._PARAMS.size == decode._PARAMS_DTYPE.itemsize == 136
 
 
 def expected_with_holes(case, window=(-1, -1)):

@@ -80,7 +80,8 @@ class Launcher:
 
         self._launch = driver.launchKernel
         self.function = function
-        self._ptr = function.ptr
+        # CuPy's RawKernel holds the driver function as .kernel (a cupy.cuda.Function)
+        self._ptr = getattr(function, "kernel", function).ptr
         self._struct = struct.Struct("@" + layout)
         self._buffer = np.zeros(max(self._struct.size, 8), np.uint8)
         self._size = np.array([self._struct.size], np.uint64)

@@ -1,0 +1,138 @@
+"""Where a call's host microseconds go: each part of the decode fast path timed alone.
+
+For a decode call of 64 x 128 (bf16, 32/8 heads, D=128, block 16) with torch tensors and with
+CuPy arrays, times each step the fast path takes (attribute reads, the memo key, the output
+allocation, the stream, the argument packing, the driver launch) as the mean of many
+repetitions, then the whole call, and prints a cProfile of the whole call.
+Run: ``python benchmarks/profile_host.py`` on a GPU machine.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+sys.path.insert(0, __import__("pathlib").Path(__file__).resolve().parents[1].as_posix())
+
+import cupy  # noqa: E402
+
+import cupy_paged  # noqa: E402
+from cupy_paged import _arrays, _streams, attention  # noqa: E402
+
+N = 20000
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(unsigned long long nanoseconds) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < nanoseconds);
+}
+"""
+_spin = None
+
+
+def mean_us(fn, n: int = N, busy: bool = False) -> float:
+    """Mean host time of ``fn()``; with ``busy``, in rounds of 100 calls queued behind a kernel that
+    keeps the GPU busy (so launches never wait for the GPU), the GPU drained between rounds."""
+    global _spin
+    for _ in range(200):
+        fn()
+    if not busy:
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter_ns() - start) / n / 1e3
+    if _spin is None:
+        _spin = cupy.RawKernel(_SPIN, "spin")
+    total, calls = 0, 0
+    for _ in range(max(1, n // 100)):
+        cupy.cuda.Device().synchronize()
+        _spin((1,), (1,), (cupy.uint64(5_000_000),))
+        start = time.perf_counter_ns()
+        for _ in range(100):
+            fn()
+        total += time.perf_counter_ns() - start
+        calls += 100
+    cupy.cuda.Device().synchronize()
+    return total / calls / 1e3
+
+
+def main() -> None:
+    import torch
+
+    batch, context, heads, kv_heads, dim, block = 64, 128, 32, 8, 128, 16
+    blocks = batch * context // block
+    table = torch.randperm(blocks, dtype=torch.int32, device="cuda").reshape(batch, -1)
+    kc = torch.randn(blocks, block, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    vc = torch.randn_like(kc)
+    q = torch.randn(batch, 1, heads, dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    cq, ckc, cvc = (_arrays.read(x, "x").cupy() for x in (q, kc, vc))  # bfloat16 views of the same memory
+    ctable, clens = cupy.asarray(table), cupy.asarray(lens)
+
+    rows = []
+    for kind, (q_, kc_, vc_, table_, lens_) in (("torch", (q, kc, vc, table, lens)),
+                                                ("cupy", (cq, ckc, cvc, ctable, clens))):
+        call = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_, block_table=table_)  # noqa: E731
+        call()
+        torch.cuda.synchronize()
+        key = None
+        for k, v in attention._MEMO.items():
+            if k[0] == "decode" and k[1] == _arrays.signature(q_):
+                key, launch = k, v
+        parts = {
+            "kind_of(q)": lambda: _arrays.kind_of(q_),
+            "signature(q)": lambda: _arrays.signature(q_),
+            "data_ptr(q)": lambda: _arrays.data_ptr(q_),
+            "key (22 entries)": lambda: ("decode", attention._sig(q_), attention._sig(kc_), attention._sig(vc_),
+                                         attention._sig(None), attention._sig(None), attention._sig(None),
+                                         attention._sig(None), attention._sig(lens_), attention._sig(None),
+                                         attention._sig(None), attention._sig(table_), None, False, (-1, -1), 0.0,
+                                         True, attention._sig(None), 0, False, attention._sig(None),
+                                         attention._sig(None)),
+            "memo get": lambda: attention._MEMO.get(key),
+            "current device": attention._current_device,
+            "stream handle": lambda: _streams.handle(None, kind, 0),
+            "empty out": lambda: _arrays.empty(kind, q_, launch.out_shape, launch.dtype),
+        }
+        ptrs = (_arrays.data_ptr(q_), _arrays.data_ptr(kc_), _arrays.data_ptr(vc_), 0, 0, _arrays.data_ptr(lens_),
+                _arrays.data_ptr(table_), 0, 0, 0, 0, 0)
+        out = _arrays.empty(kind, q_, launch.out_shape, launch.dtype)
+        out_arg = (out, _arrays.data_ptr(out))
+        stream = _streams.handle(None, kind, 0)
+        parts["launch.run (out given)"] = lambda: launch.run(kind, q_, ptrs, 0, out_arg, None, stream)
+        params = launch.params
+        l = launch.launch
+        args = (*params, *([0] * 20))
+        parts["struct.pack_into"] = lambda: l._struct.pack_into(l._buffer, 0, *args)
+        parts["whole call"] = call
+        parts["whole call, out="] = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_,
+                                                                              block_table=table_, out=out)
+        parts["torch.empty(shape, device)"] = (lambda: torch.empty(launch.out_shape, dtype=torch.bfloat16,
+                                                                   device=q.device)) if kind == "torch" else (lambda: None)
+        parts["torch.empty_like(q)"] = (lambda: torch.empty_like(q_)) if kind == "torch" else (lambda: None)
+        for name, fn in parts.items():
+            busy = "call" in name or "launch" in name
+            rows.append((kind, name + (" (GPU busy)" if busy else ""), mean_us(fn, 3000 if busy else N, busy)))
+            torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3000):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+        print(f"--- cProfile, {kind}, 3000 calls (tottime)")
+        print("\n".join(text.getvalue().splitlines()[:40]))
+    print("| kind | part | mean us |")
+    print("| --- | --- | ---: |")
+    for kind, name, us in rows:
+        print(f"| {kind} | {name} | {us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
