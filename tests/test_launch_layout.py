@@ -67,3 +67,28 @@ def test_decode_params_struct_size():
     it need no padding."""
     assert struct.calcsize("<" + decode._PARAMS_LAYOUT) == 160
     assert struct.calcsize("@" + decode._PARAMS_LAYOUT) == 160
+
+
+class _FakeFunction:
+    ptr = 0  # never launched: only the packing is tested
+
+
+@pytest.mark.parametrize("layout", [decode._DECODE_LAYOUT, decode._COMBINE_LAYOUT, varlen._LAYOUT, kv_write._LAYOUT])
+def test_spans_rewrite_exactly_their_fields(layout):
+    """Rewriting a span (what a launch does with its pointers) gives the bytes of packing the
+    whole list with those values: every span's offset is its field's offset in the buffer."""
+    from cupy_paged.ops._common import Launcher
+
+    launcher = Launcher(_FakeFunction(), layout)
+    codes = launcher._codes
+    base = [1.5 if c == "f" else (b"\x07" * int(c[:-1]) if c.endswith("s") else 3) for c in codes]
+    for first in range(len(codes)):
+        for count in (1, len(codes) - first):
+            changed = list(base)
+            for i in range(first, first + count):
+                changed[i] = 2.25 if codes[i] == "f" else (b"\x09" * int(codes[i][:-1]) if codes[i].endswith("s") else 1000 + i)
+            launcher.pack(*base)
+            span, offset = launcher.span(first, count)
+            span.pack_into(launcher._buffer, offset, *changed[first:first + count])
+            expected = struct.Struct("@" + layout).pack(*changed)
+            assert bytes(launcher._buffer[:len(expected)]) == expected, (first, count)

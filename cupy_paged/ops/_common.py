@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import struct
 
 import numpy as np
@@ -90,7 +91,38 @@ class Launcher:
         self._extra_ptr = int(self._extra.ctypes.data)
         self._lock = threading.Lock()
 
+        self._codes = [code for count, code in re.findall(r"(\d*)([a-zA-Z])", layout)
+                       for code in ([f"{count}s"] if code == "s" else [code] * int(count or 1))]
+
     def __call__(self, grid: tuple, threads: int, smem: int, stream: int, *args) -> None:
+        """Pack every argument and launch."""
         with self._lock:  # one buffer: two threads must not pack it at once
             self._struct.pack_into(self._buffer, 0, *args)
+            self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, 0, self._extra_ptr)
+
+    def pack(self, *args) -> None:
+        """Pack every argument once (the values that never change between launches)."""
+        with self._lock:
+            self._struct.pack_into(self._buffer, 0, *args)
+
+    def span(self, first: int, count: int) -> tuple:
+        """``(struct, offset)`` of arguments ``first .. first + count - 1``, to rewrite only those
+        before :meth:`launch`."""
+        def offset(i: int) -> int:  # where field i starts in the buffer (native alignment)
+            return struct.calcsize("@" + "".join(self._codes[:i + 1])) - struct.calcsize("@" + self._codes[i])
+
+        # Standard sizes, no implicit alignment: the padding is spelled out from the buffer's offsets.
+        start = position = offset(first)
+        layout = "<"
+        for i in range(first, first + count):
+            code = "Q" if self._codes[i] == "P" else self._codes[i]
+            layout += "x" * (offset(i) - position) + code
+            position = offset(i) + struct.calcsize("<" + code)
+        return struct.Struct(layout), start
+
+    def launch(self, grid: tuple, threads: int, smem: int, stream: int, *spans) -> None:
+        """Rewrite the given spans -- ``(struct, offset, values)`` each -- and launch."""
+        with self._lock:
+            for layout, offset, values in spans:
+                layout.pack_into(self._buffer, offset, *values)
             self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, 0, self._extra_ptr)

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from .._arrays import CUPY, data_ptr, empty
+from .._arrays import CUPY, TORCH, data_ptr, empty
 from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, alibi_batch_stride, element_strides
 from .._compiler import KernelKey, get_function, register_family
 from .._errors import word
@@ -265,6 +265,12 @@ class _Shape:
     threads: int       # of a paged_decode CTA
 
 
+def _empty_like(tensor):
+    import torch
+
+    return torch.empty_like(tensor)
+
+
 def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
     """``(max_blocks, num_blocks, block_shift)`` as paged_decode reads the cache: a paged one
     through its table; a contiguous ``[Bc, S, Hkv, D]`` one as Bc * S blocks of one token (any S)."""
@@ -346,7 +352,12 @@ class DecodeLaunch:
                        p.softmax_scale, p.softcap]
         self.errors = word(self.device)
         self.launch = Launcher(shape.decode, _DECODE_LAYOUT)
+        # The scalars are packed once; a call rewrites cached_all (field 12) and the 20 pointers.
+        self.launch.pack(*self.params, *([0] * 20))
+        self._cached_span = self.launch.span(12, 1)
+        self._pointer_span = self.launch.span(len(self.params), 20)
         self.combine = Launcher(shape.combine, _COMBINE_LAYOUT) if shape.combine is not None else None
+        self.q_contiguous = p.q.c_contiguous()
 
     def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
@@ -354,8 +365,14 @@ class DecodeLaunch:
         block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, alibi_slopes (0 for
         none); ``out``/``lse_out``: ``(object, pointer)`` or None (made here, in ``kind`` like
         ``like``, on ``alloc_stream`` when the caller named a stream).  Returns (out, lse or None)."""
-        out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream) if out is None else out[0]
-        out_ptr = data_ptr(out_obj) if out is None else out[1]
+        if out is not None:
+            out_obj, out_ptr = out
+        else:
+            if kind is TORCH and alloc_stream is None and self.q_contiguous:
+                out_obj = _empty_like(like)  # q's shape and dtype, dense: the cheapest torch allocation
+            else:
+                out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream)
+            out_ptr = data_ptr(out_obj)
         lse_obj, lse_ptr = None, 0
         if lse_out is not None:
             lse_obj, lse_ptr = lse_out
@@ -372,12 +389,13 @@ class DecodeLaunch:
             workspace = _workspace(self.workspace_floats, self.device, stream)
             part_out = workspace.data.ptr
             part_lse = part_out + self.lse_offset
-        params = self.params
-        params[12] = cached_all
         shape = self.shape
-        self.launch(self.grid, shape.threads, shape.smem, stream, *params,
-                    q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad,
-                    cos, sin, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors, self.trace)
+        cached_struct, cached_at = self._cached_span
+        pointer_struct, pointer_at = self._pointer_span
+        self.launch.launch(self.grid, shape.threads, shape.smem, stream, (cached_struct, cached_at, (cached_all,)),
+                           (pointer_struct, pointer_at,
+                            (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad,
+                             cos, sin, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors, self.trace)))
         if self.combine is not None:
             self.combine(self.combine_grid, COMBINE_THREADS, 0, stream, part_out, part_lse, self.splits,
                          self.rows_total, self.out_shape[1], self.out_shape[2], out_ptr, lse_ptr)

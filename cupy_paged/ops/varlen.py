@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from .._arrays import data_ptr, empty
+from .._arrays import TORCH, data_ptr, empty
 from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem, alibi_batch_stride, element_strides
 from .._compiler import KernelKey, get_function, register_family
 from .._errors import word
@@ -55,8 +55,9 @@ class Tiles:
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
         row_bytes = smem_row_bytes(head_dim)
+        # Q, the K and V stages, then per stage and key a "loadable" byte and a block id (int)
         return (row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
-                + self.stages * self.block_n)
+                + self.stages * self.block_n + 4 * self.stages * self.block_n)
 
 
 # Each warp owns block_m / warps query rows (a multiple of 16).
@@ -92,8 +93,9 @@ class WgmmaTiles:
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory, as ``WgTraits::kSmemBytes`` in varlen_wgmma.cu computes it."""
         row_bytes = 2 * head_dim
+        # Q, the K and V stages, then per stage and key a "loadable" byte and a block id (int)
         return (1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
-                + self.stages * self.block_n)
+                + self.stages * self.block_n + 4 * self.stages * self.block_n)
 
 
 # (NOTES_varlen.md, v4-v6: measured against the other shapes on the H200)
@@ -175,6 +177,12 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
 _LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P"
 
 
+def _empty_like(tensor):
+    import torch
+
+    return torch.empty_like(tensor)
+
+
 class VarlenLaunch:
     """One ``flash_attn_varlen_func`` call shape, resolved: the kernel, its shared memory and every
     scalar argument packed once; :meth:`run` adds the pointers and ``max_seqlen_q`` (the grid)."""
@@ -217,14 +225,25 @@ class VarlenLaunch:
                         p.softmax_scale, p.softcap, left, right]
         self.alibi_stride = alibi_batch_stride(p.alibi_slopes)
         self.errors = word(device)
+        # The scalars are packed once; a call rewrites the 9 pointers and max_seqlen_q (field 25).
+        self.launch.pack(*([0] * 9), *self.scalars, 0, self.alibi_stride, self.errors)
+        self._pointer_span = self.launch.span(0, 9)
+        self._max_q_span = self.launch.span(9 + len(self.scalars), 1)
+        self.q_contiguous = p.q.c_contiguous() and p.q.shape == tuple(p.q.obj.shape)
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
         """Launch on ``stream``.  ``ptrs``: q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
         alibi_slopes (0 for none); ``out``/``lse_out`` ``(object, pointer)`` or None (made here).
         Returns (out, lse or None)."""
-        out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream) if out is None else out[0]
-        out_ptr = data_ptr(out_obj) if out is None else out[1]
+        if out is not None:
+            out_obj, out_ptr = out
+        else:
+            if kind is TORCH and alloc_stream is None and self.q_contiguous:
+                out_obj = _empty_like(like)  # q's shape and dtype, dense: the cheapest torch allocation
+            else:
+                out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream)
+            out_ptr = data_ptr(out_obj)
         lse_obj, lse_ptr = None, 0
         if lse_out is not None:
             lse_obj, lse_ptr = lse_out
@@ -236,8 +255,11 @@ class VarlenLaunch:
         q, k, v, cu_q, cu_k, table, alibi = ptrs
         block_m = self.tiles.block_m
         grid = ((max_seqlen_q + block_m - 1) // block_m, self.heads, self.batch)
-        self.launch(grid, self.tiles.threads, self.smem, stream, q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table,
-                    alibi, *self.scalars, max_seqlen_q, self.alibi_stride, self.errors)
+        pointer_struct, pointer_at = self._pointer_span
+        max_q_struct, max_q_at = self._max_q_span
+        self.launch.launch(grid, self.tiles.threads, self.smem, stream,
+                           (pointer_struct, pointer_at, (q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table, alibi)),
+                           (max_q_struct, max_q_at, (max_seqlen_q,)))
         return out_obj, lse_obj
 
 
