@@ -111,12 +111,21 @@ def main() -> None:
         parts["whole call"] = call
         parts["whole call, out="] = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_,
                                                                               block_table=table_, out=out)
+        global _spin
+        if _spin is None:
+            _spin = cupy.RawKernel(_SPIN, "spin")
+        from cupy_paged.ops._common import Launcher
+
+        bare = Launcher(_spin, "Q")
+        parts["bare launch of an empty kernel (GPU busy)"] = lambda: bare((1, 1, 1), 1, 0, stream, 0)
+        parts["CuPy RawKernel call of it (GPU busy)"] = lambda: _spin((1,), (1,), (cupy.uint64(0),))
         parts["torch.empty(shape, device)"] = (lambda: torch.empty(launch.out_shape, dtype=torch.bfloat16,
                                                                    device=q.device)) if kind == "torch" else (lambda: None)
         parts["torch.empty_like(q)"] = (lambda: torch.empty_like(q_)) if kind == "torch" else (lambda: None)
         for name, fn in parts.items():
-            busy = "call" in name or "launch" in name
-            rows.append((kind, name + (" (GPU busy)" if busy else ""), mean_us(fn, 3000 if busy else N, busy)))
+            busy = "GPU busy" in name or "call" in name or "launch" in name
+            label = name if "GPU busy" in name or not busy else name + " (GPU busy)"
+            rows.append((kind, label, mean_us(fn, 3000 if busy else N, busy)))
             torch.cuda.synchronize()
         profiler = cProfile.Profile()
         profiler.enable()

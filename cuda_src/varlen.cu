@@ -23,7 +23,9 @@
 // loads; the prefetch of the next tile is issued after S = Q K^T, while the tensor cores drain
 // it; tree reductions for the row max and sum.  (Q fragments kept in registers and a ping-pong
 // of the two warp halves were tried as compile-time options, lost or spilled, and were removed:
-// NOTES_varlen.md, v3.)
+// NOTES_varlen.md, v3.)  Paged K/V, both kernels: a full tile's block ids are staged in shared
+// memory by 4-byte cp.async copies in the group of the tile kAhead before it, so that no K/V copy
+// waits on a dependent block-table load (varlen_common.cuh, load_stage).
 //
 // Safety: rows past a sequence's end, block ids outside [0, num_blocks), block-table columns
 // past its width and cu_seqlens entries outside the arrays are never dereferenced: such keys
@@ -56,10 +58,11 @@ struct Traits {
   using KVTile = Tile;
   static constexpr int kRowBytes = Tile::kRowChunks * 16;
   static constexpr int kKSteps = D / 16;          // k16 steps of Q K^T
-  // Shared memory: Q tile, then K and V stages, then one "key is loadable" byte per key per stage.
+  // Shared memory: Q tile, then K and V stages, then one "key is loadable" byte per key per stage,
+  // then the paged loader's block-id ring (one int per key per stage: varlen_common.cuh, id_ring).
   static constexpr int kQBytes = Tile::bytes(BM);
   static constexpr int kKVBytes = Tile::bytes(BN);
-  static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + STAGES * BN;
+  static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + STAGES * BN + 4 * STAGES * BN;
   static_assert(D % 16 == 0 && BN % 16 == 0, "head dim and key tile must be multiples of 16");
   static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
   static_assert(STAGES >= 2, "at least double buffering");
@@ -204,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
       {
         const int ahead = it + Tr::kAhead, ps = ahead % Tr::kStages;
         hole_bits &= ~(1 << ps);
-        if (ahead < num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, ahead);
+        if (ahead < num_tiles) hole_bits |= load_stage<true>(s_kv, s_loadable, t, ahead);
         cp::cp_async_commit();
       }
 

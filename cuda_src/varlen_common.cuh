@@ -70,13 +70,52 @@ __device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row
   }
 }
 
+// Paged K/V, a full tile: inside the sequence and inside the block table (every tile but a
+// sequence's last, and those of a table too short for the sequence).  Every key of such a tile
+// has a column, so its block ids can be read without a bounds check, and its ids can be staged.
+__device__ __forceinline__ bool paged_full_tile(const KvSource& src, int n0) {
+  return TilePasses<Tr::kBlockN>::kLaneFixed && n0 + Tr::kBlockN <= src.length &&
+         ((n0 + Tr::kBlockN - 1) >> src.block_shift) < src.table_width;
+}
+
+// The block-id ring (paged K/V): slot s (kBlockN ints) holds, for the full tile whose K/V stage
+// is s, the block id of each of its keys (row r of the tile at n0: table[(n0 + r) >> shift]),
+// copied there by stage_ids in the cp.async group of the tile kAhead before it (load_stage), so
+// that the loop's cp.async wait and barrier, which publish that tile, publish the ids too and
+// no cp.async of a tile waits on a dependent block-table load (under the loop's memory load such
+// a load waits about as long as the data; the decode kernel stages its ids the same way,
+// NOTES_decode.md, v7).  It follows the loadable bytes in shared memory.
+__device__ __forceinline__ int* id_ring(unsigned char* s_loadable) {
+  return reinterpret_cast<int*>(s_loadable + Tr::kStages * Tr::kBlockN);
+}
+
+// The block ids of the tile at n0 -> the id slot at shared address s_slot: one 4-byte cp.async
+// per key, by threads 0 .. kBlockN - 1; commits nothing.  Called for full tiles only
+// (paged_full_tile; load_kv_tile reads the ids of no other), so every column read lies inside
+// the table row.
+__device__ __forceinline__ void stage_ids(u32 s_slot, const KvSource& src, int n0) {
+  constexpr int kCopies = (Tr::kBlockN + Tr::kThreads - 1) / Tr::kThreads;
+#pragma unroll
+  for (int i = 0; i < kCopies; ++i) {
+    const int r = threadIdx.x + i * Tr::kThreads;
+    if (Tr::kBlockN % Tr::kThreads == 0 || r < Tr::kBlockN)
+      cp::cp_async_4(s_slot + 4 * r, src.table + ((n0 + r) >> src.block_shift), true);
+  }
+}
+
 // K and V tile of keys [n0, n0 + BLOCK_N) -> one pipeline stage.  Also records which keys are
 // loadable, and returns whether this thread met a hole (an in-range key it could not load).
 // This runs for every tile, so the per-row work is kept to a few integer instructions: the
 // paged/contiguous choice is made once per tile, contiguous rows are consecutive, and a
-// paged row costs one block-table load (an L1 hit for all but the first row of a block).
-__device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_loadable,
-                                            const KvSource& src, int n0) {
+// paged row of a full tile costs one shared-memory load of its block id from `ids` (the tile's
+// id slot, staged by stage_ids and published by a barrier before this call) when kStaged, else
+// one block-table load (the prologue's tiles, and every partial tile).  Paged, with
+// `stage_next`, it then stages the block ids of the tile kAhead below, n0 - kAhead * kBlockN,
+// into the id slot at shared address s_next_ids (load_stage).  (Both are derived here, inside the
+// paged branch, so that the contiguous path's code stays as it was.)
+template <bool kStaged>
+__device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_loadable, const int* ids,
+                                            bool stage_next, u32 s_next_ids, const KvSource& src, int n0) {
   using P = TilePasses<Tr::kBlockN>;
   int hole = 0;
   if (src.table != nullptr) {
@@ -86,18 +125,23 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
     // cost ~7 instructions per copy here, the largest part of the paged loader.
     const unsigned k_slot_bytes = static_cast<unsigned>(src.k_row) * sizeof(T);
     const unsigned v_slot_bytes = static_cast<unsigned>(src.v_row) * sizeof(T);
-    if (P::kLaneFixed && n0 + Tr::kBlockN <= src.length &&
-        ((n0 + Tr::kBlockN - 1) >> src.block_shift) < src.table_width) {
-      // A tile inside the sequence and inside the block table (every tile but a sequence's
-      // last): every row is listed, so the table loads are unconditional (and can all be in
-      // flight at once); only a block id outside [0, num_blocks) can still make a hole.
+    if (paged_full_tile(src, n0)) {
+      // Every row is listed, so the id loads are unconditional and all issued first (the
+      // copies' asm statements would otherwise keep each behind the previous row's copies);
+      // only a block id outside [0, num_blocks) can still make a hole.
       const int c = threadIdx.x % Tr::kChunks;  // P::chunk(pass) for every pass
       const char* k_chunk = reinterpret_cast<const char*>(src.k + c * 8);
       const char* v_chunk = reinterpret_cast<const char*>(src.v + c * 8);
+      const int* row_ids = ids + threadIdx.x / Tr::kChunks;  // P::row(pass) = this + pass * kRowsPerPass
+      int blocks[P::kCount];
+#pragma unroll
+      for (int pass = 0; pass < P::kCount; ++pass)
+        blocks[pass] = kStaged ? row_ids[pass * P::kRowsPerPass]
+                               : __ldg(src.table + ((n0 + P::row(pass)) >> src.block_shift));
 #pragma unroll
       for (int pass = 0; pass < P::kCount; ++pass) {
         const int r = P::row(pass), j = n0 + r;
-        const int block = __ldg(src.table + (j >> src.block_shift));
+        const int block = blocks[pass];
         const bool ok = static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
         const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
         cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
@@ -105,6 +149,8 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
         if (c == 0) s_loadable[r] = ok;
         hole |= !ok;
       }
+      // The tile kAhead below a full tile is full too (tiles are visited downwards): no check.
+      if (stage_next) stage_ids(s_next_ids, src, n0 - Tr::kAhead * Tr::kBlockN);
       return hole;
     }
 #pragma unroll
@@ -122,6 +168,8 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
       if (c == 0) s_loadable[r] = ok;
       hole |= !ok && j < src.length;
     }
+    const int next_n0 = n0 - Tr::kAhead * Tr::kBlockN;
+    if (stage_next && paged_full_tile(src, next_n0)) stage_ids(s_next_ids, src, next_n0);
   } else if (P::kLaneFixed && n0 + Tr::kBlockN <= src.loadable) {
     // A full tile (every key but those of a sequence's last, partial tile): no predicate, no
     // select, one 64-bit pointer step per pass.  s_loadable is left stale: it is read only when
@@ -463,15 +511,37 @@ __device__ __forceinline__ void init_state(WarpState& st) {
 
 // Key tile `it` of the task (counted from tile_first down) -> stage it % kStages of the K/V ring
 // (K then V per stage, kKVBytes each, from s_kv); returns this thread's hole bit, shifted to the
-// stage.  Commits nothing.
+// stage.  Paged, the block ids of tile it + kAhead go to its id slot ((it + kAhead) % kStages,
+// the slot of the stage that tile will fill) in the same group.  Commits nothing.
+//
+// The id ring's order (G_i: the cp.async group of tile i's K/V; the prologue commits Q, then
+// G_0 .. G_{kAhead-1}; iteration i of the loop waits until G_i has landed, passes a barrier B_i,
+// then issues tile i + kAhead's K/V and commits G_{i+kAhead}):
+//   - the ids of tile t ride in G_{t-kAhead} (for t >= kAhead; tiles 0 .. kAhead - 1, loaded by
+//     the prologue before any id could land, read the table directly: kStaged = false);
+//   - they are read by load_stage(t) (kStaged = true), in iteration t - kAhead after B_{t-kAhead},
+//     whose wait completed G_{t-kAhead}: landed, and published to every thread by that barrier;
+//   - their slot t % kStages is next written by the ids of tile t + kStages, issued by
+//     load_stage(t + kStages - kAhead) = load_stage(t + 1), in iteration t + 1 - kAhead after
+//     B_{t+1-kAhead}, which every thread reaches only after its reads of iteration t - kAhead;
+//   - within one load_stage, the slot written ((t + kAhead) % kStages) is not the one read
+//     (t % kStages): kAhead = kStages - 1 is not a multiple of kStages.
+// So kStages slots suffice, and a slot is never overwritten while a thread may still read it.
+template <bool kStaged>
 __device__ __forceinline__ int load_stage(u32 s_kv, unsigned char* s_loadable, const Task& t, int it) {
   const int stage = it % Tr::kStages;
-  return load_kv_tile(s_kv + 2 * stage * Tr::kKVBytes, s_kv + (2 * stage + 1) * Tr::kKVBytes,
-                      s_loadable + stage * Tr::kBlockN, t.src, (t.tile_first - it) * Tr::kBlockN) << stage;
+  const int next_stage = stage == 0 ? Tr::kStages - 1 : stage - 1;  // (it + kAhead) % kStages
+  int* ids = id_ring(s_loadable);
+  return load_kv_tile<kStaged>(s_kv + 2 * stage * Tr::kKVBytes, s_kv + (2 * stage + 1) * Tr::kKVBytes,
+                               s_loadable + stage * Tr::kBlockN, ids + stage * Tr::kBlockN,
+                               it + Tr::kAhead < t.num_tiles, cp::smem_address(ids + next_stage * Tr::kBlockN),
+                               t.src, (t.tile_first - it) * Tr::kBlockN)
+         << stage;
 }
 
-// Prologue: Q, then the first kAhead key tiles, one cp.async group each.  Returns the hole bits
-// (bit s: this thread met a hole in the tile now in stage s).
+// Prologue: Q, then the first kAhead key tiles, one cp.async group each (with the block ids of
+// tiles kAhead .. 2 kAhead - 1, see load_stage).  Returns the hole bits (bit s: this thread met a
+// hole in the tile now in stage s).
 __device__ __forceinline__ int load_prologue(u32 s_q, u32 s_kv, unsigned char* s_loadable, const Task& t,
                                              long long q_row, int total_q) {
   load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
@@ -479,7 +549,7 @@ __device__ __forceinline__ int load_prologue(u32 s_q, u32 s_kv, unsigned char* s
   int hole_bits = 0;
 #pragma unroll
   for (int s = 0; s < Tr::kAhead; ++s) {
-    if (s < t.num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, s);
+    if (s < t.num_tiles) hole_bits |= load_stage<false>(s_kv, s_loadable, t, s);
     cp::cp_async_commit();
   }
   return hole_bits;

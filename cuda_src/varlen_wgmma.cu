@@ -51,12 +51,14 @@ struct WgTraits {
   static constexpr int kQBytes = QTile::kBytes;
   static constexpr int kKVBytes = KVTile::kBytes;
   // 1024 bytes of slack to align the tiles to the swizzle atom, Q, the K and V stages, one
-  // "key is loadable" byte per key per stage.
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * STAGES * kKVBytes + STAGES * BN;
+  // "key is loadable" byte per key per stage, the paged loader's block-id ring (one int per key
+  // per stage: varlen_common.cuh, id_ring).
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * STAGES * kKVBytes + STAGES * BN + 4 * STAGES * BN;
   static_assert(D == 64 || D == 128 || D == 256, "wgmma N of P V: 64, 128 or 256");
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of Q K^T: 64, 128 or 256");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert(GROUPS == 1 || GROUPS == 2, "one or two warpgroups per CTA");
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
 };
 
 using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES>;
@@ -166,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
     auto prefetch = [&](int ahead) {
       const int ps = ahead % Tr::kStages;
       hole_bits &= ~(1 << ps);
-      if (ahead < num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, ahead);
+      if (ahead < num_tiles) hole_bits |= load_stage<true>(s_kv, s_loadable, t, ahead);
       cp::cp_async_commit();
     };
     PFrags p;
