@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import cProfile
 import io
+import pathlib
 import pstats
 import sys
 import time
 
-sys.path.insert(0, __import__("pathlib").Path(__file__).resolve().parents[1].as_posix())
+sys.path.insert(0, pathlib.Path(__file__).resolve().parents[1].as_posix())
 
 import cupy  # noqa: E402
 
@@ -127,6 +128,15 @@ def main() -> None:
             label = name if "GPU busy" in name or not busy else name + " (GPU busy)"
             rows.append((kind, label, mean_us(fn, 3000 if busy else N, busy)))
             torch.cuda.synchronize()
+        if kind == "cupy":  # one layer through the step plan (decode path: one new token each), steady state
+            sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+            from bench_calls import plan_call
+
+            layer, plan = plan_call([context] * batch, [1] * batch)
+            rows.append((kind, f"StepPlan.attention, one {plan.path} layer (GPU busy)", mean_us(layer, 3000, True)))
+            chunk_layer, chunk_plan = plan_call([1536] + [context] * 15, [512] + [1] * 15)
+            rows.append((kind, f"StepPlan.attention, one {chunk_plan.path} layer: write + attention (GPU busy)",
+                         mean_us(chunk_layer, 1000, True)))
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(3000):

@@ -1,0 +1,48 @@
+// Hand-written sm_90a helpers of the wgmma kernels (varlen_wgmma.cu): the wgmma fences, operand
+// pinning, the async-proxy fence, wgmma's 128-byte-swizzle tile layout and its shared-memory
+// matrix descriptors.  The wgmma.mma_async wrappers themselves (cp::Wgmma<N>) are generated into
+// wgmma.cuh by tools/gen_wgmma.py, which includes this header.
+#pragma once
+#include "common.cuh"
+
+namespace cp {
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Pins a register's value at this point of the program, so that the compiler neither reads an
+// accumulator before the wait that completes it nor reuses an operand register before that wait.
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_operand(u32& x) { asm volatile("" : "+r"(x)::"memory"); }
+// Orders this thread's earlier generic-proxy writes to shared memory (st.shared, cp.async) before
+// later async-proxy reads (wgmma operands); a barrier after it publishes them to the warpgroup.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A tile of kRows rows of kChunks 16-byte chunks, in wgmma's 128-byte-swizzle layout: the tile is
+// kChunks / 8 column blocks of kRows x 128 bytes (64 two-byte elements a row); in each block, chunk
+// c of row r sits at r * 128 + 16 * (c ^ (r % 8)).  Every 8 rows (1024 bytes) are one swizzle atom,
+// so the tile must start on a multiple of 1024 bytes.
+template <int kChunks, int kRows>
+struct Sw128Tile {
+  static_assert(kChunks % 8 == 0 && kRows % 8 == 0, "whole 64-element column blocks and swizzle atoms");
+  static constexpr int kBytes = kRows * kChunks * 16;
+  static constexpr int kColumnBytes = kRows * 128;  // one 64-element column block
+  __device__ static __forceinline__ u32 offset(int row, int chunk) {
+    return static_cast<u32>((chunk >> 3) * kColumnBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  }
+};
+
+// Matrix descriptor of a 128-byte-swizzled operand starting at shared address `address`.
+// K-major (A, or B with trans-b = 0): `stride` = bytes between 8-row groups (1024 in Sw128Tile);
+// `leading` is unused.  N-major (B with trans-b = 1, rows = k): `leading` = bytes between 64-element
+// column blocks of N (Sw128Tile::kColumnBytes), `stride` = bytes between 8-row groups of k (1024).
+// Adding b bytes (a multiple of 16) to the address field is adding b >> 4 to the descriptor.
+__device__ __forceinline__ u64 smem_descriptor(u32 address, u32 leading, u32 stride) {
+  return static_cast<u64>((address & 0x3FFFFu) >> 4) | (static_cast<u64>((leading >> 4) & 0x3FFFu) << 16) |
+         (static_cast<u64>((stride >> 4) & 0x3FFFu) << 32) | (1ull << 62);  // 1 << 62: 128-byte swizzle
+}
+
+}  // namespace cp

@@ -1,0 +1,432 @@
+// Pieces of the varlen forward pass shared by its two kernels (varlen.cu: mma.sync, sm_80+;
+// varlen_wgmma.cu: wgmma, sm_90a).  The including file defines, in namespace varlen, the element
+// type T and the traits Tr (kHeadDim, kBlockM, kBlockN, kThreads, kChunks, kMTiles, kNTiles,
+// kDTiles; the K/V pipeline's kStages, kAhead (tiles in flight ahead of the one computed) and
+// kKVBytes (bytes of one K or V tile); and QTile / KVTile, the shared-memory layouts of the Q and
+// K/V tiles, each with a static offset(row, chunk)); these functions are written against those
+// names only.
+#pragma once
+
+namespace varlen {
+
+using cp::inf;
+using cp::kLn2;
+using cp::kLog2e;
+
+// Where the keys of one (sequence, kv head) live: rows of a contiguous k/v, or slots
+// (block * block_size + offset) of a paged cache whose blocks are block_size rows apart.
+struct KvSource {
+  const T* k;  // already offset to the kv head
+  const T* v;
+  const int* table;         // block_table row of the sequence, or nullptr (contiguous)
+  int k_row, v_row;         // element stride between consecutive rows (slots)
+  int first_row;            // contiguous: row of key 0
+  int num_rows;             // contiguous: rows in k/v; paged: num_blocks
+  int length;               // keys of the sequence
+  int loadable;             // contiguous: keys [0, loadable) lie inside k/v (all, unless
+                            // cu_seqlens_k disagrees with k's size)
+  int table_width, block_shift;
+  // Contiguous, when every thread copies the same chunk of rows kRowsPerPass apart in each pass
+  // (TilePasses::kLaneFixed): element offset of this thread's first row and chunk, and the
+  // element step from one pass to the next.
+  long long k_lane, v_lane, k_pass, v_pass;
+};
+
+// Per-warp softmax state and output accumulator (registers).
+struct WarpState {
+  float o[Tr::kMTiles][Tr::kDTiles][4];
+  float row_max[Tr::kMTiles][2];  // raw (pre-scale) units, -inf until a key is seen
+  float row_sum[Tr::kMTiles][2];  // this thread's partial sum; the quad is reduced at the end
+};
+
+// ---------------------------------------------------------------------------- loads
+
+// A tile of kRows rows is loaded in passes of kThreads 16-byte chunks; the shapes of TILES and
+// WGMMA_TILES (ops/varlen.py) divide evenly, so every pass is full and the loops unroll without
+// bounds checks.
+template <int kRows>
+struct TilePasses {
+  static constexpr int kTotal = kRows * Tr::kChunks;
+  static constexpr int kCount = kTotal / Tr::kThreads;
+  static_assert(kTotal % Tr::kThreads == 0, "tile chunks must divide evenly among the threads");
+  __device__ static __forceinline__ int row(int pass) { return (threadIdx.x + pass * Tr::kThreads) / Tr::kChunks; }
+  __device__ static __forceinline__ int chunk(int pass) { return (threadIdx.x + pass * Tr::kThreads) % Tr::kChunks; }
+  // Every pass, the thread copies chunk threadIdx.x % kChunks of a row kRowsPerPass below the
+  // last one (all head dims but 96, whose 12 chunks do not divide the threads).
+  static constexpr bool kLaneFixed = Tr::kThreads % Tr::kChunks == 0;
+  static constexpr int kRowsPerPass = Tr::kThreads / Tr::kChunks;
+};
+
+// Q tile -> shared memory (rows past the sequence or outside q are zero-filled).
+__device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row, int first_row,
+                                            int rows, int total_q) {
+  using P = TilePasses<Tr::kBlockM>;
+#pragma unroll
+  for (int pass = 0; pass < P::kCount; ++pass) {
+    const int r = P::row(pass), c = P::chunk(pass);
+    const long long row = (long long)first_row + r;
+    const bool ok = r < rows && row >= 0 && row < total_q;
+    cp::cp_async_16(s_q + Tr::QTile::offset(r, c), q + (ok ? row * q_row + c * 8 : 0), ok);
+  }
+}
+
+// K and V tile of keys [n0, n0 + BLOCK_N) -> one pipeline stage.  Also records which keys are
+// loadable, and returns whether this thread met a hole (an in-range key it could not load).
+// This runs for every tile, so the per-row work is kept to a few integer instructions: the
+// paged/contiguous choice is made once per tile, contiguous rows are consecutive, and a
+// paged row costs one block-table load (an L1 hit for all but the first row of a block).
+__device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_loadable,
+                                            const KvSource& src, int n0) {
+  using P = TilePasses<Tr::kBlockN>;
+  int hole = 0;
+  if (src.table != nullptr) {
+    const int offset_mask = (1 << src.block_shift) - 1;
+    // A slot (< 2^31, checked by the host) times the slot stride in bytes (positive, checked by
+    // the host) is one 32 x 32 -> 64-bit multiply-add per row: signed 64-bit index arithmetic
+    // cost ~7 instructions per copy here, the largest part of the paged loader.
+    const unsigned k_slot_bytes = static_cast<unsigned>(src.k_row) * sizeof(T);
+    const unsigned v_slot_bytes = static_cast<unsigned>(src.v_row) * sizeof(T);
+    if (P::kLaneFixed && n0 + Tr::kBlockN <= src.length &&
+        ((n0 + Tr::kBlockN - 1) >> src.block_shift) < src.table_width) {
+      // A tile inside the sequence and inside the block table (every tile but a sequence's
+      // last): every row is listed, so the table loads are unconditional (and can all be in
+      // flight at once); only a block id outside [0, num_blocks) can still make a hole.
+      const int c = threadIdx.x % Tr::kChunks;  // P::chunk(pass) for every pass
+      const char* k_chunk = reinterpret_cast<const char*>(src.k + c * 8);
+      const char* v_chunk = reinterpret_cast<const char*>(src.v + c * 8);
+#pragma unroll
+      for (int pass = 0; pass < P::kCount; ++pass) {
+        const int r = P::row(pass), j = n0 + r;
+        const int block = __ldg(src.table + (j >> src.block_shift));
+        const bool ok = static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
+        const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
+        cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+        cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
+        if (c == 0) s_loadable[r] = ok;
+        hole |= !ok;
+      }
+      return hole;
+    }
+#pragma unroll
+    for (int pass = 0; pass < P::kCount; ++pass) {
+      const int r = P::row(pass), c = P::chunk(pass), j = n0 + r;
+      const int column = j >> src.block_shift;
+      const bool listed = j < src.length && column < src.table_width;
+      const int block = listed ? __ldg(src.table + column) : -1;
+      const bool ok = listed && static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
+      const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
+      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c),
+                      reinterpret_cast<const char*>(src.k + c * 8) + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c),
+                      reinterpret_cast<const char*>(src.v + c * 8) + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
+      if (c == 0) s_loadable[r] = ok;
+      hole |= !ok && j < src.length;
+    }
+  } else if (P::kLaneFixed && n0 + Tr::kBlockN <= src.loadable) {
+    // A full tile (every key but those of a sequence's last, partial tile): no predicate, no
+    // select, one 64-bit pointer step per pass.  s_loadable is left stale: it is read only when
+    // some thread met a hole in this tile, and a full tile has none.
+    const T* kp = src.k + ((long long)(src.first_row + n0) * src.k_row + src.k_lane);
+    const T* vp = src.v + ((long long)(src.first_row + n0) * src.v_row + src.v_lane);
+#pragma unroll
+    for (int pass = 0; pass < P::kCount; ++pass) {
+      const int r = P::row(pass), c = P::chunk(pass);
+      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), kp, true);
+      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), vp, true);
+      kp += src.k_pass;
+      vp += src.v_pass;
+    }
+  } else {
+    const long long k_tile = (long long)(src.first_row + n0) * src.k_row;
+    const long long v_tile = (long long)(src.first_row + n0) * src.v_row;
+#pragma unroll
+    for (int pass = 0; pass < P::kCount; ++pass) {
+      const int r = P::row(pass), c = P::chunk(pass);
+      const bool ok = n0 + r < src.loadable;
+      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), src.k + (ok ? k_tile + r * src.k_row + c * 8 : 0ll), ok);
+      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), src.v + (ok ? v_tile + r * src.v_row + c * 8 : 0ll), ok);
+      if (c == 0) s_loadable[r] = ok;
+      hole |= !ok && n0 + r < src.length;
+    }
+  }
+  return hole;
+}
+
+// ---------------------------------------------------------------------------- softmax and output
+
+// Score modifications on the scaled score (natural units): softcap c * tanh(s / c), then ALiBi
+// -slope * |i + Lk - Lq - j|.  Only called when one of them is on; the caller then uses
+// log2(e) as the exp2 scale, since the scores already carry softmax_scale.
+__device__ __forceinline__ void apply_score_mods(float (&s)[Tr::kMTiles][Tr::kNTiles][4], float scale,
+                                                 float softcap, float slope, int row0, int offset,
+                                                 int n0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+        const int j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+        float x = s[mt][nt][e] * scale;
+        if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+        x -= slope * fabsf(static_cast<float>(i + offset - j));
+        s[mt][nt][e] = x;
+      }
+}
+
+// Mask: key j is kept for query row i iff i + off - left <= j <= i + off + right (a bound is off
+// when negative), j < Lk and the key was loadable.  Only called on tiles that straddle a bound.
+__device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][4], int row0, int offset,
+                                           int n0, int length_k, int left, int right, bool hole,
+                                           const unsigned char* s_loadable, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = row0 + mt * 16 + (lane >> 2) + half * 8;
+      const int lo = left >= 0 ? i + offset - left : -1;
+      const int hi = right >= 0 ? min(i + offset + right, length_k - 1) : length_k - 1;
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + 2 * (lane & 3) + e;
+          const int j = n0 + c;
+          if (j < lo || j > hi || (hole && !s_loadable[c])) s[mt][nt][2 * half + e] = -inf();
+        }
+    }
+}
+
+// Online softmax: new row max, rescale O and the running sum by exp2((m_old - m_new) * scale),
+// S -> P = exp2(S * scale - m_new * scale).  A row that has seen no key keeps max -inf; its
+// base is taken as 0 so that exp2(-inf - 0) = 0 and nothing becomes NaN.
+// Split in two (softmax_scores returns each row's factor alpha, rescale_o applies it) because the
+// wgmma kernel calls the halves itself: it waits for P V before the next tile, so nothing needs
+// them apart any more, but calling online_softmax there changes its machine code (register
+// allocation), which has not been re-timed.
+using RowFactors = float[Tr::kMTiles][2];
+
+__device__ __forceinline__ void softmax_scores(float (&s)[Tr::kMTiles][Tr::kNTiles][4], WarpState& st,
+                                               float scale_log2, RowFactors& alphas) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Pairwise tree over the row's values (depth log2 instead of a chain of kNTiles).
+      float m[Tr::kNTiles];
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) m[nt] = fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
+#pragma unroll
+      for (int width = 1; width < Tr::kNTiles; width *= 2)
+#pragma unroll
+        for (int nt = 0; nt + width < Tr::kNTiles; nt += 2 * width) m[nt] = fmaxf(m[nt], m[nt + width]);
+      const float tile_max = cp::quad_max(m[0]);  // the four threads of a quad hold the same two rows
+      const float old_max = st.row_max[mt][half];
+      const float new_max = fmaxf(old_max, tile_max);
+      const float base = new_max == -inf() ? 0.f : new_max * scale_log2;
+      const float alpha = exp2f(old_max * scale_log2 - base);
+      st.row_max[mt][half] = new_max;
+      float sums[Tr::kNTiles];
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+        const float p0 = exp2f(fmaf(s[mt][nt][2 * half], scale_log2, -base));
+        const float p1 = exp2f(fmaf(s[mt][nt][2 * half + 1], scale_log2, -base));
+        s[mt][nt][2 * half] = p0;
+        s[mt][nt][2 * half + 1] = p1;
+        sums[nt] = p0 + p1;
+      }
+#pragma unroll
+      for (int width = 1; width < Tr::kNTiles; width *= 2)
+#pragma unroll
+        for (int nt = 0; nt + width < Tr::kNTiles; nt += 2 * width) sums[nt] += sums[nt + width];
+      st.row_sum[mt][half] = fmaf(st.row_sum[mt][half], alpha, sums[0]);
+      alphas[mt][half] = alpha;
+    }
+}
+
+__device__ __forceinline__ void rescale_o(WarpState& st, const RowFactors& alphas) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.o[mt][dt][e] *= alphas[mt][e >> 1];
+}
+
+__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4], WarpState& st,
+                                               float scale_log2) {
+  RowFactors alphas;
+  softmax_scores(s, st, scale_log2, alphas);
+  rescale_o(st, alphas);
+}
+
+// P as the A operand of P V: the S accumulators of two n8 tiles are exactly an m16k16 A
+// fragment once packed.  [m16 tile][k16 step of the keys][4]
+using PFrags = u32[Tr::kMTiles][Tr::kBlockN / 16][4];
+
+__device__ __forceinline__ void pack_p(const float (&p)[Tr::kMTiles][Tr::kNTiles][4], PFrags& a) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) cp::pack_a(a[mt][kk], p[mt][2 * kk], p[mt][2 * kk + 1], T());
+}
+
+// O / rowsum -> out, natural-log LSE -> lse.  A row that saw no key writes zeros and -inf.
+__device__ __forceinline__ void store_output(WarpState& st, T* out, long long out_row, float* lse,
+                                             long long lse_base, int q_start, int row0, int length_q,
+                                             int total_q, float scale_log2, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = cp::quad_sum(st.row_sum[mt][half]);
+      const int i = row0 + mt * 16 + (lane >> 2) + half * 8;
+      const long long row = (long long)q_start + i;
+      if (i >= length_q || row < 0 || row >= total_q) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      u32* dst = reinterpret_cast<u32*>(out + row * out_row) + (lane & 3);
+#pragma unroll
+      for (int dt = 0; dt < Tr::kDTiles; ++dt)
+        dst[dt * 4] = cp::from_float2(st.o[mt][dt][2 * half] * inv, st.o[mt][dt][2 * half + 1] * inv, T());
+      if (lse != nullptr && (lane & 3) == 0)
+        lse[lse_base + row] = sum > 0.f ? (st.row_max[mt][half] * scale_log2 + log2f(sum)) * kLn2 : -inf();
+    }
+}
+
+// Rows [first, last) of a tile that sees no key at all: zeros and LSE -inf.
+__device__ __forceinline__ void store_empty_rows(T* out, long long out_row, float* lse, long long lse_base,
+                                                 int q_start, int first, int last, int total_q) {
+  for (int index = threadIdx.x; index < (last - first) * Tr::kChunks; index += Tr::kThreads) {
+    const long long row = (long long)q_start + first + index / Tr::kChunks;
+    if (row < 0 || row >= total_q) continue;
+    reinterpret_cast<uint4*>(out + row * out_row)[index % Tr::kChunks] = make_uint4(0, 0, 0, 0);
+    if (lse != nullptr && index % Tr::kChunks == 0) lse[lse_base + row] = -inf();
+  }
+}
+
+// ---------------------------------------------------------------------------- the CTA's task
+
+// The kernel parameters (both kernels take the same; ops/varlen.py passes them in this order).
+#define VARLEN_FWD_PARAMS                                                                          \
+  const varlen::T *__restrict__ q, const varlen::T *__restrict__ k, const varlen::T *__restrict__ v, \
+      varlen::T *__restrict__ out,  /* [total_q, H, D] */                                            \
+      float *__restrict__ lse,      /* [H, total_q] or null */                                       \
+      const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k,                    \
+      const int *__restrict__ block_table,  /* [B, table_width] or null */                           \
+      const float *__restrict__ alibi_slopes, /* [H] or null */                                      \
+      long long q_row, long long q_head,      /* strides in elements */                              \
+      int k_row, long long k_head, int v_row, long long v_head, /* paged: per slot */                \
+      int total_q, int kv_rows,               /* total_k, or num_blocks when paged */                \
+      int num_heads, int group_size, int table_width, int block_shift, float softmax_scale,          \
+      float softcap, int window_left, int window_right
+#define VARLEN_FWD_ARGS                                                                            \
+  q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, q_row, q_head, k_row,   \
+      k_head, v_row, v_head, total_q, kv_rows, num_heads, group_size, table_width, block_shift,     \
+      softmax_scale, softcap, window_left, window_right
+
+// What one CTA computes: query rows [m0, m_end) of one head of one sequence against the key tiles
+// tile_first, tile_first - 1, ... (num_tiles of them) that hold every key one of its rows may see.
+struct Task {
+  int q_start, length_q, length_k, m0, m_end;
+  int offset;  // length_k - length_q: the bottom-right alignment of causal / window bounds
+  int tile_first, num_tiles;
+  const T* q_head;  // q at this head
+  T* out_head;      // out at this head
+  long long out_row, lse_base;
+  KvSource src;
+  bool mods;  // softcap or ALiBi: the scores then carry softmax_scale before the exp2
+  float slope, scale_log2;
+};
+
+// Fills `t` for this CTA (grid = (query tiles, heads, sequences)).  Returns false when the CTA has
+// nothing to compute: its tile starts past the sequence's end, or none of its rows sees a key (it
+// has then written their zeros and LSE -inf).
+__device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
+  // Longest-running query tiles (the last ones, under causal masking) start first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y, seq = blockIdx.z;
+  t.q_start = cu_seqlens_q[seq];
+  t.length_q = cu_seqlens_q[seq + 1] - t.q_start;
+  const int k_start = cu_seqlens_k[seq];
+  t.length_k = cu_seqlens_k[seq + 1] - k_start;
+  t.m0 = m_block * Tr::kBlockM;
+  if (t.m0 >= t.length_q) return false;
+  t.m_end = min(t.m0 + Tr::kBlockM, t.length_q);
+  t.offset = t.length_k - t.length_q;
+  t.q_head = q + (long long)head * q_head;
+  t.out_row = (long long)num_heads * Tr::kHeadDim;
+  t.out_head = out + (long long)head * Tr::kHeadDim;
+  t.lse_base = (long long)head * total_q;
+
+  // Key range [n_lo, n_hi) that any row of this tile may see; tiles outside it are skipped.
+  int n_hi = t.length_k, n_lo = 0;
+  if (window_right >= 0) n_hi = min(n_hi, t.m_end - 1 + t.offset + window_right + 1);
+  if (window_left >= 0) n_lo = max(n_lo, t.m0 + t.offset - window_left);
+  if (n_hi <= n_lo) {
+    store_empty_rows(t.out_head, t.out_row, lse, t.lse_base, t.q_start, t.m0, t.m_end, total_q);
+    return false;
+  }
+  t.tile_first = (n_hi + Tr::kBlockN - 1) / Tr::kBlockN - 1;  // visited high to low
+  t.num_tiles = t.tile_first - n_lo / Tr::kBlockN + 1;
+
+  const int kv_head = head / group_size;
+  KvSource& src = t.src;
+  src.k = k + kv_head * k_head;
+  src.v = v + kv_head * v_head;
+  src.table = block_table == nullptr ? nullptr : block_table + (long long)seq * table_width;
+  src.k_row = k_row; src.v_row = v_row;
+  src.first_row = k_start; src.num_rows = kv_rows; src.length = t.length_k;
+  src.loadable = k_start < 0 ? 0 : max(0, min(t.length_k, kv_rows - k_start));
+  src.table_width = table_width; src.block_shift = block_shift;
+  using P = TilePasses<Tr::kBlockN>;
+  const int r = threadIdx.x / Tr::kChunks, c = threadIdx.x % Tr::kChunks;  // used when P::kLaneFixed
+  src.k_lane = (long long)r * k_row + c * 8;
+  src.v_lane = (long long)r * v_row + c * 8;
+  src.k_pass = (long long)P::kRowsPerPass * k_row;
+  src.v_pass = (long long)P::kRowsPerPass * v_row;
+
+  t.mods = softcap > 0.f || alibi_slopes != nullptr;
+  t.slope = alibi_slopes != nullptr ? alibi_slopes[head] : 0.f;
+  // With mods the scores already carry softmax_scale; otherwise it is folded into exp2.
+  t.scale_log2 = t.mods ? kLog2e : softmax_scale * kLog2e;
+  return true;
+}
+
+__device__ __forceinline__ void init_state(WarpState& st) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) { st.row_max[mt][half] = -inf(); st.row_sum[mt][half] = 0.f; }
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.o[mt][dt][e] = 0.f;
+  }
+}
+
+// Key tile `it` of the task (counted from tile_first down) -> stage it % kStages of the K/V ring
+// (K then V per stage, kKVBytes each, from s_kv); returns this thread's hole bit, shifted to the
+// stage.  Commits nothing.
+__device__ __forceinline__ int load_stage(u32 s_kv, unsigned char* s_loadable, const Task& t, int it) {
+  const int stage = it % Tr::kStages;
+  return load_kv_tile(s_kv + 2 * stage * Tr::kKVBytes, s_kv + (2 * stage + 1) * Tr::kKVBytes,
+                      s_loadable + stage * Tr::kBlockN, t.src, (t.tile_first - it) * Tr::kBlockN) << stage;
+}
+
+// Prologue: Q, then the first kAhead key tiles, one cp.async group each.  Returns the hole bits
+// (bit s: this thread met a hole in the tile now in stage s).
+__device__ __forceinline__ int load_prologue(u32 s_q, u32 s_kv, unsigned char* s_loadable, const Task& t,
+                                             long long q_row, int total_q) {
+  load_q_tile(s_q, t.q_head, q_row, t.q_start + t.m0, t.m_end - t.m0, total_q);
+  cp::cp_async_commit();
+  int hole_bits = 0;
+#pragma unroll
+  for (int s = 0; s < Tr::kAhead; ++s) {
+    if (s < t.num_tiles) hole_bits |= load_stage(s_kv, s_loadable, t, s);
+    cp::cp_async_commit();
+  }
+  return hole_bits;
+}
+
+}  // namespace varlen

@@ -1,0 +1,102 @@
+"""A/B of the varlen kernel's source across revisions: paged against contiguous K/V.
+
+Builds the wgmma kernel (bf16, D=128) from the CUDA sources of earlier revisions (copied under
+``benchmarks/ab/src_<rev>``) and from ``cuda_src/``, launches each with the argument list of its
+revision, and times back to back (CUDA events around 10 launches, median of 7) the causal 8 x 4096
+batch and a 512-token chunk after a 32k prefix, on contiguous K/V and through a shuffled block
+table of block 16.  Run on a GPU machine: ``python benchmarks/ab_varlen_paged.py``.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cupy  # noqa: E402
+
+from cupy_paged import _checks, _compiler  # noqa: E402
+from cupy_paged._errors import word  # noqa: E402
+from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
+from cupy_paged.ops._common import Launcher  # noqa: E402
+
+from bench_varlen import Batch  # noqa: E402
+
+BF16 = _checks.BF16
+OLD_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "ii"
+VARIANTS = {"4e5d103 (before the session)": ROOT / "benchmarks/ab/src_4e5d103",
+            "3471a0a (error word)": ROOT / "benchmarks/ab/src_3471a0a",
+            "now": ROOT / "cuda_src"}
+
+
+def build(source: pathlib.Path):
+    _compiler.source_dir = lambda: source  # noqa: E731 - the revision's sources
+    _compiler.load_source.cache_clear()
+    _compiler.get_module.cache_clear()
+    _compiler._device_function.cache_clear()
+    tiles = varlen_ops.WGMMA_TILES[128]
+    smem = tiles.smem_bytes(128)
+    function = _compiler.get_function(varlen_ops.wgmma_key(BF16, 128), varlen_ops.WGMMA_KERNEL, smem)
+    return function, smem, tiles
+
+
+def arguments(p, new_abi: bool):
+    launch = varlen_ops.VarlenLaunch(p)
+    table = 0 if p.block_table is None else p.block_table.ptr
+    ptrs = [p.q.ptr, p.k.ptr, p.v.ptr, p.out.ptr, 0, p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, table, 0]
+    tail = [p.max_seqlen_q, 0, word(p.q.device)] if new_abi else []
+    return ptrs + list(launch.scalars) + tail
+
+
+def time_us(fn, reps: int = 7, inner: int = 10) -> float:
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / inner)
+    return float(np.median(times))
+
+
+def main() -> None:
+    cases = {"8x4096": Batch([4096] * 8, [4096] * 8, 128), "chunk512 after 32k": Batch([512], [32768 + 512], 128)}
+    problems = {}
+    for name, batch in cases.items():
+        k_cache, v_cache, table = batch.paged(16)
+        for label, (k, v, t) in (("contiguous", (batch.k, batch.v, None)), ("paged bs16", (k_cache, v_cache, table))):
+            problems[(name, label)] = _checks.prepare_varlen(batch.q, k, v, batch.cu_q, batch.cu_k, batch.max_q,
+                                                             batch.max_k, None, True, (-1, -1), 0.0, None, t, False,
+                                                             batch.out, False)
+    rows = []
+    for variant, source in VARIANTS.items():
+        function, smem, tiles = build(source)
+        new_abi = "4e5d103" not in variant
+        launcher = Launcher(function, varlen_ops._LAYOUT if new_abi else OLD_LAYOUT)
+        for (name, label), p in problems.items():
+            args = arguments(p, new_abi)
+            grid = (-(-p.max_seqlen_q // tiles.block_m), p.num_heads, p.batch)
+            stream = cupy.cuda.get_current_stream().ptr
+            rows.append((variant, name, label, time_us(lambda: launcher(grid, tiles.threads, smem, stream, *args)),
+                         function.num_regs))
+    print("| revision | case | K/V | us | registers |")
+    print("| --- | --- | --- | ---: | ---: |")
+    for row in rows:
+        print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.1f} | {row[4]} |")
+    print("\npaged / contiguous time:")
+    for variant in VARIANTS:
+        for name in cases:
+            t = {r[2]: r[3] for r in rows if r[0] == variant and r[1] == name}
+            print(f"  {variant:32} {name:20} contiguous / paged = {t['contiguous'] / t['paged bs16']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
