@@ -191,25 +191,29 @@ __device__ __forceinline__ bool issue_tile(const KeySource& src, int start, int 
 }
 
 // The block-table entries of the tile at `start` -> its id slot (`slot`, a shared-memory
-// address), one 4-byte cp.async per key.  Keys from `limit` on and keys past the table read
-// nothing (the slot gets 0, which read_blocks discards).
+// address), one 4-byte cp.async per key.  Keys outside [0, limit) read nothing (the slot gets 0,
+// which read_blocks discards); `limit` (id_limit in the kernel) stops at the usable columns too.
+// Not unrolled: a thread has at most one key in the registered shapes, and the unrolled loop's
+// remainder code (the trip count is not a constant to the compiler) would sit in the K/V loop.
 __device__ __forceinline__ void issue_ids(const KeySource& src, int start, int limit, u32 slot) {
+#pragma unroll 1
   for (int key = threadIdx.x; key < kTileKeys; key += kThreads) {
     const int j = start + key;
-    const int col = src.column(j);
-    const bool ok = j < limit && col < src.max_blocks;
-    cp::cp_async_4(slot + 4 * key, src.table_row + (ok ? col : 0), ok);
+    const bool ok = static_cast<unsigned>(j) < static_cast<unsigned>(limit);  // 0 <= j < limit
+    cp::cp_async_4(slot + 4 * key, src.table_row + (ok ? static_cast<unsigned>(src.column(j)) : 0u), ok);
   }
 }
 
-// This thread's block ids of the tile at `start` from its id slot, -1 for a hole.
-__device__ __forceinline__ void read_blocks(const KeySource& src, int start, const int* slot, int (&blocks)[kPasses]) {
+// This thread's block ids of the tile at `start` from its id slot, -1 for a hole (and for a key
+// outside [0, limit), whose slot issue_ids left 0).
+__device__ __forceinline__ void read_blocks(const KeySource& src, int start, int limit, const int* slot,
+                                            int (&blocks)[kPasses]) {
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int key = pass_key(p);
     const int j = start + key;
     const int id = slot[key];
-    const bool ok = j < src.cached && src.column(j) < src.max_blocks &&
+    const bool ok = static_cast<unsigned>(j) < static_cast<unsigned>(limit) &&
                     static_cast<unsigned>(id) < static_cast<unsigned>(src.num_blocks);
     blocks[p] = ok ? id : -1;
   }
@@ -332,6 +336,11 @@ __device__ __forceinline__ cp::Vec8 rotated_chunk(const Rotary& ro, const cp::Ve
 }
 #endif  // ROTARY
 
+// The benchmark's trace row of this CTA: start ns, end ns, SM.
+__device__ __forceinline__ unsigned long long* trace_row(unsigned long long* trace) {
+  return trace + 3 * (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
+}
+
 // Scalar arguments of paged_decode, passed as one struct by value (ops/decode.py packs it with
 // struct.pack("<9q20i2f")): one kernel argument instead of 41 keeps the host's launch cost down.
 struct DecodeParams {
@@ -377,7 +386,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
     int* errors,                          // the device error word (cp::report_error) or null
     unsigned long long* __restrict__ trace) {  // null, or [CTAs][3]: start ns, end ns, SM (benchmark)
-  const unsigned long long started = trace ? cp::global_ns() : 0;
+  // The benchmark's trace gets the start now, so that no clock value stays live through the K/V loop.
+  if (trace && threadIdx.x == 0) trace_row(trace)[0] = cp::global_ns();
   const long long q_batch = params.q_batch, q_token = params.q_token, q_head = params.q_head;
   const long long kn_batch = params.kn_batch, kn_token = params.kn_token, kn_head = params.kn_head;
   const long long vn_batch = params.vn_batch, vn_token = params.vn_token, vn_head = params.vn_head;
@@ -510,7 +520,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
 
   // Prologue, second round trip: the block ids of the first tiles (NOTES_decode.md, v9: issuing
   // them with the first round trip where the keys start at 0 gained nothing).
-  const int id_limit = min(end, src.cached);  // keys whose block ids are read
+  // Keys whose block ids are read: the cached keys of [start, end) in the usable columns (a key
+  // j >= 0 has column(j) < src.max_blocks exactly when j < src.max_blocks << block_shift), so
+  // that issue_ids and read_blocks check one bound.
+  const long long table_keys = (long long)src.max_blocks << block_shift;
+  const int id_limit = (int)max(min((long long)min(end, src.cached), table_keys), 0ll);
   for (int s = 0; s < kStages - 1 && s < num_tiles; ++s) issue_ids(src, start + s * kTileKeys, id_limit, ids_s + s * kTileKeys * 4);
   cp::cp_async_commit();
   cp::cp_async_wait<0>();
@@ -521,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   int blocks[kPasses];
   auto issue = [&](int tile) -> bool {
     const int tile_start = start + tile * kTileKeys;
-    read_blocks(src, tile_start, ids + (tile % kIdSlots) * kTileKeys, blocks);
+    read_blocks(src, tile_start, id_limit, ids + (tile % kIdSlots) * kTileKeys, blocks);
     const int ahead = tile + kStages - 1;
     if (ahead < num_tiles) issue_ids(src, start + ahead * kTileKeys, id_limit, ids_s + (ahead % kIdSlots) * kTileKeys * 4);
     return k_new ? issue_tile<true>(src, tile_start, end, tile % kStages, blocks, ks, vs, flags)
@@ -825,10 +839,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     }
   }
   if (trace && threadIdx.x == 0) {
-    const long long cta = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    trace[3 * cta] = started;
-    trace[3 * cta + 1] = cp::global_ns();
-    trace[3 * cta + 2] = cp::sm_id();
+    unsigned long long* row = trace_row(trace);
+    row[1] = cp::global_ns();
+    row[2] = cp::sm_id();
   }
 }
 
