@@ -1,10 +1,15 @@
 """A/B of the varlen kernel's source across revisions: paged against contiguous K/V.
 
-Builds the wgmma kernel (bf16, D=128) from the CUDA sources of earlier revisions (copied under
-``benchmarks/ab/src_<rev>``) and from ``cuda_src/``, launches each with the argument list of its
-revision, and times back to back (CUDA events around 10 launches, median of 7) the causal 8 x 4096
-batch and a 512-token chunk after a 32k prefix, on contiguous K/V and through a shuffled block
-table of block 16.  Run on a GPU machine: ``python benchmarks/ab_varlen_paged.py``.
+Builds the wgmma kernel (bf16, D=128) from the CUDA sources of earlier revisions and from
+``cuda_src/``, launches each with the argument list of its revision, and times back to back (CUDA
+events around 10 launches, median of 7) the causal 8 x 4096 batch and a 512-token chunk after a
+32k prefix, on contiguous K/V and through a shuffled block table of block 16.
+
+The device machine has no git history: export the revisions first, into the ignored ``.ab/``
+folder that the device call carries::
+
+    python benchmarks/ab_varlen_paged.py --export 4e5d103 3471a0a     # here, from git
+    python benchmarks/ab_varlen_paged.py                              # on the GPU machine
 """
 from __future__ import annotations
 
@@ -27,10 +32,32 @@ from cupy_paged.ops._common import Launcher  # noqa: E402
 from bench_varlen import Batch  # noqa: E402
 
 BF16 = _checks.BF16
+# The argument list before the error word (4e5d103 and earlier).
 OLD_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "ii"
-VARIANTS = {"4e5d103 (before the session)": ROOT / "benchmarks/ab/src_4e5d103",
-            "3471a0a (error word)": ROOT / "benchmarks/ab/src_3471a0a",
-            "now": ROOT / "cuda_src"}
+OLD_ABI = {"4e5d103"}
+EXPORTS = ROOT / ".ab"
+
+
+def export(revisions) -> None:
+    """``cuda_src/`` of each git revision -> ``.ab/<revision>/``."""
+    import subprocess
+    import tarfile
+    import io
+
+    for revision in revisions:
+        archive = subprocess.run(["git", "archive", revision, "cuda_src"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        target = EXPORTS / revision
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(target, filter="data")
+        print(f"{revision}: {target / 'cuda_src'}")
+
+
+def variants() -> dict:
+    """Revision label -> its cuda_src folder: every export under .ab/, then the working tree's."""
+    found = {path.name: path / "cuda_src" for path in sorted(EXPORTS.glob("*")) if (path / "cuda_src").is_dir()}
+    found["now"] = ROOT / "cuda_src"
+    return found
 
 
 def build(source: pathlib.Path):
@@ -68,6 +95,11 @@ def time_us(fn, reps: int = 7, inner: int = 10) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) > 1:
+        if sys.argv[1] != "--export" or len(sys.argv) < 3:
+            raise SystemExit("usage: ab_varlen_paged.py [--export REV [REV ...]]")
+        export(sys.argv[2:])
+        return
     cases = {"8x4096": Batch([4096] * 8, [4096] * 8, 128), "chunk512 after 32k": Batch([512], [32768 + 512], 128)}
     problems = {}
     for name, batch in cases.items():
@@ -77,9 +109,9 @@ def main() -> None:
                                                              batch.max_k, None, True, (-1, -1), 0.0, None, t, False,
                                                              batch.out, False)
     rows = []
-    for variant, source in VARIANTS.items():
+    for variant, source in variants().items():
         function, smem, tiles = build(source)
-        new_abi = "4e5d103" not in variant
+        new_abi = variant not in OLD_ABI
         launcher = Launcher(function, varlen_ops._LAYOUT if new_abi else OLD_LAYOUT)
         for (name, label), p in problems.items():
             args = arguments(p, new_abi)
@@ -92,10 +124,10 @@ def main() -> None:
     for row in rows:
         print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.1f} | {row[4]} |")
     print("\npaged / contiguous time:")
-    for variant in VARIANTS:
+    for variant in variants():
         for name in cases:
             t = {r[2]: r[3] for r in rows if r[0] == variant and r[1] == name}
-            print(f"  {variant:32} {name:20} contiguous / paged = {t['contiguous'] / t['paged bs16']:.3f}")
+            print(f"  {variant:10} {name:20} contiguous / paged = {t['contiguous'] / t['paged bs16']:.3f}")
 
 
 if __name__ == "__main__":

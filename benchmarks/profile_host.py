@@ -22,23 +22,15 @@ import cupy  # noqa: E402
 import cupy_paged  # noqa: E402
 from cupy_paged import _arrays, _streams, attention  # noqa: E402
 
+sys.path.insert(0, pathlib.Path(__file__).resolve().parent.as_posix())
+from bench_calls import _spin_kernel, busy as keep_busy, plan_call  # noqa: E402  (benchmarks/ on the path)
+
 N = 20000
-
-
-_SPIN = r"""
-extern "C" __global__ void spin(unsigned long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < nanoseconds);
-}
-"""
-_spin = None
 
 
 def mean_us(fn, n: int = N, busy: bool = False) -> float:
     """Mean host time of ``fn()``; with ``busy``, in rounds of 100 calls queued behind a kernel that
     keeps the GPU busy (so launches never wait for the GPU), the GPU drained between rounds."""
-    global _spin
     for _ in range(200):
         fn()
     if not busy:
@@ -46,12 +38,10 @@ def mean_us(fn, n: int = N, busy: bool = False) -> float:
         for _ in range(n):
             fn()
         return (time.perf_counter_ns() - start) / n / 1e3
-    if _spin is None:
-        _spin = cupy.RawKernel(_SPIN, "spin")
     total, calls = 0, 0
     for _ in range(max(1, n // 100)):
         cupy.cuda.Device().synchronize()
-        _spin((1,), (1,), (cupy.uint64(5_000_000),))
+        keep_busy(cupy.cuda.get_current_stream().ptr, 0.005)
         start = time.perf_counter_ns()
         for _ in range(100):
             fn()
@@ -88,12 +78,12 @@ def main() -> None:
             "kind_of(q)": lambda: _arrays.kind_of(q_),
             "signature(q)": lambda: _arrays.signature(q_),
             "data_ptr(q)": lambda: _arrays.data_ptr(q_),
-            "key (22 entries)": lambda: ("decode", attention._sig(q_), attention._sig(kc_), attention._sig(vc_),
-                                         attention._sig(None), attention._sig(None), attention._sig(None),
-                                         attention._sig(None), attention._sig(lens_), attention._sig(None),
-                                         attention._sig(None), attention._sig(table_), None, False, (-1, -1), 0.0,
-                                         True, attention._sig(None), 0, False, attention._sig(None),
-                                         attention._sig(None)),
+            "key (22 entries)": lambda: ("decode", _arrays.signature(q_), _arrays.signature(kc_), _arrays.signature(vc_),
+                                         _arrays.signature(None), _arrays.signature(None), _arrays.signature(None),
+                                         _arrays.signature(None), _arrays.signature(lens_), _arrays.signature(None),
+                                         _arrays.signature(None), _arrays.signature(table_), None, False, (-1, -1), 0.0,
+                                         True, _arrays.signature(None), 0, False, _arrays.signature(None),
+                                         _arrays.signature(None)),
             "memo get": lambda: attention._MEMO.get(key),
             "current device": attention._current_device,
             "stream handle": lambda: _streams.handle(None, kind, 0),
@@ -112,10 +102,9 @@ def main() -> None:
         parts["whole call"] = call
         parts["whole call, out="] = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_,
                                                                               block_table=table_, out=out)
-        global _spin
-        if _spin is None:
-            _spin = cupy.RawKernel(_SPIN, "spin")
         from cupy_paged.ops._common import Launcher
+
+        _spin = _spin_kernel()
 
         bare = Launcher(_spin, "Q")
         parts["bare launch of an empty kernel (GPU busy)"] = lambda: bare((1, 1, 1), 1, 0, stream, 0)
@@ -129,9 +118,6 @@ def main() -> None:
             rows.append((kind, label, mean_us(fn, 3000 if busy else N, busy)))
             torch.cuda.synchronize()
         if kind == "cupy":  # one layer through the step plan (decode path: one new token each), steady state
-            sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-            from bench_calls import plan_call
-
             layer, plan = plan_call([context] * batch, [1] * batch)
             rows.append((kind, f"StepPlan.attention, one {plan.path} layer (GPU busy)", mean_us(layer, 3000, True)))
             chunk_layer, chunk_plan = plan_call([1536] + [context] * 15, [512] + [1] * 15)

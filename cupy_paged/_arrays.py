@@ -135,17 +135,17 @@ def kind_of(obj) -> str | None:
 
 
 def signature(obj):
-    """What of a device array decides a launch, cheaply: (type, shape, strides, dtype, device).
-    Equal signatures mean the same checks pass and the same launch fits (only pointers differ)."""
+    """What of a torch tensor or CuPy array decides a launch, cheaply: (shape, strides, dtype,
+    device); None for None.  Equal signatures mean the same checks pass and the same launch fits
+    (only pointers differ).  ``TypeError`` for anything else: it cannot key a memo."""
     if obj is None:
         return None
-    t = type(obj)
-    kind = _KIND_OF_TYPE.get(t)
+    kind = _KIND_OF_TYPE.get(type(obj)) or kind_of(obj)
     if kind is TORCH:
         return (obj.shape, obj.stride(), obj.dtype, obj.get_device())
     if kind is CUPY:
         return (obj.shape, obj.strides, obj.dtype, obj.data.device_id)
-    return (t, id(obj))  # anything else: never memoised usefully (a fresh id each time)
+    raise TypeError(f"no launch signature for {type(obj).__name__}")
 
 
 def data_ptr(obj) -> int:

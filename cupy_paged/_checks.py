@@ -37,10 +37,6 @@ def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype) == BF16 else np.dtype(dtype).name
 
 
-def is_device(array) -> bool:
-    return isinstance(array, Array)
-
-
 def c_contiguous(array) -> bool:
     return array.c_contiguous() if isinstance(array, Array) else array.flags.c_contiguous
 

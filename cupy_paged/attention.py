@@ -15,30 +15,13 @@ import numbers
 import numpy as np
 
 from . import _errors, ops, reference
-from ._arrays import _KIND_OF_TYPE, CPU, CUPY, NUMPY, TORCH, Array, cupy, data_ptr, kind_of, on_stream, read
+from ._arrays import _KIND_OF_TYPE, CPU, CUPY, NUMPY, TORCH, Array, cupy, data_ptr, kind_of, on_stream, read, signature
 from ._checks import BF16, prepare_decode, prepare_varlen, prepare_write
 from ._streams import handle
 
 _MEMO: dict = {}         # call signature -> resolved launch (ops.*.Launch)
 _MEMO_LIMIT = 4096
 _FAST_KINDS = (CUPY, TORCH)
-
-
-class _Unmemoisable(Exception):
-    """An argument whose signature cannot key the memo (a foreign array type, a list...)."""
-
-
-def _sig(obj):
-    """``signature(obj)`` of a torch tensor or CuPy array (None for None); anything else cannot key
-    the memo."""
-    if obj is None:
-        return None
-    kind = _KIND_OF_TYPE.get(type(obj)) or kind_of(obj)
-    if kind is TORCH:
-        return (obj.shape, obj.stride(), obj.dtype, obj.get_device())
-    if kind is CUPY:
-        return (obj.shape, obj.strides, obj.dtype, obj.data.device_id)
-    raise _Unmemoisable(type(obj))
 
 
 def _remember(key, launch) -> None:
@@ -94,6 +77,13 @@ def _host_result(value, kind: str):
     if value.dtype == BF16:
         return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(value)
+
+
+def _host_outputs(p, out, lse_out, kind: str) -> tuple:
+    """The CPU backend's (out, lse) in the caller's kind: the caller's own arrays where given."""
+    host_kind = kind if kind is TORCH else NUMPY
+    return (out if out is not None else _host_result(p.out, host_kind),
+            lse_out if lse_out is not None else _host_result(p.lse, host_kind))
 
 
 def _reshaped(obj, shape):
@@ -176,13 +166,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not _errors._debug:
         try:
-            s = _sig
+            s = signature
             key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
                    None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
                    None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
                    softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse)
             launch = _MEMO.get(key)
-        except (_Unmemoisable, TypeError):
+        except TypeError:
             key = launch = None
         if (launch is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int
                 and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == _current_device()):
@@ -232,17 +222,7 @@ def _varlen_slow(key, kind, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                        return_softmax_lse or attn_probs, a["out"], check_values, a["lse_out"])
     if p.backend == CPU:
         reference.varlen(p)
-        host_kind = kind if kind is TORCH else NUMPY
-        if out is not None:
-            result_out = out
-        else:
-            result_out = _host_result(p.out, host_kind)
-        result_lse = lse_out if lse_out is not None else _host_result(p.lse, host_kind)
-        if out is None and len(q.shape) == 4:
-            result_out = _reshaped(result_out, tuple(q.shape))
-        if attn_probs:
-            return result_out, result_lse, None
-        return (result_out, result_lse) if p.lse is not None else result_out
+        return _varlen_result(_host_outputs(p, out, lse_out, kind), q, p.lse is not None, attn_probs)
     copied = False
     h = handle(stream, kind, p.q.device)
     names = ("q",) + (() if p.block_table is not None else ("k", "v"))
@@ -330,7 +310,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (kind is TORCH or kind is CUPY) and check_values is not True and not _errors._debug:
         int_length = type(cache_seqlens) is int
         try:
-            s = _sig  # the None checks inline: most optional arguments are None
+            s = signature  # the None checks inline: most optional arguments are None
             key = ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k),
                    None if v is None else s(v), None if rotary_cos is None else s(rotary_cos),
                    None if rotary_sin is None else s(rotary_sin),
@@ -341,7 +321,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
                    return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out))
             launch = _MEMO.get(key)
-        except (_Unmemoisable, TypeError):
+        except TypeError:
             key = launch = None
         if launch is not None and launch.device == _current_device():
             if int_length:
@@ -386,10 +366,8 @@ def _decode_slow(key, kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
                        a["out"], a["lse_out"], check_values)
     if p.backend == CPU:
         reference.decode(p)
-        host_kind = kind if kind is TORCH else NUMPY
-        result_out = out if out is not None else _host_result(p.out, host_kind)
-        result_lse = lse_out if lse_out is not None else _host_result(p.lse, host_kind)
-        return (result_out, result_lse) if p.lse is not None else result_out
+        result = _host_outputs(p, out, lse_out, kind)
+        return result if p.lse is not None else result[0]
     copied = False
     h = handle(stream, kind, p.q.device)
     for name in ("q", "k_new", "v_new", "cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad",
@@ -569,9 +547,9 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_v
     key = None
     if (kind is TORCH or kind is CUPY) and check_values is not True and not _errors._debug:
         try:
-            key = ("write", _sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(slot_mapping))
+            key = ("write", signature(k_cache), signature(v_cache), signature(k), signature(v), signature(slot_mapping))
             launch = _MEMO.get(key)
-        except (_Unmemoisable, TypeError):
+        except TypeError:
             key = launch = None
         if launch is not None and launch.device == _current_device():
             ptrs = (data_ptr(k_cache), data_ptr(v_cache), data_ptr(k), data_ptr(v), data_ptr(slot_mapping))

@@ -14,10 +14,10 @@ import math
 import numpy as np
 
 from . import _plan_kernels
-from ._arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, Array, data_ptr, empty, kind_of, read, to_host
+from ._arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, Array, data_ptr, empty, kind_of, read, signature, to_host
 from ._checks import prepare_decode, prepare_varlen
 from ._streams import handle
-from .attention import _sig, _Unmemoisable, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
+from .attention import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 
 DECODE, VARLEN = "decode", "varlen"
 
@@ -141,11 +141,11 @@ class StepPlan:
         """
         kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
         if not kwargs and (kind is TORCH or kind is CUPY):
-            s = _sig
+            s = signature
             try:
                 key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale)
                 layer = self._layers.get(key)
-            except (_Unmemoisable, TypeError):
+            except TypeError:
                 key = layer = None
             if layer is None and key is not None:
                 layer = _LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out)

@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 
+from .._arrays import TORCH, data_ptr, empty
 from .._checks import BF16
 
 _CUDA_SCALAR = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
@@ -17,23 +18,38 @@ def cuda_scalar(dtype) -> str:
     return _CUDA_SCALAR[np.dtype(dtype)]
 
 
-def is_vectorised(array) -> bool:
-    """Whether the kernels can move ``array`` 16 bytes at a time: a 16-byte aligned base, every
-    stride but the last a multiple of 16 bytes, a dense last axis."""
-    return (array.data.ptr % 16 == 0 and array.strides[-1] == array.itemsize
-            and all(s % 16 == 0 for s in array.strides[:-1]))
+def outputs(kind: str, like, out, lse_out, out_shape: tuple, lse_shape: tuple, dtype, want_lse: bool,
+            out_like_q: bool, alloc_stream) -> tuple:
+    """``(out, out_ptr, lse, lse_ptr)`` of a launch: the caller's ``(object, pointer)`` pairs where
+    given, else new arrays in the caller's ``kind`` (``lse`` None and 0 when not wanted).
+    ``out_like_q``: the output has ``like``'s shape and dtype and ``like`` is dense, so a torch
+    output is ``empty_like`` (the cheapest torch allocation)."""
+    if out is not None:
+        out_obj, out_ptr = out
+    else:
+        if kind is TORCH and alloc_stream is None and out_like_q:
+            out_obj = _torch_empty_like(like)
+        else:
+            out_obj = empty(kind, like, out_shape, dtype, alloc_stream)
+        out_ptr = data_ptr(out_obj)
+    if lse_out is not None:
+        return out_obj, out_ptr, *lse_out
+    if not want_lse:
+        return out_obj, out_ptr, None, 0
+    lse_obj = empty(kind, like, lse_shape, np.float32, alloc_stream)
+    return out_obj, out_ptr, lse_obj, data_ptr(lse_obj)
 
 
-def vectorised(array):
-    """``array``, or a C-contiguous copy of it when it is not ``is_vectorised``."""
-    import cupy
+def q_is_the_callers_dense_tensor(q) -> bool:
+    """Whether ``q`` (an Array) describes the caller's own torch tensor, C-contiguous and in its own
+    shape (not a copy, not a view with another shape): then ``empty_like`` of it is the output."""
+    return q.kind is TORCH and q.c_contiguous() and tuple(q.shape) == tuple(q.obj.shape)
 
-    return array if is_vectorised(array) else cupy.ascontiguousarray(array)
 
+def _torch_empty_like(tensor):
+    import torch
 
-def element_strides(array, count: int | None = None) -> tuple[np.int64, ...]:
-    """The first ``count`` (default all) strides of ``array`` in elements."""
-    return tuple(np.int64(s // array.itemsize) for s in array.strides[:count])
+    return torch.empty_like(tensor)
 
 
 def smem_row_bytes(head_dim: int) -> int:

@@ -36,12 +36,12 @@ import math
 
 import numpy as np
 
-from .._arrays import CUPY, TORCH, data_ptr, empty
+from .._arrays import CUPY
 from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, alibi_batch_stride, element_strides
 from .._compiler import KernelKey, get_function, register_family
 from .._errors import word
 from .._streams import handle, is_capturing
-from ._common import Launcher, cuda_scalar, device_property, smem_row_bytes
+from ._common import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
 
 SOURCE = "decode.cu"
 WARPS = 4               # warps per CTA of the registered shapes
@@ -265,11 +265,6 @@ class _Shape:
     threads: int       # of a paged_decode CTA
 
 
-def _empty_like(tensor):
-    import torch
-
-    return torch.empty_like(tensor)
-
 
 def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
     """``(max_blocks, num_blocks, block_shift)`` as paged_decode reads the cache: a paged one
@@ -357,7 +352,7 @@ class DecodeLaunch:
         self._cached_span = self.launch.span(12, 1)
         self._pointer_span = self.launch.span(len(self.params), 20)
         self.combine = Launcher(shape.combine, _COMBINE_LAYOUT) if shape.combine is not None else None
-        self.q_contiguous = p.q.c_contiguous()
+        self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
 
     def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
@@ -365,20 +360,8 @@ class DecodeLaunch:
         block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, alibi_slopes (0 for
         none); ``out``/``lse_out``: ``(object, pointer)`` or None (made here, in ``kind`` like
         ``like``, on ``alloc_stream`` when the caller named a stream).  Returns (out, lse or None)."""
-        if out is not None:
-            out_obj, out_ptr = out
-        else:
-            if kind is TORCH and alloc_stream is None and self.q_contiguous:
-                out_obj = _empty_like(like)  # q's shape and dtype, dense: the cheapest torch allocation
-            else:
-                out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream)
-            out_ptr = data_ptr(out_obj)
-        lse_obj, lse_ptr = None, 0
-        if lse_out is not None:
-            lse_obj, lse_ptr = lse_out
-        elif self.want_lse:
-            lse_obj = empty(kind, like, self.lse_shape, np.float32, alloc_stream)
-            lse_ptr = data_ptr(lse_obj)
+        out_obj, out_ptr, lse_obj, lse_ptr = outputs(kind, like, out, lse_out, self.out_shape, self.lse_shape,
+                                                     self.dtype, self.want_lse, self.q_contiguous, alloc_stream)
         if self.batch == 0:
             return out_obj, lse_obj
         q, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad, cos, sin, alibi = ptrs

@@ -15,14 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
-
-from .._arrays import TORCH, data_ptr, empty
 from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem, alibi_batch_stride, element_strides
 from .._compiler import KernelKey, get_function, register_family
 from .._errors import word
 from .._streams import handle
-from ._common import Launcher, cuda_scalar, device_property, smem_row_bytes
+from ._common import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
@@ -177,11 +174,6 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
 _LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P"
 
 
-def _empty_like(tensor):
-    import torch
-
-    return torch.empty_like(tensor)
-
 
 class VarlenLaunch:
     """One ``flash_attn_varlen_func`` call shape, resolved: the kernel, its shared memory and every
@@ -229,27 +221,15 @@ class VarlenLaunch:
         self.launch.pack(*([0] * 9), *self.scalars, 0, self.alibi_stride, self.errors)
         self._pointer_span = self.launch.span(0, 9)
         self._max_q_span = self.launch.span(9 + len(self.scalars), 1)
-        self.q_contiguous = p.q.c_contiguous() and p.q.shape == tuple(p.q.obj.shape)
+        self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
         """Launch on ``stream``.  ``ptrs``: q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
         alibi_slopes (0 for none); ``out``/``lse_out`` ``(object, pointer)`` or None (made here).
         Returns (out, lse or None)."""
-        if out is not None:
-            out_obj, out_ptr = out
-        else:
-            if kind is TORCH and alloc_stream is None and self.q_contiguous:
-                out_obj = _empty_like(like)  # q's shape and dtype, dense: the cheapest torch allocation
-            else:
-                out_obj = empty(kind, like, self.out_shape, self.dtype, alloc_stream)
-            out_ptr = data_ptr(out_obj)
-        lse_obj, lse_ptr = None, 0
-        if lse_out is not None:
-            lse_obj, lse_ptr = lse_out
-        elif self.want_lse:
-            lse_obj = empty(kind, like, self.lse_shape, np.float32, alloc_stream)
-            lse_ptr = data_ptr(lse_obj)
+        out_obj, out_ptr, lse_obj, lse_ptr = outputs(kind, like, out, lse_out, self.out_shape, self.lse_shape,
+                                                     self.dtype, self.want_lse, self.q_contiguous, alloc_stream)
         if self.batch == 0 or self.total_q == 0 or max_seqlen_q == 0:
             return out_obj, lse_obj
         q, k, v, cu_q, cu_k, table, alibi = ptrs
