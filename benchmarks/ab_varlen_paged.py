@@ -24,14 +24,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cupy  # noqa: E402
 
-from cupy_paged import _checks, _compiler  # noqa: E402
-from cupy_paged._errors import word  # noqa: E402
-from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops._common import Launcher  # noqa: E402
+from cupy_paged._core import compiler as _compiler  # noqa: E402
+from cupy_paged._core.types import BF16  # noqa: E402
+from cupy_paged.api.varlen import prepare_varlen  # noqa: E402
+from cupy_paged._core.errors import word  # noqa: E402
+from cupy_paged.kernels import varlen as varlen_ops  # noqa: E402
+from cupy_paged.kernels._launch import Launcher  # noqa: E402
 
 from bench_varlen import Batch  # noqa: E402
 
-BF16 = _checks.BF16
+
 # The argument list before the error word (4e5d103 and earlier).
 OLD_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "ii"
 OLD_ABI = {"4e5d103"}
@@ -105,7 +107,7 @@ def main() -> None:
     for name, batch in cases.items():
         k_cache, v_cache, table = batch.paged(16)
         for label, (k, v, t) in (("contiguous", (batch.k, batch.v, None)), ("paged bs16", (k_cache, v_cache, table))):
-            problems[(name, label)] = _checks.prepare_varlen(batch.q, k, v, batch.cu_q, batch.cu_k, batch.max_q,
+            problems[(name, label)] = prepare_varlen(batch.q, k, v, batch.cu_q, batch.cu_k, batch.max_q,
                                                              batch.max_k, None, True, (-1, -1), 0.0, None, t, False,
                                                              batch.out, False)
     rows = []

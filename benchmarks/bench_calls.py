@@ -70,7 +70,7 @@ import bench_decode  # noqa: E402  (inputs and names shared with the decode benc
 import bench_varlen  # noqa: E402  (inputs and the FlashAttention-2 peer of the varlen benchmark)
 
 import cupy_paged  # noqa: E402
-from cupy_paged._checks import BF16  # noqa: E402
+from cupy_paged._core.types import BF16  # noqa: E402
 
 HEADS, KV_HEADS, DIM = bench_decode.HEADS, bench_decode.KV_HEADS, bench_decode.DIM
 BLOCK = 16
@@ -296,7 +296,7 @@ def plan_call(cached, new):
     """(call, plan): one layer of ``StepPlan.attention`` with CuPy arrays for sequences of
     ``cached[b]`` computed tokens and ``new[b]`` new ones, in a one-layer cache of random bf16
     (blocks in allocation order)."""
-    from cupy_paged.cache import PagedAttentionCache
+    from cupy_paged.serving.kv_cache import PagedAttentionCache
 
     totals = [c + n for c, n in zip(cached, new)]
     blocks = [-(-t // BLOCK) for t in totals]

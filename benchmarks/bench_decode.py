@@ -35,9 +35,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import cupy  # noqa: E402
 
 import cupy_paged  # noqa: E402
-from cupy_paged._checks import BF16  # noqa: E402
-from cupy_paged._compiler import get_function  # noqa: E402
-from cupy_paged.ops import decode as decode_ops  # noqa: E402
+from cupy_paged._core.types import BF16  # noqa: E402
+from cupy_paged._core.compiler import get_function  # noqa: E402
+from cupy_paged.kernels import decode as decode_ops  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 FA2, CUDNN = "torch FA2 varlen", "cuDNN SDPA"
@@ -111,7 +111,7 @@ def make_paged(rng, batch, context, block_size, copies=1, shuffle=True):
 def decode_problem(paged_set, num_splits=0, out=None):
     """The checked problem of one ``make_paged`` set (no value checks), as ``ops.decode`` runs it."""
     q, k, v, table, lens = paged_set
-    return cupy_paged._checks.prepare_decode(q, k, v, cache_seqlens=lens, block_table=table, num_splits=num_splits,
+    return cupy_paged.api.decode.prepare_decode(q, k, v, cache_seqlens=lens, block_table=table, num_splits=num_splits,
                                              out=out, check_values=False)
 
 

@@ -46,10 +46,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import cupy_paged  # noqa: E402
-from cupy_paged._checks import BF16  # noqa: E402
-from cupy_paged._compiler import get_function  # noqa: E402
-from cupy_paged.ops import varlen as varlen_ops  # noqa: E402
-from cupy_paged.ops.varlen import TILES, WGMMA_CANDIDATES, WGMMA_TILES  # noqa: E402
+from cupy_paged._core.types import BF16  # noqa: E402
+from cupy_paged._core.compiler import get_function  # noqa: E402
+from cupy_paged.kernels import varlen as varlen_ops  # noqa: E402
+from cupy_paged.kernels import varlen_wgmma  # noqa: E402
+from cupy_paged.kernels.varlen import TILES, WGMMA_TILES  # noqa: E402
+from cupy_paged.kernels.varlen_wgmma import CANDIDATES as WGMMA_CANDIDATES  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
@@ -118,9 +120,9 @@ class Batch:
             return lambda: cupy_paged.flash_attn_varlen_func(
                 self.q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, causal=True,
                 block_table=table, out=self.out, check_values=False)
-        from cupy_paged import _checks
+        from cupy_paged.api.varlen import prepare_varlen
 
-        p = _checks.prepare_varlen(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
+        p = prepare_varlen(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
                                    None, True, (-1, -1), 0.0, None, None, False, self.out, False)
         launch = varlen_ops.VarlenLaunch(p, tiles)  # resolved once: the closure times the launch
         args = varlen_ops.problem_args(p)
@@ -254,7 +256,7 @@ def paged_cases(batch, contiguous_ms, reps, cases):
 def chunk_after_prefix_case(reps, cases):
     """512 new tokens after 32768 cached ones, one sequence, block size 16."""
     import cupy
-    from cupy_paged.cache import PagedAttentionCache
+    from cupy_paged.serving.kv_cache import PagedAttentionCache
 
     prefix, chunk, block_size, head_dim = 32768, 512, 16, 128
     total = prefix + chunk
@@ -373,7 +375,7 @@ def resources() -> list[dict]:
     regs_sm, smem_sm = props["regsPerMultiprocessor"], props["sharedMemPerMultiprocessor"]
     rows = []
     wgmma = varlen_ops.wgmma_available(128)
-    for key in varlen_ops.all_keys() + (varlen_ops.all_wgmma_keys() if wgmma else []):
+    for key in varlen_ops.all_keys() + (varlen_wgmma.all_keys() if wgmma else []):
         head_dim = dict(key.params)["HEAD_DIM"]
         tiles = WGMMA_TILES[head_dim] if key.arch else TILES[head_dim]
         smem = tiles.smem_bytes(head_dim)
@@ -399,7 +401,7 @@ def warm_all() -> None:
 
 
 def _warm_one(key) -> None:
-    from cupy_paged._compiler import get_module
+    from cupy_paged._core.compiler import get_module
 
     get_module(key)
 

@@ -102,7 +102,7 @@ def main() -> None:
         parts["whole call"] = call
         parts["whole call, out="] = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_,
                                                                               block_table=table_, out=out)
-        from cupy_paged.ops._common import Launcher
+        from cupy_paged.kernels._launch import Launcher
 
         _spin = _spin_kernel()
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import bench_decode  # noqa: E402
 import bench_varlen  # noqa: E402
 
-from cupy_paged.ops import decode as decode_ops  # noqa: E402
+from cupy_paged.kernels import decode as decode_ops  # noqa: E402
 
 DEFAULT = ["decode:64x4096:bs16:sorted", "decode:64x4096:bs256:sorted", "varlen", "varlen-paged"]
 

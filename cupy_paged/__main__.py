@@ -17,7 +17,7 @@ import numpy as np
 
 def demo() -> int:
     import cupy_paged
-    from cupy_paged._arrays import gpu_available
+    from cupy_paged._core.arrays import gpu_available
 
     if gpu_available():
         import cupy as xp
@@ -72,8 +72,9 @@ def demo() -> int:
 
 def info() -> int:
     import cupy_paged
-    from cupy_paged import _compiler
-    from cupy_paged._arrays import gpu_available
+    from cupy_paged._core import compiler as _compiler
+    from cupy_paged.kernels import registry
+    from cupy_paged._core.arrays import gpu_available
 
     import ml_dtypes
     import numba
@@ -101,7 +102,7 @@ def info() -> int:
     else:
         print("gpu          none (cupy.cuda.is_available() is False)")
     print(f"cuda sources {_compiler.source_dir()}")
-    keys = _compiler.all_keys()
+    keys = registry.all_keys()
     built = _compiler.built_keys()
     print(f"kernels      {len(keys)} specializations; built so far (key, source hash): {len(built)}")
     for line in built:
@@ -120,16 +121,16 @@ def main(argv=None) -> int:
     if args.command == "info":
         return info()
     if args.command == "compile":
-        from cupy_paged import _compiler
+        from cupy_paged.kernels import registry
 
-        return _compiler.main(args.rest)
+        return registry.main(args.rest)
     warm_parser = argparse.ArgumentParser(prog="python -m cupy_paged warm")
     warm_parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     warm_parser.add_argument("--filter", default="")
     warm_args = warm_parser.parse_args(args.rest)
-    from cupy_paged import _compiler
+    from cupy_paged.kernels import registry
 
-    return _compiler.warm(warm_args.jobs, warm_args.filter)
+    return registry.warm(warm_args.jobs, warm_args.filter)
 
 
 if __name__ == "__main__":

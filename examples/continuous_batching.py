@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import cupy_paged
-from cupy_paged._arrays import gpu_available
+from cupy_paged._core.arrays import gpu_available
 
 
 class StandInModel:

@@ -1,7 +1,7 @@
 """Shared pytest set-up: GPU tests skip themselves where no CUDA device answers."""
 import pytest
 
-from cupy_paged._arrays import gpu_available
+from cupy_paged._core.arrays import gpu_available
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cupy_paged._arrays import as_array, backend_of
+from cupy_paged._core.arrays import as_array, backend_of
 
 
 def test_numpy_passes_through():

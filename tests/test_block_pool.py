@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from cupy_paged.block_pool import BlockPool, CacheFull, chain_hash
+from cupy_paged.serving.block_pool import BlockPool, CacheFull, chain_hash
 
 
 def snapshot(pool: BlockPool):
@@ -140,7 +140,7 @@ def test_chain_hash_depends_on_the_whole_prefix():
 
 
 def test_chain_hash_is_the_same_in_every_process():
-    code = "from cupy_paged.block_pool import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
+    code = "from cupy_paged.serving.block_pool import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
     values = set()
     for seed in ("0", "1"):
         env = dict(os.environ, PYTHONHASHSEED=seed)

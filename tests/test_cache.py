@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import cupy_paged.cache
-import cupy_paged.plan
+import cupy_paged.serving.kv_cache
+import cupy_paged.runtime.plan
 from cupy_paged import write_kv_cache
-from cupy_paged.cache import CacheFull, PagedAttentionCache
-from cupy_paged.plan import PlanBuffers, build_plan
-from cupy_paged.reference import gather_paged
+from cupy_paged.serving.kv_cache import CacheFull, PagedAttentionCache
+from cupy_paged.runtime.plan import PlanBuffers, build_plan
+from cupy_paged.reference._attend import gather_paged
 
 
 def small_cache(num_blocks=8, block_size=8, layers=2, **kwargs):
@@ -93,7 +93,7 @@ def test_layers_go_through_dlpack_without_a_copy():
 
 
 def test_sized_by_a_fraction_of_free_memory(monkeypatch):
-    monkeypatch.setattr(cupy_paged.cache, "free_memory_bytes", lambda device: 10_000_000)
+    monkeypatch.setattr(cupy_paged.serving.kv_cache, "free_memory_bytes", lambda device: 10_000_000)
     cache = PagedAttentionCache(4, 2, 64, block_size=16, memory_fraction=0.5, dtype="float16", device="cpu")
     assert cache.bytes_per_block == 2 * 4 * 16 * 2 * 64 * 2
     assert cache.num_blocks == 5_000_000 // cache.bytes_per_block

@@ -73,7 +73,7 @@ def _drain_errors() -> None:
 def clean_error_word():
     """Every test starts with a clear error word and the debug switch off, and leaves the switch
     as it found it."""
-    from cupy_paged import _errors
+    from cupy_paged._core import errors as _errors
 
     was_on = _errors.debug()
     cupy_paged.set_debug(False)

@@ -1,9 +1,11 @@
 """The kernel compiler: source folding, keys, and every specialization through NVRTC offline."""
 import pytest
 
-from cupy_paged import _compiler
+from cupy_paged._core import compiler as _compiler
+from cupy_paged._core import nvrtc
+from cupy_paged.kernels import registry
 
-KEYS = _compiler.all_keys()
+KEYS = registry.all_keys()
 
 
 def test_headers_are_folded_into_the_source():
@@ -45,7 +47,7 @@ def test_keys_spell_every_parameter_and_are_unique():
 
 
 def test_ptxas_log_is_parsed():
-    report = _compiler.compile_offline(_compiler.KernelKey("kv_write.cu", (("HEAD_DIM", 128),)), "sm_90")
+    report = nvrtc.compile_offline(_compiler.KernelKey("kv_write.cu", (("HEAD_DIM", 128),)), "sm_90")
     (kernel,) = report.kernels
     assert kernel.kernel == "write_kv_cache" and kernel.registers > 0
     assert kernel.spill_loads == kernel.spill_stores == 0 and report.cubin_bytes > 0
@@ -54,19 +56,19 @@ def test_ptxas_log_is_parsed():
 def test_compile_error_is_reported():
     broken = _compiler.KernelKey("kv_write.cu", (("HEAD_DIM", "not_a_number"),))
     with pytest.raises(RuntimeError, match="failed to compile"):
-        _compiler.compile_offline(broken, "sm_90")
+        nvrtc.compile_offline(broken, "sm_90")
 
 
 def _candidate_keys():
     """The kernel keys of the shapes the benchmarks' sweeps time against the registered ones:
-    ``ops.decode.CANDIDATES`` and ``ops.varlen.WGMMA_CANDIDATES``."""
-    from cupy_paged._checks import BF16
-    from cupy_paged.ops import decode, varlen
+    ``ops.decode.CANDIDATES`` and ``ops.varlen_wgmma.CANDIDATES``."""
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels import decode, varlen, varlen_wgmma
 
     return ([decode.kernel_key(BF16, head_dim, tiles)
              for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
             + [varlen.wgmma_key(BF16, head_dim, tiles)
-               for head_dim, shapes in sorted(varlen.WGMMA_CANDIDATES.items()) for tiles in shapes])
+               for head_dim, shapes in sorted(varlen_wgmma.CANDIDATES.items()) for tiles in shapes])
 
 
 @pytest.mark.parametrize("key,arch", [pytest.param(key, arch, id=f"{kind}-{key}-{arch}")
@@ -77,7 +79,7 @@ def test_every_specialization_compiles(key, arch):
     wgmma kernels for the one target they run on, sm_90a): every registered key, and every
     candidate shape of the sweeps, which reaches the GPU only there and must build, unspilled,
     before that."""
-    report = _compiler.compile_offline(key, arch)
+    report = nvrtc.compile_offline(key, arch)
     assert report.arch == arch and report.kernels, f"{key}: no kernel in the cubin"
     for kernel in report.kernels:
         assert kernel.spill_stores == kernel.spill_loads == 0, f"{kernel.kernel} spills on {arch}"
@@ -89,10 +91,10 @@ def test_pinned_architecture_keys():
     assert all(str(key).endswith("@sm_90a") for key in pinned)
     # wgmma only assembles for sm_90a: a plain sm_90 build must fail, or the key would not need pinning
     with pytest.raises(RuntimeError, match="failed to compile"):
-        _compiler.compile_offline(_compiler.KernelKey(pinned[0].source, pinned[0].params), "sm_90")
+        nvrtc.compile_offline(_compiler.KernelKey(pinned[0].source, pinned[0].params), "sm_90")
     # a pinned key is built for its architecture only: another is refused, not replaced
     with pytest.raises(ValueError, match="pinned"):
-        _compiler.compile_offline(pinned[0], "sm_90")
+        nvrtc.compile_offline(pinned[0], "sm_90")
 
 
 def test_generated_wgmma_header_is_current():

@@ -137,8 +137,8 @@ def test_sanitize_split_heuristic_long_context():
     """Small batch, long context: num_splits=0 must split, and still match the reference."""
     import cupy
 
-    from cupy_paged._checks import prepare_decode
-    from cupy_paged.ops import decode
+    from cupy_paged.api.decode import prepare_decode
+    from cupy_paged.kernels import decode
 
     rng = np.random.default_rng(11)
     case = make_case(rng, BF16, 128, 32, 8, 16, [20_000], 1, 1)
@@ -297,8 +297,8 @@ def test_params_struct_matches_kernel_source():
     """DecodeParams in decode.cu and the host's struct.pack format list the same fields in order."""
     import re
 
-    from cupy_paged._compiler import load_source
-    from cupy_paged.ops import decode
+    from cupy_paged._core.compiler import load_source
+    from cupy_paged.kernels import decode
 
     source = load_source("decode.cu")
     body = source[source.index("struct DecodeParams {"):]
@@ -357,7 +357,7 @@ def test_sanitize_holes_staged_ids(monkeypatch):
     holes masked, and the whole caches bitwise."""
     import cupy
 
-    from cupy_paged.ops import decode
+    from cupy_paged.kernels import decode
 
     rng = np.random.default_rng(41)
     case = make_case(rng, BF16, 128, 8, 2, 16, [1500, 999, 300, 17], 1, 1)
@@ -392,7 +392,7 @@ def test_launch_plans_follow_shapes():
 # ---- the pipeline shapes bench_decode.py --sweep times (ops.decode.CANDIDATES): a shape that is
 # adopted is already verified.  A failure here rules out that shape only.
 def _candidate_params():
-    from cupy_paged.ops import decode
+    from cupy_paged.kernels import decode
 
     return [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
             for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
@@ -412,7 +412,7 @@ def test_sweep_candidates_match_reference(monkeypatch, head_dim, tiles, dtype):
     """Each candidate shape through the public function against the CPU reference: block sizes 16
     and 256, new tokens appended (caches compared bitwise), long sequences (every stage of the
     pipeline refilled many times), the plain and the masked (softcap) tile paths, forced splits."""
-    from cupy_paged.ops import decode
+    from cupy_paged.kernels import decode
 
     _skip_without_smem(tiles.smem_bytes(head_dim))
     monkeypatch.setitem(decode.TILES, head_dim, tiles)
@@ -436,7 +436,7 @@ def test_sweep_candidates_holes(monkeypatch, head_dim, tiles):
     and stays close to the registered kernel."""
     import cupy
 
-    from cupy_paged.ops import decode
+    from cupy_paged.kernels import decode
 
     _skip_without_smem(tiles.smem_bytes(head_dim))
     rng = np.random.default_rng(43)

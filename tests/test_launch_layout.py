@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from cupy_paged._compiler import load_source
-from cupy_paged.ops import decode, kv_write, varlen
+from cupy_paged._core.compiler import load_source
+from cupy_paged.kernels import decode, kv_write, varlen, varlen_wgmma
 
 # C parameter type -> struct code of the same size and alignment.
 CODES = {"int": "i", "long long": "q", "float": "f", "unsigned": "I"}
@@ -54,7 +54,7 @@ def expand(layout: str) -> list[str]:
     (decode.SOURCE, "paged_decode", f"{struct.calcsize('<' + decode._PARAMS_LAYOUT)}s" + decode._DECODE_LAYOUT[len(decode._PARAMS_LAYOUT):]),
     (decode.SOURCE, "combine_splits", decode._COMBINE_LAYOUT),
     (varlen.SOURCE, "varlen_fwd", varlen._LAYOUT),
-    (varlen.WGMMA_SOURCE, "varlen_fwd_wgmma", varlen._LAYOUT),
+    (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", varlen._LAYOUT),
     (kv_write.SOURCE, "write_kv_cache", kv_write._LAYOUT),
 ])
 def test_layout_matches_the_kernel_signature(source, kernel, layout):
@@ -77,7 +77,7 @@ class _FakeFunction:
 def test_spans_rewrite_exactly_their_fields(layout):
     """Rewriting a span (what a launch does with its pointers) gives the bytes of packing the
     whole list with those values: every span's offset is its field's offset in the buffer."""
-    from cupy_paged.ops._common import Launcher
+    from cupy_paged.kernels._launch import Launcher
 
     launcher = Launcher(_FakeFunction(), layout)
     codes = launcher._codes

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from _util import BF16, assert_close, randn, to_numpy
-from cupy_paged.merge import merge_attention_states
+from cupy_paged.api.merge import merge_attention_states
 from naive import naive_attention
 
 GPU = pytest.mark.gpu

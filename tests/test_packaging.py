@@ -13,14 +13,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECK = """
 import pathlib, sys
 import cupy_paged
-from cupy_paged import _compiler
+from cupy_paged._core import compiler as _compiler
+from cupy_paged._core import nvrtc
+from cupy_paged.kernels import registry
 home = pathlib.Path(cupy_paged.__file__).resolve().parent
 assert str(home).startswith(sys.prefix), (home, sys.prefix)
 sources = _compiler.source_dir()
 assert sources == home / "cuda_src", sources
 assert (sources / "common.cuh").is_file()
-keys = _compiler.all_keys()
-report = _compiler.compile_offline(keys[0], "sm_90")
+keys = registry.all_keys()
+report = nvrtc.compile_offline(keys[0], "sm_90")
 assert report.kernels, report.log
 print("installed", cupy_paged.__version__, "with", len(keys), "specializations; compiled", keys[0])
 """

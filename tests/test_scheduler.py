@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from cupy_paged import flash_attn_varlen_func
-from cupy_paged.cache import PagedAttentionCache
-from cupy_paged.plan import PlanBuffers, build_plan
-from cupy_paged.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from cupy_paged.serving.kv_cache import PagedAttentionCache
+from cupy_paged.runtime.plan import PlanBuffers, build_plan
+from cupy_paged.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=32, block_size=8, dtype="float32", **config):

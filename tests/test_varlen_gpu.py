@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import cupy_paged
-from cupy_paged.layout import cu_seqlens_from_lengths
-from cupy_paged.ops import varlen as varlen_ops
+from cupy_paged.api.indexing import cu_seqlens_from_lengths
+from cupy_paged.kernels import varlen as varlen_ops
+from cupy_paged.kernels import varlen_wgmma
 from _util import DTYPES, assert_close, assert_same_bits, poisoned, randn, scatter_paged, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +31,7 @@ def kernel(request, monkeypatch):
     import cupy
 
     if request.param == "mma_sync":
-        monkeypatch.setattr(varlen_ops, "USE_WGMMA", False)
+        monkeypatch.setattr(varlen_wgmma, "USE_WGMMA", False)
     else:
         if cupy.cuda.Device().compute_capability != "90":
             pytest.skip("wgmma runs on compute capability 9.0 only")
@@ -275,7 +276,7 @@ def _candidate_cases(seed, head_dim):
 # The wgmma tile shapes that the benchmark's --sweep times next to the registered WGMMA_TILES
 # (ops.varlen.WGMMA_CANDIDATES).  A failure here rules out that shape only.
 @pytest.mark.parametrize("head_dim,tiles", [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
-                                            for head_dim, shapes in sorted(varlen_ops.WGMMA_CANDIDATES.items())
+                                            for head_dim, shapes in sorted(varlen_wgmma.CANDIDATES.items())
                                             for tiles in shapes])
 def test_wgmma_candidates(monkeypatch, head_dim, tiles):
     monkeypatch.setitem(varlen_ops.WGMMA_TILES, head_dim, tiles)

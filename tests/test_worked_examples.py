@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupy_paged
-from cupy_paged.reference import gather_paged
+from cupy_paged.reference._attend import gather_paged
 from _util import randn, to_numpy
 from naive import naive_attention
 

@@ -2,7 +2,7 @@
 
 A block is ``block_size`` consecutive token slots of the paged KV cache.  The pool
 only does bookkeeping on block ids; the K/V data lives in
-:class:`cupy_paged.cache.PagedAttentionCache`.
+:class:`cupy_paged.serving.kv_cache.PagedAttentionCache`.
 
 Every block is in exactly one of three states:
 

@@ -6,7 +6,7 @@ The storage is one array ``kv[num_layers, 2, num_blocks, block_size, Hkv, D]``
 array is what lets a copy-on-write move a block in every layer with one indexing
 operation.
 
-Block bookkeeping is a :class:`~cupy_paged.block_pool.BlockPool` plus one row per
+Block bookkeeping is a :class:`~cupy_paged.serving.block_pool.BlockPool` plus one row per
 live sequence in ``tables`` (``[max_seqs, max_blocks_per_seq]`` int32, -1 padded),
 so a batch's block table is one indexing of ``tables`` by rows and its slot mapping
 one numba pass over them.
@@ -23,9 +23,9 @@ import os
 
 import numpy as np
 
-from . import _plan_kernels
-from ._arrays import CPU, CUDA, as_array, gpu_available, xp_of
-from ._checks import KERNEL_DTYPES, REFERENCE_DTYPES, check_block_size, check_head_dim, dtype_name
+from ..runtime import _fill as _plan_kernels
+from .._core.arrays import CPU, CUDA, as_array, gpu_available, xp_of
+from .._core.types import KERNEL_DTYPES, REFERENCE_DTYPES, check_block_size, check_head_dim, dtype_name
 from .block_pool import BlockPool, CacheFull, chain_hash
 
 __all__ = ["PagedAttentionCache", "CacheFull"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import to_host, xp_of
+from .._core.arrays import to_host, xp_of
 
 
 def cu_seqlens_from_lengths(lengths, xp=None):

@@ -36,12 +36,13 @@ import math
 
 import numpy as np
 
-from .._arrays import CUPY
-from .._checks import HEAD_DIMS, KERNEL_DTYPES, DecodeProblem, alibi_batch_stride, element_strides
-from .._compiler import KernelKey, get_function, register_family
-from .._errors import word
-from .._streams import handle, is_capturing
-from ._common import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
+from .._core.arrays import CUPY
+from .._core.problems import DecodeProblem
+from .._core.types import HEAD_DIMS, KERNEL_DTYPES, alibi_batch_stride, element_strides
+from .._core.compiler import KernelKey, get_function
+from .._core.errors import word
+from .._core.streams import handle, is_capturing
+from ._launch import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
 
 SOURCE = "decode.cu"
 WARPS = 4               # warps per CTA of the registered shapes
@@ -118,7 +119,6 @@ def all_keys():
     return [kernel_key(dtype, d, rotary=r) for r in (False, True) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
 
 
-register_family("decode", all_keys)
 
 
 # --------------------------------------------------------------------------- split heuristic
@@ -176,7 +176,7 @@ def _grown(store: dict, key, size: int, make, what: str, stream: int):
             raise RuntimeError(
                 f"{what} must hold {size} elements but holds {0 if current is None else current.size}: "
                 "make one eager call with the same shapes on this stream before capture (for the "
-                "split-KV workspace, cupy_paged.ops.decode.reserve_workspace(...) also does)")
+                "split-KV workspace, cupy_paged.kernels.decode.reserve_workspace(...) also does)")
         if current is not None:
             _RETIRED.append(current)
         current = make(max(size, 2 * (0 if current is None else current.size)))
@@ -303,7 +303,7 @@ class DecodeLaunch:
     """One ``flash_attn_with_kvcache`` call shape, resolved: kernels, grid, split count and every
     scalar argument packed once; :meth:`run` adds the pointers and launches.
 
-    Built from a checked problem whose arrays are device :class:`~cupy_paged._arrays.Array`
+    Built from a checked problem whose arrays are device :class:`~cupy_paged._core.arrays.Array`
     descriptors; valid for every call with the same shapes, strides, dtypes, device and
     scalar arguments (the memo of ``attention.py`` keys it so).
     """

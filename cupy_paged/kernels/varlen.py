@@ -15,20 +15,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .._checks import HEAD_DIMS, KERNEL_DTYPES, VarlenProblem, alibi_batch_stride, element_strides
-from .._compiler import KernelKey, get_function, register_family
-from .._errors import word
-from .._streams import handle
-from ._common import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
+from .._core.problems import VarlenProblem
+from .._core.types import HEAD_DIMS, KERNEL_DTYPES, alibi_batch_stride, element_strides
+from .._core.compiler import KernelKey, get_function
+from .._core.errors import word
+from .._core.streams import handle
+from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, wgmma_available
+from .varlen_wgmma import kernel_key as wgmma_key
+from .varlen_wgmma import KERNEL as WGMMA_KERNEL
+from ._launch import Launcher, cuda_scalar, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
-WGMMA_SOURCE = "varlen_wgmma.cu"
-WGMMA_KERNEL = "varlen_fwd_wgmma"
-WGMMA_ARCH = "sm_90a"
-# Use the wgmma kernel where it can run (compute capability 9.0); tests and the benchmark turn
-# it off to run the mma.sync kernel on the same GPU.
-USE_WGMMA = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,58 +65,6 @@ TILES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class WgmmaTiles:
-    """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, and warpgroups per
-    CTA (64 query rows each; one warpgroup lets two CTAs share an SM)."""
-
-    block_n: int
-    stages: int
-    groups: int = 2
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.groups
-
-    @property
-    def threads(self) -> int:
-        return 128 * self.groups
-
-    def label(self) -> str:
-        return f"wg{self.block_m}x{self.block_n}s{self.stages}"
-
-    def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory, as ``WgTraits::kSmemBytes`` in varlen_wgmma.cu computes it."""
-        row_bytes = 2 * head_dim
-        # Q, the K and V stages, then per stage and key a "loadable" byte and a block id (int)
-        return (1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
-                + self.stages * self.block_n + 4 * self.stages * self.block_n)
-
-
-# (NOTES_varlen.md, v4-v6: measured against the other shapes on the H200)
-WGMMA_TILES = {
-    64: WgmmaTiles(64, 2, groups=1),  # 40 KB, 157 registers: 3 CTAs per SM overlap each other's softmax
-    128: WgmmaTiles(128, 2),           # 165 KB: one CTA of two warpgroups per SM
-    256: WgmmaTiles(64, 2),            # 198 KB
-}
-
-# Other wgmma tile shapes (head dim -> shapes), timed by benchmarks/bench_varlen.py --sweep next
-# to WGMMA_TILES and checked by tests/test_varlen_gpu.py::test_wgmma_candidates (the earlier
-# default of D=64, two warpgroups, among them).
-WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
-    64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
-    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
-}
-
-
-def wgmma_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKey:
-    """The wgmma specialization (sm_90a) for ``dtype`` and ``head_dim``."""
-    tiles = tiles or WGMMA_TILES[head_dim]
-    params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
-              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages))
-    return KernelKey(WGMMA_SOURCE, params, arch=WGMMA_ARCH)
-
-
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
     tiles = tiles or TILES[head_dim]
@@ -138,25 +84,6 @@ def specialization(dtype, head_dim: int, tiles: Tiles | WgmmaTiles) -> tuple[Ker
 
 def all_keys():
     return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
-
-
-def all_wgmma_keys():
-    return [wgmma_key(dtype, d) for dtype in KERNEL_DTYPES for d in WGMMA_TILES]
-
-
-register_family("varlen", all_keys)
-register_family("varlen_wgmma", all_wgmma_keys)
-
-
-def wgmma_available(head_dim: int, device: int | None = None) -> bool:
-    """Whether the wgmma kernel serves ``head_dim`` on ``device`` (default: the current one)."""
-    if not USE_WGMMA or head_dim not in WGMMA_TILES:
-        return False
-    if device is None:
-        import cupy
-
-        device = cupy.cuda.runtime.getDevice()
-    return device_property(device, "major") == 9 and device_property(device, "minor") == 0
 
 
 @functools.lru_cache(maxsize=512)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ._arrays import TORCH, cupy
+from .arrays import TORCH, cupy
 
 
 @functools.cache

@@ -7,8 +7,8 @@ import struct
 
 import numpy as np
 
-from .._arrays import TORCH, data_ptr, empty
-from .._checks import BF16
+from .._core.arrays import TORCH, data_ptr, empty
+from .._core.types import BF16
 
 _CUDA_SCALAR = {np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 

@@ -13,11 +13,14 @@ import math
 
 import numpy as np
 
-from . import _plan_kernels
-from ._arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, Array, data_ptr, empty, kind_of, read, signature, to_host
-from ._checks import prepare_decode, prepare_varlen
-from ._streams import handle
-from .attention import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
+from . import _fill as _plan_kernels
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, Array, data_ptr, empty, kind_of, read, signature, to_host
+from ..api.decode import prepare_decode
+from ..api.varlen import prepare_varlen
+from .._core.streams import handle
+from ..api.decode import flash_attn_with_kvcache
+from ..api.kv_write import write_kv_cache
+from ..api.varlen import flash_attn_varlen_func
 
 DECODE, VARLEN = "decode", "varlen"
 
@@ -130,7 +133,7 @@ class StepPlan:
 
         Examples
         --------
-        >>> from cupy_paged.cache import PagedAttentionCache
+        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, dtype="float32", device="cpu")
         >>> cache.allocate("a", list(range(5)))
         0
@@ -182,7 +185,7 @@ class _LayerLaunch:
     """The launches of one layer shape of a step: built on the first layer, replayed by the rest."""
 
     def __init__(self, plan: StepPlan, q, k, v, k_cache, v_cache, softmax_scale, out):
-        from . import ops
+        from .. import kernels
 
         aq, ak, av = read(q, "q"), read(k, "k"), read(v, "v")
         ak_cache, av_cache = read(k_cache, "k_cache"), read(v_cache, "v_cache")
@@ -198,20 +201,20 @@ class _LayerLaunch:
             for array in (p.q, p.k_new, p.v_new):
                 if not array.vectorised():
                     raise ValueError("q, k and v of a layer must have 16-byte aligned rows")
-            self.launch = ops.decode.DecodeLaunch(p)
+            self.launch = kernels.decode.DecodeLaunch(p)
             self.index_ptrs = (p.cache_seqlens.ptr, p.block_table.ptr)
         else:
             for name, array in (("k", ak), ("v", av)):
                 if not array.vectorised():
                     raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
-            self.write = ops.kv_write.WriteLaunch(ak_cache, ak, av)
+            self.write = kernels.kv_write.WriteLaunch(ak_cache, ak, av)
             p = prepare_varlen(aq, ak_cache, av_cache, read(plan.cu_seqlens_q, "cu_seqlens_q"),
                                read(plan.cu_seqlens_k, "cu_seqlens_k"), plan.max_seqlen_q, plan.max_seqlen_k,
                                softmax_scale, True, (-1, -1), 0.0, None, read(plan.block_table, "block_table"),
                                False, aout, False)
             if not p.q.vectorised():
                 raise ValueError("q of a layer must have 16-byte aligned rows")
-            self.launch = ops.varlen.VarlenLaunch(p)
+            self.launch = kernels.varlen.VarlenLaunch(p)
             self.index_ptrs = (p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, p.block_table.ptr,
                                read(plan.slot_mapping, "slot_mapping").ptr)
             self.max_seqlen_q = plan.max_seqlen_q
@@ -303,7 +306,7 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
 
     Examples
     --------
-    >>> from cupy_paged.cache import PagedAttentionCache
+    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
     >>> for name, n in (("r0", 10), ("r1", 3), ("r2", 1)):
     ...     _ = cache.allocate(name, list(range(n)))
@@ -406,7 +409,7 @@ class PlanBuffers:
 
     Examples
     --------
-    >>> from cupy_paged.cache import PagedAttentionCache
+    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
     >>> _ = cache.allocate("a", list(range(3)))
     >>> buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=cache.max_blocks_per_seq)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._compiler import KernelKey, get_function, register_family
+from .._core.compiler import KernelKey, get_function
 
 SOURCE = "merge.cu"
 THREADS = 256
@@ -14,7 +14,6 @@ def all_keys():
     return [KEY]
 
 
-register_family("merge", all_keys)
 
 
 def run(out_a, lse_a, out_b, lse_b, out, lse, tokens: int, seqlen: int):

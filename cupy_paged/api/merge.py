@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
-from ._arrays import CUDA, as_array, backend_of, empty, kind_of
-from ._checks import BF16, check_out
+from .. import kernels, reference
+from .._core.arrays import CUDA, as_array, backend_of, empty, kind_of
+from .._core.types import BF16, check_out
 
 _FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))  # cuda_src/merge.cu's entry points
 
@@ -91,30 +91,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
         # Outputs in the caller's kind (torch in, torch out), written through CuPy views.
         result = out_obj if out is not None else empty(kind, like, tuple(out_a.shape), out_a.dtype)
         lse_obj = empty(kind, like, tuple(lse_a.shape), np.float32)
-        ops.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen)
+        kernels.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen)
         return result, lse_obj
-    return _merge_numpy(out_a, lse_a, out_b, lse_b, np.empty(out_a.shape, out_a.dtype) if out is None else out)
+    return reference.merge.run(out_a, lse_a, out_b, lse_b, np.empty(out_a.shape, out_a.dtype) if out is None else out)
 
 
-def _rows(lse, ndim: int):
-    """LSE as [..., H] rows aligned with out's leading axes (a view)."""
-    return lse.T if ndim == 3 else lse.transpose(0, 2, 1)
-
-
-def _merge_numpy(out_a, lse_a, out_b, lse_b, out):
-    la = _rows(lse_a, out_a.ndim).astype(np.float64)
-    lb = _rows(lse_b, out_a.ndim).astype(np.float64)
-    top = np.maximum(la, lb)
-    safe = np.where(np.isneginf(top), 0.0, top)
-    wa, wb = np.exp(la - safe), np.exp(lb - safe)
-    total = wa + wb
-    seen = total > 0
-    merged = np.zeros(out_a.shape, np.float64)
-    for weight, part in ((wa, out_a), (wb, out_b)):
-        contributes = weight > 0  # a side with weight 0 may hold anything (NaN): never read it
-        share = np.where(seen, weight / np.where(seen, total, 1.0), 0.0)[..., None]
-        merged += np.where(contributes[..., None], share * part.astype(np.float64), 0.0)
-    merged_lse = np.where(seen, safe + np.log(np.where(seen, total, 1.0)), -np.inf).astype(np.float32)
-    lse = np.ascontiguousarray(_rows(merged_lse, out_a.ndim))  # the transpose is its own inverse
-    out[...] = merged.astype(out_a.dtype)
-    return out, lse

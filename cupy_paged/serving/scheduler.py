@@ -6,7 +6,7 @@ token budget (``max_batch_tokens``) and the cache's free blocks.  When a running
 request cannot get a block, the newest running request is preempted: its blocks
 are freed and it is recomputed from its tokens later (vLLM's policy; the prefix
 cache usually gives most of them back).  The step comes out as a
-:class:`~cupy_paged.plan.StepPlan`; ``update()`` takes the sampled tokens back.
+:class:`~cupy_paged.runtime.plan.StepPlan`; ``update()`` takes the sampled tokens back.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import itertools
 import numpy as np
 
 from .block_pool import CacheFull
-from .plan import StepPlan, build_plan
+from ..runtime.plan import StepPlan, build_plan
 
 __all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
 
@@ -136,7 +136,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Turns a stream of requests into steps over a :class:`~cupy_paged.cache.PagedAttentionCache`.
+    """Turns a stream of requests into steps over a :class:`~cupy_paged.serving.kv_cache.PagedAttentionCache`.
 
     Parameters
     ----------
@@ -149,7 +149,7 @@ class Scheduler:
 
     Examples
     --------
-    >>> from cupy_paged.cache import PagedAttentionCache
+    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, device="cpu")
     >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
     >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))
@@ -221,7 +221,7 @@ class Scheduler:
 
         Examples
         --------
-        >>> from cupy_paged.cache import PagedAttentionCache
+        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
         >>> scheduler = Scheduler(cache)
         >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 
-from .._checks import HEAD_DIMS, element_strides
-from .._compiler import KernelKey, get_function, register_family
-from .._errors import word
-from .._streams import handle
-from ._common import Launcher
+from .._core.types import HEAD_DIMS, element_strides
+from .._core.compiler import KernelKey, get_function
+from .._core.errors import word
+from .._core.streams import handle
+from ._launch import Launcher
 
 SOURCE = "kv_write.cu"
 THREADS = 128  # kThreads of cuda_src/kv_write.cu
@@ -21,7 +21,6 @@ def all_keys():
     return [kernel_key(d) for d in HEAD_DIMS]
 
 
-register_family("kv_write", all_keys)
 
 
 # write_kv_cache(k, v, k_cache, v_cache, slot_mapping, num_kv_heads, num_slots, k_token, k_head,

@@ -1,0 +1,7 @@
+"""The CUDA launch glue: one module per ``cuda_src/*.cu`` source, with the same stem.
+
+Each module owns its source's specializations (``all_keys``), tile shapes and launch
+(``*Launch`` classes resolve a checked call once; ``run`` launches it); ``registry`` lists
+every family.
+"""
+from . import decode, kv_write, merge, varlen, varlen_wgmma  # noqa: F401
