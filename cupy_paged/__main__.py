@@ -1,7 +1,9 @@
 """``python -m cupy_paged {demo,info,compile,warm}``.
 
-demo     the two worked examples of the source document through the public API,
-         on the GPU when there is one, else on the CPU reference backend
+demo     two worked examples through the public API (varlen indexing of query lengths
+         [10, 3, 1] and key lengths [0, 1, 7]; a decode block table for 30, 32 and 70
+         cached tokens in blocks of 32), on the GPU when there is one, else on the CPU
+         reference backend
 info     versions, the GPU (or none), the kernel cache folder, specializations built
 compile  compile every specialization through NVRTC without a GPU; print resources
 warm     build every specialization into CuPy's kernel cache, in parallel processes

@@ -389,7 +389,7 @@ def test_decode_block_table_holes_are_masked(dtype, seed, seqlen_q, seqlen_new):
     are masked in place (the others keep their positions); a new token there is attended (from k)
     but not written."""
     rng = _rng("decode-holes", dtype, seed, seqlen_q, seqlen_new)
-    lens = [30, 32, 70, 9]  # the source document's lengths, and a short one
+    lens = [30, 32, 70, 9]  # the decode worked example's lengths, and a short one
     # Seq 0: its first block; seq 1: the block of the new token (column 2 with 32 cached); seq 2: a
     # middle block; seq 3: the one block it needs.
     holes = [(0, 0, seed % 5), (1, 2, (seed + 1) % 5), (2, 2, (seed + 2) % 5), (3, 0, (seed + 3) % 5)]

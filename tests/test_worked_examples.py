@@ -1,4 +1,6 @@
-"""The two worked examples of the source document (SPEC.md section 1), on the CPU and the GPU."""
+"""Two worked examples, on the CPU and the GPU: the varlen indexing of query lengths [10, 3, 1] and
+key lengths [0, 1, 7] (cu_seqlens_q [0, 10, 13, 14], cu_seqlens_k [0, 0, 1, 8]; r0 sees no key), and a
+decode block table for 30, 32 and 70 cached tokens in blocks of 32 (rows [2], [0, 1], [3, 5, 6])."""
 import numpy as np
 import pytest
 

@@ -192,6 +192,8 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                    return_softmax_lse=False, out=None, lse_out=None, check_values=None) -> DecodeProblem:
+    """Check a ``flash_attn_with_kvcache`` call on the host (shapes, dtypes, flags; index values
+    of NumPy arrays, or of device arrays with ``check_values=True``) and describe it."""
     q, k_cache, v_cache, k, v = (as_read(a, n) for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"),
                                                             (k, "k"), (v, "v")))
     rotary_cos, rotary_sin = as_read(rotary_cos, "rotary_cos"), as_read(rotary_sin, "rotary_sin")
@@ -207,8 +209,36 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
     rotary_interleaved = check_bool(rotary_interleaved, "rotary_interleaved")
     return_softmax_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     check_values = check_values_mode(check_values)
+    paged = block_table is not None
+    batch, seqlen_q, num_heads, head_dim, num_kv_heads = _check_query_and_caches(q, k_cache, v_cache, k, v,
+                                                                                 paged, backend)
+    seqlen_new = _check_new_tokens(k, v, batch, num_kv_heads, head_dim)
+    rotary_cos, rotary_sin = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim, backend)
+    block_table, cache_batch_idx, cache_leftpad = _check_cache_rows(k_cache, block_table, cache_batch_idx,
+                                                                    cache_leftpad, batch)
+    cache_seqlens = _check_cache_seqlens(cache_seqlens, k_cache, block_table, seqlen_new, batch)
+    index_arrays = [a for a in (cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
+                    if a is not None and not isinstance(a, int)]
+    if host_checked(check_values, *index_arrays):
+        _check_decode_values(cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, seqlen_new,
+                             k_cache, rotary_cos)
+
+    num_splits = check_int(num_splits, "num_splits")
+    left, right = check_window(window_size, causal)
+    scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
+    slopes = check_alibi(alibi_slopes, num_heads, batch)
+    out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, backend)
+    lse, want_lse = check_lse(lse_out, (batch, num_heads, seqlen_q), backend, return_softmax_lse)
+    return DecodeProblem(backend, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
+                         (left, right), softcap, slopes, num_splits, out, lse, rotary_cos, rotary_sin,
+                         rotary_interleaved, causal or tuple(window_size) != (-1, -1), cache_batch_idx,
+                         cache_leftpad, want_lse)
+
+
+def _check_query_and_caches(q, k_cache, v_cache, k, v, paged: bool, backend: str) -> tuple[int, ...]:
+    """(batch, seqlen_q, num_heads, head_dim, num_kv_heads) of checked q and caches."""
     check_rank(q, "q", (4,), "[batch_size, seqlen_q, num_heads, head_dim]")
-    cache_layout = ("[num_blocks, block_size, num_kv_heads, head_dim]" if block_table is not None
+    cache_layout = ("[num_blocks, block_size, num_kv_heads, head_dim]" if paged
                     else "[batch_size, seqlen_cache, num_kv_heads, head_dim]")
     check_rank(k_cache, "k_cache", (4,), cache_layout)
     check_rank(v_cache, "v_cache", (4,), cache_layout)
@@ -225,23 +255,29 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         raise ValueError(f"k_cache must have head dim {head_dim} like q; got {int(k_cache.shape[3])}")
     num_kv_heads = int(k_cache.shape[2])
     check_heads(num_heads, num_kv_heads, "q", "k_cache")
+    return batch, seqlen_q, num_heads, head_dim, num_kv_heads
 
+
+def _check_new_tokens(k, v, batch: int, num_kv_heads: int, head_dim: int) -> int:
+    """The number of new tokens per sequence in k and v (0 without them)."""
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both be None")
-    seqlen_new = 0
-    if k is not None:
-        kv_layout = f"[batch_size = {batch}, seqlen_new, num_kv_heads = {num_kv_heads}, head_dim = {head_dim}]"
-        for name, array in (("k", k), ("v", v)):
-            check_rank(array, name, (4,), kv_layout)
-            if (int(array.shape[0]), int(array.shape[2]), int(array.shape[3])) != (batch, num_kv_heads, head_dim):
-                raise ValueError(f"{name} must have shape {kv_layout}; got {tuple(array.shape)}")
-            check_dense_last(array, name)
-        check_same_shape(k, v, "k", "v")
-        seqlen_new = int(k.shape[1])
-    rotary_cos, rotary_sin = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim, backend)
+    if k is None:
+        return 0
+    kv_layout = f"[batch_size = {batch}, seqlen_new, num_kv_heads = {num_kv_heads}, head_dim = {head_dim}]"
+    for name, array in (("k", k), ("v", v)):
+        check_rank(array, name, (4,), kv_layout)
+        if (int(array.shape[0]), int(array.shape[2]), int(array.shape[3])) != (batch, num_kv_heads, head_dim):
+            raise ValueError(f"{name} must have shape {kv_layout}; got {tuple(array.shape)}")
+        check_dense_last(array, name)
+    check_same_shape(k, v, "k", "v")
+    return int(k.shape[1])
 
-    paged = block_table is not None
-    if paged:
+
+def _check_cache_rows(k_cache, block_table, cache_batch_idx, cache_leftpad, batch: int) -> tuple:
+    """How each sequence finds its keys: a block table row (paged), or a contiguous cache row
+    (its own, or ``cache_batch_idx``'s) from ``cache_leftpad`` on.  Returns the three index arrays."""
+    if block_table is not None:
         check_block_size(int(k_cache.shape[1]), "k_cache")
         block_table = check_index(block_table, "block_table", 2, "[batch_size, max_blocks_per_seq]")
         if int(block_table.shape[0]) != batch:
@@ -259,15 +295,20 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         if rows * int(k_cache.shape[1]) >= 2**31:
             raise ValueError(f"k_cache holds {rows * int(k_cache.shape[1])} token rows; the decode kernel "
                              "indexes at most 2**31 - 1 of them")
-    if cache_batch_idx is not None:
-        cache_batch_idx = check_index(cache_batch_idx, "cache_batch_idx", 1, f"[batch_size = {batch}]")
-        if int(cache_batch_idx.shape[0]) != batch:
-            raise ValueError(f"cache_batch_idx must have shape [batch_size = {batch}]; got {tuple(cache_batch_idx.shape)}")
-    if cache_leftpad is not None:
-        cache_leftpad = check_index(cache_leftpad, "cache_leftpad", 1, f"[batch_size = {batch}]")
-        if int(cache_leftpad.shape[0]) != batch:
-            raise ValueError(f"cache_leftpad must have shape [batch_size = {batch}]; got {tuple(cache_leftpad.shape)}")
+    checked = []
+    for name, array in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if array is not None:
+            array = check_index(array, name, 1, f"[batch_size = {batch}]")
+            if int(array.shape[0]) != batch:
+                raise ValueError(f"{name} must have shape [batch_size = {batch}]; got {tuple(array.shape)}")
+        checked.append(array)
+    return (block_table, *checked)
 
+
+def _check_cache_seqlens(cache_seqlens, k_cache, block_table, seqlen_new: int, batch: int):
+    """``cache_seqlens`` checked: an int array ``[batch]``, or one int for every sequence (the
+    whole cache less the new tokens when not given)."""
+    paged = block_table is not None
     # Keys a sequence can hold: its table row's blocks, or the contiguous cache's length.
     capacity = (int(block_table.shape[1]) * int(k_cache.shape[1])) if paged else int(k_cache.shape[1])
     if cache_seqlens is None:
@@ -288,23 +329,7 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         if int(cache_seqlens.shape[0]) != batch:
             raise ValueError(f"cache_seqlens must have shape [batch_size = {batch}]; "
                              f"got {tuple(cache_seqlens.shape)}")
-
-    index_arrays = [a for a in (cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
-                    if a is not None and not isinstance(a, int)]
-    if host_checked(check_values, *index_arrays):
-        _check_decode_values(cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, seqlen_new,
-                             k_cache, rotary_cos)
-
-    num_splits = check_int(num_splits, "num_splits")
-    left, right = check_window(window_size, causal)
-    scale, softcap = check_scalars(softmax_scale, softcap, head_dim)
-    slopes = check_alibi(alibi_slopes, num_heads, batch)
-    out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, backend)
-    lse, want_lse = check_lse(lse_out, (batch, num_heads, seqlen_q), backend, return_softmax_lse)
-    return DecodeProblem(backend, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
-                         (left, right), softcap, slopes, num_splits, out, lse, rotary_cos, rotary_sin,
-                         rotary_interleaved, causal or tuple(window_size) != (-1, -1), cache_batch_idx,
-                         cache_leftpad, want_lse)
+    return cache_seqlens
 
 
 def _check_decode_values(cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, seqlen_new,
