@@ -1,0 +1,122 @@
+"""Decode steps replayed as CUDA graphs (CuPy only; behind ``Engine(cuda_graphs=True)``).
+
+A decode step of ``b`` sequences is padded to the smallest captured size ``B >= b``: its plan is
+built into one fixed :class:`cupy_paged.PlanBuffers` (``batch_size=B, num_tokens=B``), so every
+step of that size finds its index arrays at the same device addresses, and the graph captured for
+``B`` (embedding, every layer, final norm and LM head of all ``B`` rows) replays over them.
+Padding sequences have no blocks and padding tokens slot -1: their new K/V is written nowhere and
+their logits rows are dropped.  Sampling stays outside the graph (per-request parameters, host
+draws).
+
+Memory: every array made while warming up and capturing comes from a memory pool of this object's
+own.  The intermediates a graph captured are freed back into that pool when the capture returns,
+and only later warm-ups and captures reuse them, which is safe because all replays run one after
+another on one stream; the logits each graph writes are kept alive with it.  The eager warm-up
+before each capture loads the kernels and sizes the decode kernel's split-KV workspace for this
+stream (a capture must not allocate it); it writes into the cache exactly what the replay then
+writes again.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+import cupy_paged
+
+from .timing import NoTimer
+
+
+def default_sizes(max_batch: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every 8 up to 64, every 16 beyond, ending at ``max_batch``.
+
+    Examples
+    --------
+    >>> default_sizes(40)
+    [1, 2, 4, 8, 16, 24, 32, 40]
+    """
+    sizes = [s for s in (1, 2, 4) if s < max_batch]
+    size = 8
+    while size < max_batch:
+        sizes.append(size)
+        size += 8 if size < 64 else 16
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """One CUDA graph per padded decode batch size, captured on first use.
+
+    Parameters
+    ----------
+    model : llama.model.LlamaModel
+        On CuPy arrays.
+    cache : cupy_paged.PagedAttentionCache
+        The engine's cache (its layer arrays never move, so a graph may hold their addresses).
+    stream : cupy.cuda.Stream
+        A non-blocking stream that every step of the engine runs on (capture needs one).
+    max_batch : int
+        Largest decode batch (the scheduler's ``max_num_seqs``).
+    sizes : list of int, optional
+        Batch sizes to capture (default :func:`default_sizes`).
+    """
+
+    def __init__(self, model, cache, stream, max_batch: int, sizes=None):
+        import cupy
+
+        self.model, self.cache, self.stream = model, cache, stream
+        self.sizes = sorted(set(sizes or default_sizes(max_batch)))
+        self.buffers = cupy_paged.PlanBuffers(max_batch=self.sizes[-1], max_tokens=self.sizes[-1],
+                                              max_blocks_per_seq=cache.max_blocks_per_seq, device="cuda")
+        self.pool = cupy.cuda.MemoryPool()
+        self.graphs: dict = {}  # size -> (graph, logits [size, vocab] float32 the graph writes)
+        self.replays = 0
+
+    def size_for(self, batch: int) -> int | None:
+        """The captured size a decode batch of ``batch`` pads to, or None when it is too large."""
+        at = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[at] if at < len(self.sizes) else None
+
+    def run(self, seq_ids: list, input_ids: list):
+        """The logits of one decode step of ``seq_ids`` (one new token each, slots reserved).
+
+        Parameters
+        ----------
+        seq_ids : list
+            ``[b]`` sequence ids, ``b <= max_batch``, in the scheduler's plan order.
+        input_ids : list of int
+            ``[b]`` each sequence's new token.
+
+        Returns
+        -------
+        cupy.ndarray
+            ``[b, vocab]`` float32, a view of the graph's output: read it before the next ``run``.
+        """
+        size = self.size_for(len(seq_ids))
+        if size is None:
+            raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest captured size "
+                             f"{self.sizes[-1]}")
+        ids = np.asarray(input_ids, np.int32)
+        plan = cupy_paged.build_plan(self.cache, seq_ids, 1, ids, buffers=self.buffers,
+                                     batch_size=size, num_tokens=size)
+        if plan.path != "decode":
+            raise RuntimeError(f"a padded decode plan must take the decode path; got {plan.path!r}")
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(plan)
+        graph, logits = self.graphs[size]
+        graph.launch(stream=self.stream)
+        self.replays += 1
+        return logits[:len(seq_ids)]
+
+    def _capture(self, plan):
+        """Warm up, then capture the model's decode step over ``plan`` (the buffers' views)."""
+        import cupy
+
+        with cupy.cuda.using_allocator(self.pool.malloc):
+            self.model.forward(plan, self.cache, NoTimer(), all_rows=True)
+            self.stream.synchronize()
+            self.stream.begin_capture()
+            try:
+                logits = self.model.forward(plan, self.cache, NoTimer(), all_rows=True)
+            finally:
+                graph = self.stream.end_capture()
+        return graph, logits

@@ -1,0 +1,243 @@
+"""The serving loop: requests in, generated tokens out, one scheduled step at a time.
+
+Each step ``cupy_paged.Scheduler.schedule()`` picks the running decodes, then prompt chunks
+under the token budget (admitting waiting requests through the prefix cache, preempting the
+newest request when blocks run out) and returns one plan; the model runs it, the rows the plan
+names are sampled, and ``update()`` takes the tokens back.  All the batching policy is the
+scheduler's and the cache's: the engine only runs the model and keeps statistics.
+
+On the GPU every step runs on one non-blocking CUDA stream (a capture needs one), plans are
+built into fixed :class:`cupy_paged.PlanBuffers`, and with ``cuda_graphs=True`` decode steps
+replay captured graphs (:mod:`llama.cuda_graphs`).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+import zlib
+
+import numpy as np
+
+import cupy_paged
+
+from .sampling import SamplingParams, sample
+from .timing import Timer
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """One prompt to serve.
+
+    Parameters
+    ----------
+    request_id : hashable
+    prompt : list of int
+    max_new_tokens : int
+    sampling : SamplingParams
+    eos_token_id : int, optional
+        Stop after generating it (default: run to ``max_new_tokens``).
+    """
+
+    request_id: object
+    prompt: list
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    eos_token_id: int | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What a run did.  ``seconds`` buckets: ``attention`` (the plan's attention calls),
+    ``other`` (the rest of the model and sampling, eager steps), ``graph`` (decode graph
+    replays), ``host`` (scheduling, plans, bookkeeping: wall time minus the device buckets)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    computed_prompt_tokens: int = 0   # prompt (and recomputed) tokens the model ran
+    steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    kernel_paths: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    peak_blocks: int = 0
+    num_blocks: int = 0
+    graph_replays: int = 0
+    wall_seconds: float = 0.0
+    seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of the tokens of admitted requests found in the prefix cache."""
+        return self.prefix_hit_tokens / max(1, self.prefix_queried_tokens)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per wall second."""
+        return self.generated_tokens / max(self.wall_seconds, 1e-9)
+
+
+class Engine:
+    """Serves :class:`GenerationRequest` s with a :class:`llama.model.LlamaModel`.
+
+    Parameters
+    ----------
+    model : LlamaModel
+        Its array module decides the device: NumPy runs the CPU reference backend, CuPy the GPU.
+    num_blocks, memory_fraction : optional
+        Cache size: a block count, or a fraction of the device's free memory.  One of them.
+    block_size : int
+        Tokens per cache block.
+    max_batch_tokens, max_num_seqs, max_prefill_chunk :
+        The scheduler's step limits (``cupy_paged.SchedulerConfig``).
+    max_model_len : int, optional
+        Longest prompt plus generation (default the model's rotary table length); sizes the
+        block tables.
+    enable_prefix_caching : bool
+    cuda_graphs : bool
+        Replay decode steps as CUDA graphs (CuPy only).
+    seed : int
+        Seeds the generators of requests that give no seed of their own.
+    """
+
+    def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
+                 max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
+                 cuda_graphs=False, seed=0):
+        c = model.config
+        self.model, self.gpu, self.seed = model, model.xp is not np, seed
+        max_model_len = min(max_model_len or model.max_positions, model.max_positions)
+        self.cache = cupy_paged.PagedAttentionCache(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=block_size, num_blocks=num_blocks,
+            memory_fraction=memory_fraction, dtype=model.dtype, device="cuda" if self.gpu else "cpu",
+            max_blocks_per_seq=-(-max_model_len // block_size), enable_prefix_caching=enable_prefix_caching)
+        config = cupy_paged.SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                                            max_prefill_chunk=max_prefill_chunk)
+        extra = {}
+        self.stream = self.graphs = None
+        if self.gpu:
+            import cupy
+
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            # Fixed plan buffers: one pinned upload a step, unchanged block-table rows not rewritten.
+            extra["buffers"] = cupy_paged.PlanBuffers(max_batch=max_num_seqs, max_tokens=max_batch_tokens,
+                                                      max_blocks_per_seq=self.cache.max_blocks_per_seq,
+                                                      device="cuda")
+            if cuda_graphs:
+                from .cuda_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs)
+        elif cuda_graphs:
+            raise ValueError("cuda_graphs needs a model on CuPy arrays")
+        self.scheduler = cupy_paged.Scheduler(self.cache, config, **extra)
+        self.timer = Timer(gpu=self.gpu)
+        self.stats = EngineStats(num_blocks=self.cache.num_blocks)
+        self._live: dict = {}        # request id -> (scheduler Request, GenerationRequest, generator)
+        self._admissions: dict = {}  # request id -> its num_preemptions when last admitted
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue one request (``ValueError`` when it could never fit the cache or the model)."""
+        tracked = cupy_paged.Request(request.request_id, list(request.prompt), request.max_new_tokens,
+                                     eos_token_id=request.eos_token_id)
+        if tracked.max_tokens > self.model.max_positions:
+            raise ValueError(f"request {request.request_id!r} may reach {tracked.max_tokens} tokens, past the "
+                             f"model's {self.model.max_positions} positions")
+        self.scheduler.add_request(tracked)
+        self._live[request.request_id] = (tracked, request, self._generator(request))
+
+    def _generator(self, request: GenerationRequest) -> np.random.Generator:
+        """The request's own generator: its seed, else one derived from the engine's seed and its id
+        (crc32 of the id's repr, the same in every process, unlike ``hash`` of a string)."""
+        if request.sampling.seed is not None:
+            return np.random.default_rng(request.sampling.seed)
+        rid = request.request_id
+        key = rid % 2**63 if isinstance(rid, int) else zlib.crc32(repr(rid).encode())
+        return np.random.default_rng([self.seed, key])
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list:
+        """Run one scheduled step; returns the scheduler ``Request`` s that finished in it."""
+        start = time.perf_counter()
+        device = self.timer.seconds["attention"] + self.timer.seconds["model"] + self.timer.seconds["graph"]
+        with self.stream if self.gpu else contextlib.nullcontext():
+            plan = self.scheduler.schedule()
+            if plan is None:
+                raise RuntimeError("the scheduler could schedule nothing while requests are unfinished")
+            live = [self._live[i] for i in plan.seq_ids]
+            decodes = [len(r.token_ids) - r.num_computed == 1 and r.num_computed >= len(r.prompt_token_ids)
+                       for r, _, _ in live]
+            self._count_step(plan, live, decodes)
+            sampling = live if len(plan.logits_indices) == len(live) else [
+                entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
+            if self.graphs is not None and all(decodes) and self.graphs.size_for(len(live)) is not None:
+                with self.timer.span("graph"):
+                    logits = self.graphs.run(plan.seq_ids, [r.token_ids[-1] for r, _, _ in live])
+                    tokens = sample(logits, [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling])
+            else:
+                with self.timer.span("model"):
+                    logits = self.model.forward(plan, self.cache, self.timer)
+                    tokens = sample(logits, [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling])
+            finished = self.scheduler.update(plan, tokens)
+        self.timer.collect()
+        spent = self.timer.seconds["attention"] + self.timer.seconds["model"] + self.timer.seconds["graph"] - device
+        self.timer.seconds["host"] += max(0.0, time.perf_counter() - start - spent)
+        for request in finished:
+            del self._live[request.request_id]
+            self._admissions.pop(request.request_id, None)
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(request.prompt_token_ids)
+            self.stats.generated_tokens += len(request.output_token_ids)
+        return finished
+
+    def _count_step(self, plan, live, decodes) -> None:
+        """Step kind, kernel path, prefix-cache admissions and cache use of the step just scheduled."""
+        stats = self.stats
+        stats.steps["decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"] += 1
+        stats.kernel_paths[plan.path] += 1
+        stats.computed_prompt_tokens += plan.num_tokens - sum(decodes)
+        for request, _, _ in live:
+            # Newly admitted (first time, or again after a preemption): allocate() found
+            # num_computed leading tokens in the prefix cache.
+            if self._admissions.get(request.request_id) != request.num_preemptions:
+                self._admissions[request.request_id] = request.num_preemptions
+                stats.prefix_queried_tokens += request.num_tokens
+                stats.prefix_hit_tokens += request.num_computed
+        stats.peak_blocks = max(stats.peak_blocks, self.cache.num_blocks - self.cache.num_free_blocks)
+        stats.preemptions = self.scheduler.num_preemptions
+
+    def run(self, requests, on_finish=None) -> dict:
+        """Serve ``requests`` to the end.
+
+        Parameters
+        ----------
+        requests : iterable of GenerationRequest
+        on_finish : callable, optional
+            Called with each finished scheduler ``Request`` (e.g. a progress bar's update).
+
+        Returns
+        -------
+        dict
+            request id -> list of generated token ids.
+        """
+        for request in requests:
+            self.add_request(request)
+        outputs = {}
+        start = time.perf_counter()
+        while self.has_unfinished():
+            for request in self.step():
+                outputs[request.request_id] = request.output_token_ids
+                if on_finish is not None:
+                    on_finish(request)
+        self.stats.wall_seconds += time.perf_counter() - start
+        self.stats.graph_replays = self.graphs.replays if self.graphs is not None else 0
+        model_time = self.timer.seconds["model"] - self.timer.seconds["attention"]
+        self.stats.seconds.update(attention=self.timer.seconds["attention"], other=max(0.0, model_time),
+                                  graph=self.timer.seconds["graph"], host=self.timer.seconds["host"])
+        self.timer.seconds.clear()
+        return outputs

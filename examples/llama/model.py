@@ -1,0 +1,193 @@
+"""The Llama forward pass of one scheduled step, on NumPy (CPU reference backend) or CuPy arrays.
+
+A step's tokens come packed along one axis (``plan.input_ids [T]``, several sequences, each a
+prefill chunk or one decode token).  Everything but attention is per token, so the layers are
+plain matrix products over ``[T, hidden]``; attention goes through ``plan.attention``, which
+writes each layer's new K/V into the paged cache and attends every token to its own sequence.
+
+Numerics: weights and matrix products in the weights' dtype (bfloat16 on the GPU: cuBLAS with
+float32 accumulation); the residual stream, RMSNorm, rotary and SwiGLU's activation in float32
+(float64 for a float64 model), cast back to the weights' dtype at each matrix product.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .config import LlamaConfig
+from .timing import NoTimer
+
+
+def inverse_frequencies(config: LlamaConfig) -> np.ndarray:
+    """``[head_dim / 2]`` float64 rotary frequencies, with Llama 3 or linear ``rope_scaling``.
+
+    Examples
+    --------
+    >>> from llama.config import CPU_DEFAULT
+    >>> inverse_frequencies(CPU_DEFAULT)[:2].round(4).tolist()
+    [1.0, 0.5623]
+    """
+    dim = config.head_dim
+    inv = 1.0 / config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not implemented (default, linear, llama3 are)")
+    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    context = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv
+    # Long wavelengths (beyond context / low) are slowed by `factor`, short ones (below
+    # context / high) kept; in between the two are blended by where the wavelength falls.
+    blend = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)
+    return (1.0 - blend) * inv / factor + blend * inv
+
+
+def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``[max_positions, head_dim / 2]`` float64 of each position's angles."""
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inverse_frequencies(config))
+    return np.cos(angles), np.sin(angles)
+
+
+@dataclasses.dataclass
+class _Layer:
+    input_norm: object   # [hidden] accumulation dtype
+    qkv: object          # [hidden, q_size + 2 * kv_size]: q, k and v projections side by side
+    out: object          # [q_size, hidden]
+    post_norm: object    # [hidden]
+    gate_up: object      # [hidden, 2 * intermediate]: gate then up
+    down: object         # [intermediate, hidden]
+
+
+class LlamaModel:
+    """A Llama decoder on one device, fed one :class:`cupy_paged.StepPlan` per step.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    weights : dict
+        Hugging Face names -> NumPy arrays (``llama.weights``); copied to ``xp`` in ``dtype``.
+    xp : module
+        ``numpy`` (CPU reference backend) or ``cupy``.
+    dtype : dtype
+        Weights and attention dtype: bfloat16 / float16 with CuPy; float32 / float64 with NumPy.
+    max_positions : int, optional
+        Rotary table length (default ``config.max_position_embeddings``).
+
+    Examples
+    --------
+    >>> from llama.config import CPU_DEFAULT
+    >>> from llama.weights import random_weights
+    >>> model = LlamaModel(CPU_DEFAULT, random_weights(CPU_DEFAULT), np, np.float32)
+    >>> model.layers[0].qkv.shape
+    (128, 256)
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict, xp=np, dtype=np.float32, max_positions=None):
+        self.config, self.xp, self.dtype = config, xp, np.dtype(dtype)
+        self.acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+
+        def matrix(*names):  # HF [out, in] matrices -> one [in, sum(out)] device matrix
+            joined = np.concatenate([weights[n] for n in names], axis=0).T
+            return xp.asarray(np.ascontiguousarray(joined.astype(self.dtype)))
+
+        def vector(name):
+            return xp.asarray(weights[name].astype(self.acc))
+
+        self.embed = xp.asarray(np.ascontiguousarray(weights["model.embed_tokens.weight"].astype(self.dtype)))
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(_Layer(
+                vector(p + "input_layernorm.weight"),
+                matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                matrix(p + "self_attn.o_proj.weight"), vector(p + "post_attention_layernorm.weight"),
+                matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), matrix(p + "mlp.down_proj.weight")))
+        self.norm = vector("model.norm.weight")
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = matrix(head)  # [hidden, vocab]
+        cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings)
+        self.cos, self.sin = xp.asarray(cos.astype(self.acc)), xp.asarray(sin.astype(self.acc))
+
+    @property
+    def max_positions(self) -> int:
+        """Longest sequence the rotary tables cover."""
+        return int(self.cos.shape[0])
+
+    def rms_norm(self, x, weight):
+        """``x [T, hidden]`` (accumulation dtype) normalised by its root mean square, times ``weight``."""
+        xp = self.xp
+        scale = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + self.config.rms_norm_eps)
+        return x * scale * weight
+
+    def rotate(self, x, cos, sin):
+        """Rotary embedding of ``x [T, heads, head_dim]`` in the GPT-NeoX layout HF Llama uses: dim
+        ``i`` pairs with ``i + head_dim / 2``.  ``cos``/``sin`` ``[T, 1, head_dim / 2]``.
+        Returns ``[T, heads, head_dim]`` C-contiguous in the weights' dtype."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].astype(self.acc), x[..., half:].astype(self.acc)
+        rotated = self.xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return rotated.astype(self.dtype)
+
+    def _attention_block(self, index, layer, x, cos, sin, plan, cache, timer):
+        """Residual plus the attention of one layer, ``x [T, hidden]`` in the accumulation dtype."""
+        c, xp = self.config, self.xp
+        tokens = x.shape[0]
+        h = self.rms_norm(x, layer.input_norm).astype(self.dtype)
+        qkv = h @ layer.qkv
+        q = self.rotate(qkv[:, :c.q_size].reshape(tokens, c.num_attention_heads, c.head_dim), cos, sin)
+        k = self.rotate(qkv[:, c.q_size:c.q_size + c.kv_size].reshape(tokens, c.num_key_value_heads, c.head_dim),
+                        cos, sin)
+        # The kernels take rows of 16-byte aligned, contiguous heads: v gets its own array.
+        v = xp.ascontiguousarray(qkv[:, c.q_size + c.kv_size:]).reshape(tokens, c.num_key_value_heads, c.head_dim)
+        with timer.span("attention"):
+            attended = plan.attention(q, k, v, *cache.layer(index))
+        return x + (attended.reshape(tokens, c.q_size) @ layer.out).astype(self.acc)
+
+    def _mlp_block(self, layer, x):
+        """Residual plus SwiGLU: ``down(silu(gate(h)) * up(h))``."""
+        size = self.config.intermediate_size
+        gate_up = self.rms_norm(x, layer.post_norm).astype(self.dtype) @ layer.gate_up
+        gate, up = gate_up[:, :size].astype(self.acc), gate_up[:, size:].astype(self.acc)
+        hidden = (gate / (1.0 + self.xp.exp(-gate)) * up).astype(self.dtype)
+        return x + (hidden @ layer.down).astype(self.acc)
+
+    def forward(self, plan, cache, timer=None, all_rows: bool = False):
+        """Run every layer over the step's tokens; the logits of the rows that sample.
+
+        Parameters
+        ----------
+        plan : cupy_paged.StepPlan
+            ``input_ids`` and ``positions`` ``[T]``; its ``attention`` writes the cache.
+        cache : cupy_paged.PagedAttentionCache
+            ``layer(i)`` gives layer ``i``'s K/V caches.
+        timer : llama.timing.Timer, optional
+            Attention time goes into its ``"attention"`` bucket.
+        all_rows : bool
+            Logits of every token instead of ``plan.logits_indices`` (a captured decode step,
+            whose sampled rows are all its rows, padding included).
+
+        Returns
+        -------
+        array
+            ``[len(plan.logits_indices), vocab]`` (or ``[T, vocab]``) float32 logits.
+        """
+        xp, timer = self.xp, timer or NoTimer()
+        positions = xp.asarray(plan.positions)
+        rows = None if all_rows else xp.asarray(plan.logits_indices)
+        x = self.embed[xp.asarray(plan.input_ids)].astype(self.acc)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        for index, layer in enumerate(self.layers):
+            x = self._attention_block(index, layer, x, cos, sin, plan, cache, timer)
+            x = self._mlp_block(layer, x)
+        if rows is not None:
+            if rows.shape[0] == 0:  # a step of prompt chunks that sample nothing: no LM head
+                return xp.empty((0, self.config.vocab_size), np.float32)
+            x = x[rows]
+        logits = self.rms_norm(x, self.norm).astype(self.dtype) @ self.lm_head
+        return logits.astype(np.float32)
