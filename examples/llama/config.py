@@ -68,6 +68,10 @@ class LlamaConfig:
         eos = values.get("eos_token_id")
         if isinstance(eos, list):  # Llama 3 lists several; generation stops at the first here
             eos = eos[0] if eos else None
+        rope = values.get("rope_parameters")  # newer transformers keep theta and scaling together
+        if isinstance(rope, dict):
+            values = dict(values, rope_theta=rope.get("rope_theta", values.get("rope_theta")),
+                          rope_scaling=None if rope.get("rope_type", "default") == "default" else rope)
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in values.items() if k in names and v is not None}
         kept["eos_token_id"] = eos

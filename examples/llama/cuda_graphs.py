@@ -1,12 +1,17 @@
 """Decode steps replayed as CUDA graphs (CuPy only; behind ``Engine(cuda_graphs=True)``).
 
-A decode step of ``b`` sequences is padded to the smallest captured size ``B >= b``: its plan is
-built into one fixed :class:`cupy_paged.PlanBuffers` (``batch_size=B, num_tokens=B``), so every
-step of that size finds its index arrays at the same device addresses, and the graph captured for
-``B`` (embedding, every layer, final norm and LM head of all ``B`` rows) replays over them.
-Padding sequences have no blocks and padding tokens slot -1: their new K/V is written nowhere and
-their logits rows are dropped.  Sampling stays outside the graph (per-request parameters, host
-draws).
+A decode step of ``b`` sequences is padded to the smallest captured size ``B >= b`` and built
+into one fixed :class:`cupy_paged.PlanBuffers`, so every step of that size finds its index
+arrays at the same device addresses, and the graph captured for ``B`` (embedding, every layer,
+final norm and LM head of all ``B`` rows) replays over them.  Sampling stays outside the graph
+(per-request parameters, host draws).
+
+Padding: ``build_plan(..., batch_size=B)`` pads with sequences that have no blocks, but the
+decode kernel still appends one token per row, finds block id -1 at column 0 of each padding
+row and records that in the device error word, so a later ``cupy_paged.check_errors()`` would
+raise.  Instead the padding rows repeat one real sequence of this module's own (``PAD_ID``: one
+block, one reserved slot, never computed): each writes the same token-0 K/V at position 0 of that
+block and attends to it, and their logits rows are dropped.
 
 Memory: every array made while warming up and capturing comes from a memory pool of this object's
 own.  The intermediates a graph captured are freed back into that pool when the capture returns,
@@ -25,6 +30,60 @@ import numpy as np
 import cupy_paged
 
 from .timing import NoTimer
+
+
+PAD_ID = ("llama.cuda_graphs", "padding")
+
+
+class DecodePadding:
+    """Decode plans padded to fixed batch sizes, built into one fixed set of plan buffers.
+
+    Parameters
+    ----------
+    cache : cupy_paged.PagedAttentionCache
+        Gives one block to the padding sequence ``PAD_ID`` for as long as this object is used.
+    sizes : list of int
+        The batch sizes a step pads to.
+
+    Examples
+    --------
+    >>> cache = cupy_paged.PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, dtype="float32", device="cpu")
+    >>> _ = cache.allocate("a", [1, 2, 3]); cache.mark_computed(["a"], [3]); cache.grow(["a"], 1)
+    >>> plan = DecodePadding(cache, [4]).plan(["a"], [9])
+    >>> plan.path, plan.input_ids.tolist(), plan.cache_seqlens.tolist(), plan.block_table[:, 0].tolist()
+    ('decode', [9, 0, 0, 0], [3, 0, 0, 0], [0, 1, 1, 1])
+    """
+
+    def __init__(self, cache, sizes):
+        self.cache, self.sizes = cache, sorted(set(sizes))
+        device = "cpu" if cache.device == "cpu" else "cuda"
+        self.buffers = cupy_paged.PlanBuffers(max_batch=self.sizes[-1], max_tokens=self.sizes[-1],
+                                              max_blocks_per_seq=cache.max_blocks_per_seq, device=device)
+        if PAD_ID not in cache:
+            cache.allocate(PAD_ID, [0])
+
+    def size_for(self, batch: int) -> int | None:
+        """The size a decode batch of ``batch`` pads to, or None when it is too large."""
+        at = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[at] if at < len(self.sizes) else None
+
+    def plan(self, seq_ids: list, input_ids: list):
+        """The decode plan of ``seq_ids`` (one new token each, slots reserved) padded to
+        ``size_for(len(seq_ids))`` rows; row ``i < len(seq_ids)`` is ``seq_ids[i]``."""
+        size = self.size_for(len(seq_ids))
+        if size is None:
+            raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest size {self.sizes[-1]}")
+        pad = size - len(seq_ids)
+        ids = np.asarray(list(input_ids) + [0] * pad, np.int32)
+        plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, buffers=self.buffers)
+        if plan.path != "decode":
+            raise RuntimeError(f"a padded decode plan must take the decode path; got {plan.path!r}")
+        return plan
+
+    def release(self) -> None:
+        """Give the padding sequence's block back to the cache."""
+        if PAD_ID in self.cache:
+            self.cache.free(PAD_ID)
 
 
 def default_sizes(max_batch: int) -> list[int]:
@@ -64,17 +123,14 @@ class DecodeGraphs:
         import cupy
 
         self.model, self.cache, self.stream = model, cache, stream
-        self.sizes = sorted(set(sizes or default_sizes(max_batch)))
-        self.buffers = cupy_paged.PlanBuffers(max_batch=self.sizes[-1], max_tokens=self.sizes[-1],
-                                              max_blocks_per_seq=cache.max_blocks_per_seq, device="cuda")
+        self.padding = DecodePadding(cache, sizes or default_sizes(max_batch))
         self.pool = cupy.cuda.MemoryPool()
         self.graphs: dict = {}  # size -> (graph, logits [size, vocab] float32 the graph writes)
         self.replays = 0
 
     def size_for(self, batch: int) -> int | None:
         """The captured size a decode batch of ``batch`` pads to, or None when it is too large."""
-        at = bisect.bisect_left(self.sizes, batch)
-        return self.sizes[at] if at < len(self.sizes) else None
+        return self.padding.size_for(batch)
 
     def run(self, seq_ids: list, input_ids: list):
         """The logits of one decode step of ``seq_ids`` (one new token each, slots reserved).
@@ -91,15 +147,8 @@ class DecodeGraphs:
         cupy.ndarray
             ``[b, vocab]`` float32, a view of the graph's output: read it before the next ``run``.
         """
-        size = self.size_for(len(seq_ids))
-        if size is None:
-            raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest captured size "
-                             f"{self.sizes[-1]}")
-        ids = np.asarray(input_ids, np.int32)
-        plan = cupy_paged.build_plan(self.cache, seq_ids, 1, ids, buffers=self.buffers,
-                                     batch_size=size, num_tokens=size)
-        if plan.path != "decode":
-            raise RuntimeError(f"a padded decode plan must take the decode path; got {plan.path!r}")
+        plan = self.padding.plan(seq_ids, input_ids)
+        size = plan.batch_size
         if size not in self.graphs:
             self.graphs[size] = self._capture(plan)
         graph, logits = self.graphs[size]

@@ -100,13 +100,15 @@ class Engine:
     enable_prefix_caching : bool
     cuda_graphs : bool
         Replay decode steps as CUDA graphs (CuPy only).
+    graph_sizes : list of int, optional
+        The padded decode batch sizes to capture (default ``llama.cuda_graphs.default_sizes``).
     seed : int
         Seeds the generators of requests that give no seed of their own.
     """
 
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
-                 cuda_graphs=False, seed=0):
+                 cuda_graphs=False, graph_sizes=None, seed=0):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
         max_model_len = min(max_model_len or model.max_positions, model.max_positions)
@@ -129,7 +131,7 @@ class Engine:
             if cuda_graphs:
                 from .cuda_graphs import DecodeGraphs
 
-                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs)
+                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes)
         elif cuda_graphs:
             raise ValueError("cuda_graphs needs a model on CuPy arrays")
         self.scheduler = cupy_paged.Scheduler(self.cache, config, **extra)

@@ -175,7 +175,8 @@ class LlamaModel:
         Returns
         -------
         array
-            ``[len(plan.logits_indices), vocab]`` (or ``[T, vocab]``) float32 logits.
+            ``[len(plan.logits_indices), vocab]`` (or ``[T, vocab]``) logits in the accumulation
+            dtype (float32; float64 for a float64 model).
         """
         xp, timer = self.xp, timer or NoTimer()
         positions = xp.asarray(plan.positions)
@@ -187,7 +188,7 @@ class LlamaModel:
             x = self._mlp_block(layer, x)
         if rows is not None:
             if rows.shape[0] == 0:  # a step of prompt chunks that sample nothing: no LM head
-                return xp.empty((0, self.config.vocab_size), np.float32)
+                return xp.empty((0, self.config.vocab_size), self.acc)
             x = x[rows]
         logits = self.rms_norm(x, self.norm).astype(self.dtype) @ self.lm_head
-        return logits.astype(np.float32)
+        return logits.astype(self.acc)

@@ -83,7 +83,7 @@ def filtered_probs(logits, temperature, top_k, top_p):
     --------
     >>> order, probs = filtered_probs(np.log([[0.1, 0.6, 0.3]]), [1.0], [0], [0.8])
     >>> order.tolist(), probs.round(3).tolist()
-    [[1, 2, 0]], [[0.667, 0.333, 0.0]]
+    ([[1, 2, 0]], [[0.667, 0.333, 0.0]])
     """
     xp = _xp_of(logits)
     acc = np.float64 if logits.dtype == np.float64 else np.float32

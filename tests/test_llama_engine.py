@@ -1,0 +1,426 @@
+"""The Llama engine of examples/llama end to end on the CPU reference backend (a tiny model,
+float64 where tokens must match exactly), plus GPU tests of the same code on CuPy.
+
+* continuous batching (chunked prefill, prefix-cache hits, preemption, mixed steps) gives each
+  request the tokens it gets alone, greedy and seeded sampling alike;
+* every logits row the engine samples equals an independent dense NumPy forward of the same
+  weights over that request's tokens (written here, no cupy_paged), and Hugging Face's
+  ``LlamaForCausalLM`` agrees where transformers is installed;
+* checkpoints round-trip (sharded or not, bfloat16 or float32);
+* sampling: top-k 1 is greedy, a seed reproduces, top-p keeps the smallest set reaching p;
+* the CLI's default CPU run finishes and prints its table.
+"""
+from __future__ import annotations
+
+import doctest
+import importlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from llama import (Engine, GenerationRequest, LlamaConfig, LlamaModel, SamplingParams,  # noqa: E402
+                   load_checkpoint, random_weights, save_checkpoint)
+from llama.sampling import filtered_probs, sample  # noqa: E402
+from llama.weights import BF16, INDEX_NAME, read_raw  # noqa: E402
+
+TINY = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=50000.0,
+                   rms_norm_eps=1e-6, max_position_embeddings=256)
+
+
+def tiny_model(dtype=np.float64, config=TINY, seed=3, xp=np):
+    return LlamaModel(config, random_weights(config, seed), xp, dtype)
+
+
+# --------------------------------------------------------------------------- a dense forward
+
+
+def dense_logits(config: LlamaConfig, w: dict, tokens) -> np.ndarray:
+    """``[len(tokens), vocab]`` float64 logits of one sequence: causal attention over all its
+    tokens at once, straight from the Hugging Face names, in plain NumPy."""
+    w = {name: np.asarray(a, np.float64) for name, a in w.items()}
+    n, d = len(tokens), config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def rms(x, weight):
+        return weight * x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + config.rms_norm_eps)
+
+    # rotate_half form: x * cos + rotate_half(x) * sin, frequencies repeated over both halves.
+    freq = config.rope_theta ** (-np.arange(0, d, 2) / d)
+    angle = np.arange(n)[:, None] * np.concatenate([freq, freq])[None, :]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+
+    def rope(x):
+        return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1) * sin
+
+    causal = np.tril(np.ones((n, n), bool))
+    x = w["model.embed_tokens.weight"][np.asarray(tokens)]
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, heads, d))
+        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, kv_heads, d))
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, kv_heads, d)
+        k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
+        scores = np.where(causal[None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * d) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
+    return rms(x, w["model.norm.weight"]) @ head.T
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def request_mix(seed=7, count=7, vocab=TINY.vocab_size, new_tokens=10, sampled=False):
+    """Prompts of 5..70 tokens, four of them behind one shared 24-token prefix."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, 24).tolist()
+    kinds = [SamplingParams(temperature=0.9, top_p=0.85), SamplingParams(temperature=1.2, top_k=7),
+             SamplingParams(temperature=0.7)]
+    out = []
+    for i in range(count):
+        prompt = (shared if i % 2 == 0 else []) + rng.integers(0, vocab, int(rng.integers(5, 47))).tolist()
+        params = SamplingParams(kinds[i % 3].temperature, kinds[i % 3].top_p, kinds[i % 3].top_k, seed=100 + i) \
+            if sampled else SamplingParams()
+        out.append(GenerationRequest(f"r{i}", prompt, new_tokens, params))
+    return out
+
+
+def record_plans(engine):
+    """Wrap the engine model's forward: returns a list that collects (seq_ids, query_lens) per step."""
+    seen, forward = [], engine.model.forward
+
+    def recording(plan, cache, timer=None, all_rows=False):
+        seen.append((list(plan.seq_ids), np.asarray(plan.query_lens).tolist()))
+        return forward(plan, cache, timer, all_rows)
+
+    engine.model.forward = recording
+    return seen
+
+
+BATCHED = dict(block_size=8, num_blocks=22, max_batch_tokens=24, max_num_seqs=4, max_prefill_chunk=16)
+
+
+# --------------------------------------------------------------------------- (a) batching
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+def test_continuous_batching_gives_each_request_its_tokens_alone(sampled):
+    model = tiny_model()
+    requests = request_mix(sampled=sampled)
+    engine = Engine(model, **BATCHED)
+    plans = record_plans(engine)
+    batched = engine.run(requests)
+    del model.forward  # the recording wrapper
+    stats = engine.stats
+    # The run exercised what it claims to: preemption, prefix hits, mixed steps, chunked prompts.
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.steps["mixed"] > 0
+    chunks = {}
+    for ids, lens in plans:
+        for rid, n in zip(ids, lens):
+            chunks[rid] = chunks.get(rid, 0) + (n > 1)
+    assert max(chunks.values()) >= 3, "some prompt must be prefilled over several steps"
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    for request in requests:
+        alone = Engine(model, block_size=16, num_blocks=64, max_batch_tokens=256, max_num_seqs=1)
+        assert alone.run([request])[request.request_id] == batched[request.request_id], request.request_id
+    outputs = [tuple(t) for t in batched.values()]
+    assert len(set(outputs)) == len(outputs) and sum(len(set(t)) > 2 for t in outputs) >= len(outputs) - 1, \
+        "tokens must depend on the prompt, else this test could not fail"
+
+
+# --------------------------------------------------------------------------- (b) logits
+
+
+def test_prefill_step_logits_equal_a_dense_forward():
+    """One prefill step of three prompts (varlen path): each last-token row equals the dense forward."""
+    weights = random_weights(TINY, 5)
+    model = LlamaModel(TINY, weights, np, np.float64)
+    engine = Engine(model, block_size=8, num_blocks=32, max_batch_tokens=128)
+    prompts = [[5, 17, 3], list(range(1, 40)), [int(t) for t in np.random.default_rng(2).integers(0, 96, 21)]]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(i, prompt, 1))
+    plan = engine.scheduler.schedule()
+    assert plan.path == "varlen" and plan.num_tokens == sum(map(len, prompts))
+    logits = model.forward(plan, engine.cache)
+    for row, prompt in zip(logits, prompts):
+        expected = dense_logits(TINY, weights, prompt)[-1]
+        np.testing.assert_allclose(row, expected, rtol=1e-9, atol=1e-9 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-9), (np.float32, 2e-4)])
+def test_every_sampled_row_equals_a_dense_forward(dtype, rtol):
+    """Through a whole batched run (decodes, chunks after prefix hits, recomputation after
+    preemption): each sampled row against the dense forward over the tokens up to its position."""
+    weights = random_weights(TINY, 11)
+    model = LlamaModel(TINY, weights, np, dtype)
+    engine = Engine(model, **BATCHED)
+    checked, forward = [], model.forward
+
+    def checking(plan, cache, timer=None, all_rows=False):
+        logits = forward(plan, cache, timer, all_rows)
+        sampling = [i for i, s in zip(plan.seq_ids, plan.sample_mask) if s]
+        for rid, index, row in zip(sampling, plan.logits_indices, logits):
+            tokens = engine._live[rid][0].token_ids[:int(plan.positions[index]) + 1]
+            checked.append((row, dense_logits(TINY, weights, tokens)[-1]))
+        return logits
+
+    model.forward = checking
+    engine.run(request_mix())
+    assert engine.stats.preemptions > 0 and len(checked) >= 40
+    for row, expected in checked:
+        np.testing.assert_allclose(row, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+def test_logits_match_hugging_face(tmp_path):
+    """The checkpoint writer's folder read by transformers' LlamaForCausalLM gives the same
+    logits (untied and tied heads, Llama 3 rope scaling on)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    for tied in (False, True):
+        config = LlamaConfig(**{**TINY.__dict__, "tie_word_embeddings": tied, "rope_scaling": scaling})
+        weights = random_weights(config, 9)
+        save_checkpoint(tmp_path / str(tied), config, weights, dtype=np.float32)
+        hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / str(tied), dtype=torch.float64).eval()
+        model = LlamaModel(*load_checkpoint(tmp_path / str(tied)), np, np.float64)
+        engine = Engine(model, block_size=8, num_blocks=16)
+        prompt = np.random.default_rng(4).integers(0, config.vocab_size, 50).tolist()
+        engine.add_request(GenerationRequest(0, prompt, 1))
+        ours = model.forward(engine.scheduler.schedule(), engine.cache)[0]
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+        # transformers computes the rotary angles in float32 whatever the model dtype: ~1e-6 apart.
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+
+
+def test_rope_scaling_llama3_slows_only_long_wavelengths():
+    from llama.model import inverse_frequencies
+
+    plain = inverse_frequencies(TINY)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    scaled = inverse_frequencies(LlamaConfig(**{**TINY.__dict__, "rope_scaling": scaling}))
+    wavelength = 2 * np.pi / plain
+    short, long = wavelength < 64 / 4, wavelength > 64 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    np.testing.assert_array_equal(scaled[short], plain[short])
+    np.testing.assert_allclose(scaled[long], plain[long] / 8)
+    middle = ~short & ~long
+    assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8)).all()
+
+
+def test_padded_decode_plan_rows_equal_the_scheduled_step():
+    """The CUDA graph path's padded decode plan (padding rows on a sequence of its own), run
+    eagerly on the CPU: its first rows are the scheduler's plan's logits; the run then goes on."""
+    from llama.cuda_graphs import DecodePadding
+
+    model = tiny_model()
+    engine = Engine(model, block_size=8, num_blocks=40)
+    for r in request_mix(count=3):
+        engine.add_request(GenerationRequest(r.request_id, r.prompt, 4))
+    engine.step()  # every prompt; the next step decodes all three
+    padding = DecodePadding(engine.cache, [2, 8])
+    plan = engine.scheduler.schedule()
+    live = [engine._live[i][0] for i in plan.seq_ids]
+    want = model.forward(plan, engine.cache)
+    padded = padding.plan(plan.seq_ids, [r.token_ids[-1] for r in live])
+    assert padded.batch_size == 8 and padded.path == "decode"
+    np.testing.assert_allclose(model.forward(padded, engine.cache, all_rows=True)[:3], want, rtol=1e-12, atol=1e-12)
+    engine.scheduler.update(plan, want.argmax(-1))
+    padding.release()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+
+
+# --------------------------------------------------------------------------- (c) checkpoints
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("shard", [None, 40_000], ids=["one-file", "sharded"])
+def test_checkpoint_round_trip(tmp_path, dtype, shard):
+    config = LlamaConfig(**{**TINY.__dict__, "tie_word_embeddings": shard is None})
+    weights = random_weights(config, 1)
+    save_checkpoint(tmp_path, config, weights, dtype=dtype, max_shard_bytes=shard)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    if shard is None:
+        assert files == ["model.safetensors"] and not (tmp_path / INDEX_NAME).exists()
+    else:
+        index = json.loads((tmp_path / INDEX_NAME).read_text())
+        assert len(files) >= 3 and sorted(set(index["weight_map"].values())) == files
+        assert set(index["weight_map"]) == set(weights)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+    loaded_config, loaded = load_checkpoint(tmp_path)
+    assert loaded_config == config and list(loaded) == list(weights)
+    for name, array in weights.items():
+        assert loaded[name].dtype == dtype, name
+        np.testing.assert_array_equal(loaded[name].view(np.uint8), array.astype(dtype).view(np.uint8), name)
+    for file in files:  # the no-package reader sees the same bytes
+        raw = read_raw(tmp_path / file)
+        for name, array in raw.items():
+            np.testing.assert_array_equal(array.view(np.uint8), loaded[name].view(np.uint8))
+
+
+def test_checkpoint_loader_drops_extras_and_refuses_missing(tmp_path):
+    from safetensors.numpy import save_file
+
+    weights = random_weights(TINY, 2)
+    save_checkpoint(tmp_path, TINY, weights)
+    extra = dict(weights, **{"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(16, np.float32)})
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    assert set(load_checkpoint(tmp_path, dtype=np.float64)[1]) == set(weights)
+    del extra["model.norm.weight"]
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- (e) sampling
+
+
+def test_top_k_one_is_greedy():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((64, 300)).astype(np.float32) * 3
+    greedy = sample(logits, [SamplingParams()] * 64, [None] * 64)
+    params = [SamplingParams(temperature=t, top_k=1, top_p=p) for t, p in zip(np.linspace(0.1, 3, 64),
+                                                                           np.linspace(0.05, 1, 64))]
+    assert sample(logits, params, [np.random.default_rng(i) for i in range(64)]) == greedy
+    assert greedy == logits.argmax(-1).tolist()
+
+
+def test_a_seed_reproduces_and_another_differs():
+    logits = np.random.default_rng(1).standard_normal((32, 200)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_p=0.95)] * 32
+
+    def draw(seeds):
+        generators = [np.random.default_rng(s) for s in seeds]
+        return [sample(logits, params, generators) for _ in range(3)]
+
+    assert draw(range(32)) == draw(range(32))
+    assert draw(range(32)) != draw(range(1, 33))
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
+    probs = np.array([0.05, 0.4, 0.1, 0.25, 0.2])  # by rank: 1 (0.4), 3 (0.25), 4 (0.2), 2, 0
+    logits = np.log(probs)[None, :]
+    for top_p, kept in [(0.3, [1]), (0.4, [1]), (0.6, [1, 3]), (0.7, [1, 3, 4]), (0.9, [1, 3, 4, 2]),
+                        (1.0, [1, 3, 4, 2, 0])]:
+        order, filtered = filtered_probs(logits, [1.0], [0], [top_p])
+        support = order[0][filtered[0] > 0].tolist()
+        assert support == kept, top_p
+        np.testing.assert_allclose(filtered[0][:len(kept)], probs[kept] / probs[kept].sum())
+    # Sampling follows the filtered distribution: frequencies of 4000 draws within 3 sigma.
+    rng = np.random.default_rng(5)
+    draws = [sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)], [rng])[0] for _ in range(4000)]
+    counts = np.bincount(draws, minlength=5)
+    assert counts[[0, 2]].sum() == 0
+    want = probs[[1, 3, 4]] / probs[[1, 3, 4]].sum()
+    assert (np.abs(counts[[1, 3, 4]] / 4000 - want) < 3 * np.sqrt(want * (1 - want) / 4000)).all()
+
+
+def test_top_k_and_temperature():
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]]))
+    order, filtered = filtered_probs(logits, [1.0], [2], [1.0])
+    assert order[0][:2].tolist() == [3, 2]
+    np.testing.assert_allclose(filtered[0], [4 / 7, 3 / 7, 0, 0])
+    _, hot = filtered_probs(logits, [2.0], [0], [1.0])
+    expected = np.sqrt([0.4, 0.3, 0.2, 0.1])
+    np.testing.assert_allclose(hot[0], expected / expected.sum())
+
+
+def test_llama_docstring_examples():
+    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine"):
+        module = importlib.import_module(f"llama.{name}")
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
+
+
+# --------------------------------------------------------------------------- (d) the CLI
+
+
+def test_cli_default_cpu_run():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_llama.py")], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "CPU (reference backend)" in out and re.search(r"^requests\s+32$", out, re.MULTILINE), out
+    rate = re.search(r"^tokens per second\s+([\d.]+) generated", out, re.MULTILINE)
+    assert rate and float(rate.group(1)) > 0, out
+    for label in ("steps", "prefix-cache hit rate", "peak cache use", "preemptions", "time"):
+        assert re.search(rf"^{label}\s", out, re.MULTILINE), label
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _gpu_engines(graph_sizes):
+    import cupy
+
+    model = tiny_model(BF16, LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64,
+                                             "vocab_size": 1000, "intermediate_size": 512}), xp=cupy)
+    kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
+    return model, Engine(model, **kwargs), Engine(model, cuda_graphs=True, graph_sizes=graph_sizes, **kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_tokens_equal_eager():
+    """Graphs captured at every batch size (no padding: the same shapes as eager, so the same
+    cuBLAS and attention launches) replay to exactly the eager tokens, greedy and sampled."""
+    import cupy_paged
+
+    _, eager, graphed = _gpu_engines(graph_sizes=list(range(1, 7)))
+    requests = request_mix(count=9, vocab=1000, new_tokens=12) + [
+        GenerationRequest(f"s{r.request_id}", r.prompt, r.max_new_tokens, r.sampling)
+        for r in request_mix(seed=8, count=5, vocab=1000, new_tokens=12, sampled=True)]
+    want = eager.run(requests)
+    got = graphed.run(requests)
+    cupy_paged.check_errors()
+    assert graphed.stats.graph_replays > 10 and graphed.stats.steps["decode"] == eager.stats.steps["decode"]
+    assert got == want
+
+
+@pytest.mark.gpu
+def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
+    """A decode batch padded to a larger captured size: its logits match the eager step's and
+    the dense float64 forward within bfloat16 tolerance, and the padding records no device error."""
+    import cupy_paged
+
+    model, eager, graphed = _gpu_engines(graph_sizes=[8])
+    requests = request_mix(count=3, vocab=1000, new_tokens=2)
+    eager.run(requests)
+    graphed.run(requests)
+    cupy_paged.check_errors()
+    assert graphed.stats.graph_replays == 1
+    engine = Engine(model, block_size=16, num_blocks=64, cuda_graphs=True, graph_sizes=[8])
+    for r in requests:
+        engine.add_request(GenerationRequest(r.request_id, r.prompt, 3))
+    engine.step()  # the prompts; the next step decodes all three
+    plan = engine.scheduler.schedule()
+    live = [engine._live[i][0] for i in plan.seq_ids]
+    with engine.stream:
+        eager_logits = model.forward(plan, engine.cache).get()
+        graph_logits = engine.graphs.run(plan.seq_ids, [r.token_ids[-1] for r in live]).get()
+    cupy_paged.check_errors()
+    weights = {k: np.asarray(v) for k, v in random_weights(model.config, 3, BF16).items()}
+    for row, graph_row, request in zip(eager_logits, graph_logits, live):
+        dense = dense_logits(model.config, weights, request.token_ids)[-1]
+        for got in (row, graph_row):
+            assert np.linalg.norm(got - dense) <= 5e-2 * np.linalg.norm(dense)
+        assert np.linalg.norm(graph_row - row) <= 1e-2 * np.linalg.norm(row)
