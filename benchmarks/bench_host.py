@@ -34,9 +34,11 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import cupy_paged  # noqa: E402
+from cupy_paged.runtime.buffers import PlanBuffers  # noqa: E402
+from cupy_paged.runtime.plan import build_plan  # noqa: E402
+from cupy_paged.runtime.scheduler import Scheduler  # noqa: E402
 from cupy_paged.serving.kv_cache import PagedAttentionCache  # noqa: E402
-from cupy_paged.runtime.plan import PlanBuffers, build_plan  # noqa: E402
-from cupy_paged.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+from cupy_paged.serving.scheduler import Request, SchedulerConfig  # noqa: E402
 
 BLOCK_SIZE = 16
 CONTEXT = 4096

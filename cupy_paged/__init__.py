@@ -21,7 +21,8 @@ from .api.varlen import flash_attn_varlen_func  # noqa: E402
 from .runtime.plan import PlanBuffers, StepPlan, build_plan  # noqa: E402
 from .serving.block_pool import BlockPool, CacheFull  # noqa: E402
 from .serving.kv_cache import PagedAttentionCache  # noqa: E402
-from .serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig  # noqa: E402
+from .runtime.scheduler import Scheduler  # noqa: E402
+from .serving.scheduler import Request, RequestStatus, SchedulerConfig  # noqa: E402
 
 __all__ = [
     "flash_attn_varlen_func",

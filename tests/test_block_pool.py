@@ -1,4 +1,4 @@
-"""BlockPool: reference counts, all-or-nothing allocation, the LRU prefix cache."""
+"""BlockPool and PrefixCache: reference counts, all-or-nothing allocation, the LRU of cached free blocks."""
 import os
 import subprocess
 import sys
@@ -6,17 +6,22 @@ import sys
 import numpy as np
 import pytest
 
-from cupy_paged.serving.block_pool import BlockPool, CacheFull, chain_hash
+from cupy_paged.serving.block_pool import BlockPool, CacheFull
+from cupy_paged.serving.prefix_cache import PrefixCache, chain_hash
+
+
+def caching_pool(num_blocks: int) -> BlockPool:
+    return BlockPool(num_blocks, PrefixCache(block_size=1))
 
 
 def snapshot(pool: BlockPool):
     return (pool.ref_counts.copy(), pool.num_free, pool.num_cached_free, pool.num_cached,
-            list(pool._free), list(pool._cached_free))
+            list(pool._free), list(pool.prefix_cache._unowned))
 
 
 def register_full(pool: BlockPool, block: int, tokens: tuple, parent=None) -> int:
     block_hash = chain_hash(parent, tokens)
-    assert pool.register(block, block_hash, tokens)
+    assert pool.prefix_cache.register(block, block_hash, tokens)
     return block_hash
 
 
@@ -29,7 +34,7 @@ def test_allocate_hands_out_distinct_blocks_with_one_owner():
 
 
 def test_allocate_is_all_or_nothing():
-    pool = BlockPool(5)
+    pool = caching_pool(5)
     pool.allocate(3)
     before = snapshot(pool)
     with pytest.raises(CacheFull, match="need 3 free blocks but only 2 of 5"):
@@ -61,25 +66,27 @@ def test_share_of_a_plain_free_block_raises():
         pool.share([0])
 
 
-def test_register_requires_an_owned_block():
+def test_without_a_prefix_cache_every_freed_block_is_plain_free():
     pool = BlockPool(2)
-    with pytest.raises(ValueError, match="not owned"):
-        pool.register(0, chain_hash(None, (1,)), (1,))
+    pool.release(pool.allocate(2))
+    assert pool.num_free == 2 and pool.num_cached_free == pool.num_cached == 0
+    with pytest.raises(ValueError, match="free and not cached"):
+        pool.share([0])
 
 
 def test_freed_cached_block_is_taken_back_by_share():
-    pool = BlockPool(2)
+    pool = caching_pool(2)
     block = int(pool.allocate(1)[0])
     block_hash = register_full(pool, block, (4, 5))
     pool.release([block])
     assert pool.num_free == 2 and pool.num_cached_free == 1
-    assert pool.lookup(block_hash, (4, 5)) == block
+    assert pool.prefix_cache.lookup(block_hash, (4, 5)) == block
     pool.share([block])
     assert pool.ref_counts[block] == 1 and pool.num_free == 1 and pool.num_cached_free == 0
 
 
 def test_plain_free_blocks_go_before_cached_ones():
-    pool = BlockPool(3)
+    pool = caching_pool(3)
     blocks = pool.allocate(3).tolist()
     register_full(pool, blocks[0], (1,))
     pool.release(blocks)
@@ -89,20 +96,20 @@ def test_plain_free_blocks_go_before_cached_ones():
 
 def test_eviction_takes_the_least_recently_freed_block():
     """Hugging Face reclaims the most recently freed block; we keep the hottest prefixes longest."""
-    pool = BlockPool(3)
+    pool = caching_pool(3)
     blocks = pool.allocate(3).tolist()
     hashes = [register_full(pool, b, (b,)) for b in blocks]
     for block in blocks:  # freed oldest first: 0, then 1, then 2
         pool.release([block])
     evicted = int(pool.allocate(1)[0])
     assert evicted == blocks[0]
-    assert pool.lookup(hashes[0], (blocks[0],)) == -1
-    assert pool.lookup(hashes[2], (blocks[2],)) == blocks[2]
+    assert pool.prefix_cache.lookup(hashes[0], (blocks[0],)) == -1
+    assert pool.prefix_cache.lookup(hashes[2], (blocks[2],)) == blocks[2]
     assert int(pool.allocate(1)[0]) == blocks[1]
 
 
 def test_a_cache_hit_refreshes_recency():
-    pool = BlockPool(2)
+    pool = caching_pool(2)
     a, b = pool.allocate(2).tolist()
     hash_a = register_full(pool, a, (1,))
     register_full(pool, b, (2,))
@@ -111,24 +118,24 @@ def test_a_cache_hit_refreshes_recency():
     pool.share([a])  # a prefix hit on a: it is now the most recently used
     pool.release([a])
     assert int(pool.allocate(1)[0]) == b
-    assert pool.lookup(hash_a, (1,)) == a
+    assert pool.prefix_cache.lookup(hash_a, (1,)) == a
 
 
 def test_lookup_compares_tokens_so_a_collision_is_a_miss():
-    pool = BlockPool(1)
+    pool = caching_pool(1)
     block = int(pool.allocate(1)[0])
-    pool.register(block, 12345, (1, 2))
-    assert pool.lookup(12345, (1, 2)) == block
-    assert pool.lookup(12345, (1, 3)) == -1
+    pool.prefix_cache.register(block, 12345, (1, 2))
+    assert pool.prefix_cache.lookup(12345, (1, 2)) == block
+    assert pool.prefix_cache.lookup(12345, (1, 3)) == -1
 
 
 def test_second_copy_of_a_prefix_is_not_registered():
-    pool = BlockPool(2)
+    pool = caching_pool(2)
     a, b = pool.allocate(2).tolist()
     block_hash = chain_hash(None, (9,))
-    assert pool.register(a, block_hash, (9,))
-    assert not pool.register(b, block_hash, (9,))
-    assert not pool.register(a, chain_hash(None, (8,)), (8,))  # already holds a prefix
+    assert pool.prefix_cache.register(a, block_hash, (9,))
+    assert not pool.prefix_cache.register(b, block_hash, (9,))
+    assert not pool.prefix_cache.register(a, chain_hash(None, (8,)), (8,))  # already holds a prefix
     pool.release([b])
     assert pool.num_cached_free == 0  # b goes back as a plain free block
 
@@ -140,7 +147,7 @@ def test_chain_hash_depends_on_the_whole_prefix():
 
 
 def test_chain_hash_is_the_same_in_every_process():
-    code = "from cupy_paged.serving.block_pool import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
+    code = "from cupy_paged.serving.prefix_cache import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
     values = set()
     for seed in ("0", "1"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
@@ -153,3 +160,15 @@ def test_chain_hash_is_the_same_in_every_process():
 def test_bad_pool_size(bad):
     with pytest.raises(ValueError, match="num_blocks must be >= 1"):
         BlockPool(bad)
+
+
+def test_prefix_cache_matches_whole_blocks_and_never_the_last_token():
+    prefix = PrefixCache(block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    last = prefix.register_blocks(tokens, [7, 8], 0, 2, None)
+    assert last == chain_hash(chain_hash(None, (1, 2)), (3, 4))
+    assert prefix.match(tokens) == ([7, 8], last)
+    assert prefix.num_cached_tokens([1, 2, 3, 4]) == 2  # the last token's block is recomputed
+    assert prefix.num_cached_tokens([1, 9, 3, 4, 5]) == 0  # a changed first block breaks the chain
+    disabled = PrefixCache(block_size=2, enabled=False)
+    assert disabled.register_blocks(tokens, [7, 8], 0, 2, None) is None and disabled.num_cached == 0

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import cupy_paged.serving.kv_cache
-import cupy_paged.runtime.plan
+import cupy_paged.serving._storage
 from cupy_paged import write_kv_cache
 from cupy_paged.serving.kv_cache import CacheFull, PagedAttentionCache
-from cupy_paged.runtime.plan import PlanBuffers, build_plan
+from cupy_paged.runtime.buffers import PlanBuffers
+from cupy_paged.runtime.plan import build_plan
 from cupy_paged.reference._attend import gather_paged
 
 
@@ -28,7 +28,8 @@ def small_cache(num_blocks=8, block_size=8, layers=2, **kwargs):
 def bookkeeping(cache: PagedAttentionCache):
     """Everything an operation may change, to compare before and after a failed call."""
     pool = cache.pool
-    return [pool.ref_counts.copy(), pool.num_free, pool.num_cached, list(pool._free), list(pool._cached_free),
+    return [pool.ref_counts.copy(), pool.num_free, pool.num_cached, list(pool._free),
+            list(cache.prefix_cache._unowned),
             cache.tables.copy(), cache._num_slots.copy(), cache._num_computed.copy(), dict(cache._row_of),
             cache.kv.copy()]
 
@@ -93,7 +94,7 @@ def test_layers_go_through_dlpack_without_a_copy():
 
 
 def test_sized_by_a_fraction_of_free_memory(monkeypatch):
-    monkeypatch.setattr(cupy_paged.serving.kv_cache, "free_memory_bytes", lambda device: 10_000_000)
+    monkeypatch.setattr(cupy_paged.serving._storage, "free_memory_bytes", lambda device: 10_000_000)
     cache = PagedAttentionCache(4, 2, 64, block_size=16, memory_fraction=0.5, dtype="float16", device="cpu")
     assert cache.bytes_per_block == 2 * 4 * 16 * 2 * 64 * 2
     assert cache.num_blocks == 5_000_000 // cache.bytes_per_block
@@ -115,15 +116,19 @@ def test_bad_construction(kwargs, error, match):
         PagedAttentionCache(1, 1, 32, **kwargs)
 
 
-def test_bad_head_dim():
-    with pytest.raises(ValueError, match="head dim 48"):
-        PagedAttentionCache(1, 1, 48, num_blocks=4, device="cpu")
+def test_any_positive_head_dim_is_stored():
+    """Which head dims the kernels run is not the cache's business: it stores any."""
+    cache = PagedAttentionCache(1, 1, 48, block_size=8, num_blocks=4, device="cpu")
+    assert cache.layer(0)[0].shape == (4, 8, 1, 48)
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        PagedAttentionCache(1, 1, 0, num_blocks=4, device="cpu")
 
 
 # --------------------------------------------------------------------------- allocation
 
-def test_spec_decode_example_block_table():
-    """SPEC section 1: key lengths [30, 32, 70], block size 32, at most 4 blocks a sequence."""
+def test_decode_example_block_table():
+    """Key lengths [30, 32, 70], block size 32, at most 4 blocks a sequence, blocks handed out
+    out of order: the block table and slots of the worked decode example."""
     cache = small_cache(num_blocks=8, block_size=32, max_blocks_per_seq=4, enable_prefix_caching=False)
     cache.allocate("s1", list(range(64)), num_new_tokens=32)  # block 0
     cache.grow(["s1"], 1)  # block 1: 32 + 1 > 32
@@ -135,7 +140,9 @@ def test_spec_decode_example_block_table():
     cache.free("gap")
     cache.mark_computed(["s0", "s1", "s2"], [30, 32, 70])
     seqs = ["s0", "s1", "s2"]
-    assert cache.cache_seqlens(seqs).tolist() == [30, 32, 70]
+    assert cache.num_computed_batch(seqs).tolist() == [30, 32, 70]
+    view = cache.plan_view(cache.rows(seqs))
+    assert view.num_computed.tolist() == [30, 32, 70] and view.num_slots.tolist() == [31, 33, 71]
     assert cache.block_table(seqs, width=4).tolist() == [[2, -1, -1, -1], [0, 1, -1, -1], [3, 5, 6, -1]]
     buffers = PlanBuffers(4, 4, cache.max_blocks_per_seq)
     plan = build_plan(cache, seqs, 1, buffers=buffers)

@@ -7,15 +7,19 @@ import pathlib
 import numpy as np
 import pytest
 
+import cupy_paged
 from cupy_paged import flash_attn_varlen_func
+from cupy_paged.runtime.buffers import PlanBuffers
+from cupy_paged.runtime.plan import build_plan
+from cupy_paged.runtime.scheduler import Scheduler
+from cupy_paged.serving import scheduler as serving
 from cupy_paged.serving.kv_cache import PagedAttentionCache
-from cupy_paged.runtime.plan import PlanBuffers, build_plan
-from cupy_paged.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from cupy_paged.serving.scheduler import Request, RequestStatus, SchedulerConfig
 
 
-def make_scheduler(num_blocks=32, block_size=8, dtype="float32", **config):
+def make_scheduler(num_blocks=32, block_size=8, dtype="float32", kind=Scheduler, **config):
     cache = PagedAttentionCache(1, 1, 32, block_size=block_size, num_blocks=num_blocks, dtype=dtype, device="cpu")
-    return Scheduler(cache, SchedulerConfig(**config))
+    return kind(cache, SchedulerConfig(**config))
 
 
 def check_plan(plan, cache):
@@ -206,6 +210,33 @@ def test_nothing_to_schedule_returns_none():
     assert make_scheduler().schedule() is None
 
 
+def test_the_serving_scheduler_hands_out_plain_batches_the_runtime_plans():
+    """The same requests through both schedulers: the serving one's batches are plain data, and
+    the public one's plans are those batches built by build_plan."""
+    assert cupy_paged.Scheduler is Scheduler and issubclass(Scheduler, serving.Scheduler)
+    plain = make_scheduler(max_batch_tokens=12, max_num_seqs=4, kind=serving.Scheduler)
+    planned = make_scheduler(max_batch_tokens=12, max_num_seqs=4)
+    for s in (plain, planned):
+        s.add_request(Request("a", [1, 2, 3], 3))
+        s.add_request(Request("long", list(range(20)), 1))
+    # a's prompt and long's first chunk; a decodes, long's last chunk; a decodes alone.
+    for step in range(3):
+        batch, plan = plain.schedule(), planned.schedule()
+        assert isinstance(batch, serving.ScheduledBatch) and not hasattr(batch, "block_table")
+        assert plan.seq_ids == batch.seq_ids and plan.query_lens.tolist() == batch.num_new_tokens
+        assert plan.input_ids.tolist() == batch.input_ids and len(plan.logits_indices) == batch.num_sampled
+        assert batch.rows.tolist() == plain.cache.rows(batch.seq_ids).tolist()
+        assert (batch.num_decodes, batch.sample_mask is None) == [(0, False), (1, False), (1, True)][step]
+        with pytest.raises(ValueError, match="batch is not the one"):
+            plain.update(dataclasses.replace(batch), [])
+        tokens = [5] * batch.num_sampled
+        assert [r.request_id for r in plain.update(batch, tokens)] == \
+               [r.request_id for r in planned.update(plan, tokens)]
+    assert not plain.has_unfinished() and not planned.has_unfinished()
+    with pytest.raises(RuntimeError, match="needs a batch"):
+        plain.update(None, [])
+
+
 # --------------------------------------------------------------------------- plan buffers
 
 def test_plan_buffers_track_changed_rows_and_pad():
@@ -340,7 +371,7 @@ def test_greedy_tokens_do_not_depend_on_the_batch():
 
 
 def test_manual_update_path_matches_the_paged_path():
-    """The source document's path: update() gathers K/V, then the non-paged varlen kernel."""
+    """The manual gather/scatter path: update() gathers K/V, then the non-paged varlen kernel."""
     model = TinyModel(seed=5)
     results = []
     for manual in (False, True):

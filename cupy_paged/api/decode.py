@@ -126,6 +126,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         check_values)
 
 
+def serves_step(batch_size: int, num_tokens: int, max_seqlen_q: int) -> bool:
+    """Whether a step of ``batch_size`` sequence rows and ``num_tokens`` new tokens runs on
+    ``flash_attn_with_kvcache``: the decode kernel takes the token of row ``i`` as token ``i``,
+    so every row has at most one new token and there are as many tokens as rows (padding
+    rows and tokens counted).
+
+    Examples
+    --------
+    >>> serves_step(4, 4, 1), serves_step(4, 8, 1), serves_step(2, 3, 2)
+    (True, False, False)
+    """
+    return max_seqlen_q == 1 and num_tokens == batch_size
+
+
 def _decode_slow(key, kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                  alibi_slopes, num_splits, return_softmax_lse, out, lse_out, stream, check_values):

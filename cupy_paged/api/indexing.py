@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core.arrays import to_host, xp_of
+from .._core.paging import slots_of
 
 
 def cu_seqlens_from_lengths(lengths, xp=None):
@@ -83,5 +84,5 @@ def slot_mapping_from_positions(block_table, seq_ids, positions, block_size: int
     seq_ids = xp.asarray(seq_ids, dtype=np.int64)
     positions = xp.asarray(positions, dtype=np.int64)
     blocks = block_table[seq_ids, positions // block_size].astype(np.int64)
-    slots = blocks * block_size + positions % block_size
+    slots = slots_of(blocks, positions, block_size)
     return xp.where(blocks < 0, -1, slots).astype(np.int32)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._core.paging import slots_of
+
 
 # Query rows handled at once: bounds the [H, rows, Lk] score matrix to a few hundred MB.
 _ROW_CHUNK_ELEMS = 1 << 25
@@ -106,7 +108,7 @@ def paged_slots(table_row, positions, block_size: int, num_blocks: int) -> np.nd
     padded = np.append(np.asarray(table_row, np.int64), -1)  # column `width` stands for "past the row"
     blocks = padded[np.minimum(positions // block_size, width)]
     found = (blocks >= 0) & (blocks < num_blocks)
-    return np.where(found, blocks * block_size + positions % block_size, -1)
+    return np.where(found, slots_of(blocks, positions, block_size), -1)
 
 
 def _rows(cache: np.ndarray) -> np.ndarray:

@@ -2,27 +2,26 @@
 
 FlashInfer's plan/run split: ``build_plan`` turns "these sequences, this many new
 tokens each" into every index array the kernels need; ``StepPlan.attention`` runs
-one layer from it.  ``PlanBuffers`` keeps fixed device buffers so a captured CUDA
-graph can be replayed with each step's plan copied in by one transfer.
+one layer from it.  ``PlanBuffers`` (``buffers.py``) keeps fixed device buffers so a
+captured CUDA graph can be replayed with each step's plan copied in by one transfer.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 
-from . import _fill as _plan_kernels
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, Array, data_ptr, empty, kind_of, read, signature, to_host
-from ..api.decode import prepare_decode
-from ..api.varlen import prepare_varlen
-from .._core.streams import handle
-from ..api.decode import flash_attn_with_kvcache
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, signature, to_host
+from .._core.paging import gather_slots
+from ..api.decode import flash_attn_with_kvcache, serves_step
 from ..api.kv_write import write_kv_cache
 from ..api.varlen import flash_attn_varlen_func
+from ._fill import UNKNOWN_ROW, fill_plan
+from ._layer import DECODE, VARLEN, LayerLaunch
+from .buffers import PlanBuffers, layout, views
 
-DECODE, VARLEN = "decode", "varlen"
+__all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN"]
 
 
 @dataclasses.dataclass
@@ -37,8 +36,13 @@ class StepPlan:
         ``[num_tokens]`` int32 tokens to feed the model.
     positions : array
         ``[num_tokens]`` int32 position of each token in its sequence.
-    query_lens, cache_seqlens, seqlens_k : array
-        ``[batch]`` int32 new tokens, tokens already cached, and their sum.
+    query_lens : array
+        ``[batch]`` int32 new tokens of each sequence.
+    cache_seqlens : array
+        ``[batch]`` int32 tokens already cached: each sequence's ``num_computed``, under the
+        name of the ``flash_attn_with_kvcache`` argument it is passed as.
+    seqlens_k : array
+        ``[batch]`` int32 ``cache_seqlens + query_lens``.
     cu_seqlens_q, cu_seqlens_k : array
         ``[batch + 1]`` int32 prefix sums of ``query_lens`` and ``seqlens_k``.
     max_seqlen_q, max_seqlen_k : int
@@ -53,9 +57,9 @@ class StepPlan:
     sample_mask : numpy.ndarray
         ``[batch]`` bool, which sequences sample.
     path : str
-        ``"decode"`` when no sequence has more than one new token and ``num_tokens`` equals
-        ``batch_size``, padding rows and tokens counted (``flash_attn_with_kvcache`` takes one
-        token per row); ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
+        ``"decode"`` when ``cupy_paged.api.decode.serves_step`` says the decode kernel
+        (``flash_attn_with_kvcache``) takes the step: one new token per row, as many tokens as
+        rows, padding counted; ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
     block_size : int
     """
 
@@ -90,13 +94,13 @@ class StepPlan:
     def read_index(self):
         """``[sum(seqlens_k)]`` slots of every key of every sequence, for ``PagedAttentionCache.update``.
 
-        Built on first use (once per step, not per layer): only the manual gather path of the
-        source document needs it.
+        Built on first use (once per step, not per layer): only the manual gather/scatter path
+        (``PagedAttentionCache.update`` and the non-paged varlen kernel) needs it.
         """
         table = np.asarray(to_host(self.block_table))
         lengths = np.asarray(to_host(self.seqlens_k), np.int64)
         out = np.empty(int(lengths.sum()), np.int32)
-        _plan_kernels.gather_slots(table, np.arange(table.shape[0]), np.zeros_like(lengths), lengths,
+        gather_slots(table, np.arange(table.shape[0]), np.zeros_like(lengths), lengths,
                                    self.block_size, out)
         return out
 
@@ -151,7 +155,7 @@ class StepPlan:
             except TypeError:
                 key = layer = None
             if layer is None and key is not None:
-                layer = _LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out)
+                layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out)
                 self._layers[key] = layer
             if layer is not None:
                 return layer.run(kind, q, k, v, k_cache, v_cache, out, stream)
@@ -175,101 +179,14 @@ class StepPlan:
         return {}
 
 
-def _with_token_axis(array: Array) -> Array:
-    """``[T, H, D]`` as ``[T, 1, H, D]`` (the decode kernel's one token per sequence), no copy."""
-    return Array(array.obj, array.kind, array.ptr, (array.shape[0], 1) + tuple(array.shape[1:]),
-                 (array.strides[0],) + tuple(array.strides), array.dtype, array.device)
-
-
-class _LayerLaunch:
-    """The launches of one layer shape of a step: built on the first layer, replayed by the rest."""
-
-    def __init__(self, plan: StepPlan, q, k, v, k_cache, v_cache, softmax_scale, out):
-        from .. import kernels
-
-        aq, ak, av = read(q, "q"), read(k, "k"), read(v, "v")
-        ak_cache, av_cache = read(k_cache, "k_cache"), read(v_cache, "v_cache")
-        aout = None if out is None else read(out, "out")
-        self.device = aq.device
-        self.decode = plan.path == DECODE
-        if self.decode:
-            p = prepare_decode(_with_token_axis(aq), ak_cache, av_cache, _with_token_axis(ak), _with_token_axis(av),
-                               cache_seqlens=read(plan.cache_seqlens, "cache_seqlens"),
-                               block_table=read(plan.block_table, "block_table"), softmax_scale=softmax_scale,
-                               causal=True, out=None if aout is None else _with_token_axis(aout),
-                               check_values=False)
-            for array in (p.q, p.k_new, p.v_new):
-                if not array.vectorised():
-                    raise ValueError("q, k and v of a layer must have 16-byte aligned rows")
-            self.launch = kernels.decode.DecodeLaunch(p)
-            self.index_ptrs = (p.cache_seqlens.ptr, p.block_table.ptr)
-        else:
-            for name, array in (("k", ak), ("v", av)):
-                if not array.vectorised():
-                    raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
-            self.write = kernels.kv_write.WriteLaunch(ak_cache, ak, av)
-            p = prepare_varlen(aq, ak_cache, av_cache, read(plan.cu_seqlens_q, "cu_seqlens_q"),
-                               read(plan.cu_seqlens_k, "cu_seqlens_k"), plan.max_seqlen_q, plan.max_seqlen_k,
-                               softmax_scale, True, (-1, -1), 0.0, None, read(plan.block_table, "block_table"),
-                               False, aout, False)
-            if not p.q.vectorised():
-                raise ValueError("q of a layer must have 16-byte aligned rows")
-            self.launch = kernels.varlen.VarlenLaunch(p)
-            self.index_ptrs = (p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, p.block_table.ptr,
-                               read(plan.slot_mapping, "slot_mapping").ptr)
-            self.max_seqlen_q = plan.max_seqlen_q
-        self.out_shape = tuple(aq.shape)
-
-    def run(self, kind, q, k, v, k_cache, v_cache, out, stream):
-        stream = handle(stream, kind, self.device)
-        q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
-        kc_ptr, vc_ptr = data_ptr(k_cache), data_ptr(v_cache)
-        if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
-            raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
-        if out is None:
-            out = empty(kind, q, self.out_shape, self.launch.dtype)
-        out_arg = (out, data_ptr(out))
-        if self.decode:
-            seqlens, table = self.index_ptrs
-            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, seqlens, table, 0, 0, 0, 0, 0), 0,
-                            out_arg, None, stream)
-        else:
-            cu_q, cu_k, table, slots = self.index_ptrs
-            self.write.run((kc_ptr, vc_ptr, k_ptr, v_ptr, slots), stream)
-            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, cu_q, cu_k, table, 0), self.max_seqlen_q, out_arg,
-                            None, stream)
-        return out
-
-
-def _layout(batch: int, tokens: int, width: int) -> tuple[dict, int]:
-    """Where the plan's int32 index arrays lie in one flat buffer, name -> (start, stop, shape), and
-    the buffer's length (so that a plan moves to the device in one transfer).
-
-    Built every step: ``math.prod`` here, as ``np.prod`` costs microseconds on a small tuple.
-    """
-    shapes = dict(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
-                  cu_seqlens_q=(batch + 1,), cu_seqlens_k=(batch + 1,), query_lens=(batch,),
-                  cache_seqlens=(batch,), seqlens_k=(batch,), logits_indices=(batch,),
-                  block_table=(batch, width))  # last, so an upload of fewer rows stops early
-    layout, total = {}, 0
-    for name, shape in shapes.items():
-        stop = total + math.prod(shape)
-        layout[name] = (total, stop, shape)
-        total = stop
-    return layout, total
-
-
-def _views(buffer, layout: dict) -> dict:
-    return {name: buffer[start:stop].reshape(shape) for name, (start, stop, shape) in layout.items()}
-
-
 def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None,
                buffers: "PlanBuffers | None" = None, batch_size: int | None = None,
                num_tokens: int | None = None) -> StepPlan:
     """Build the step plan for sequences whose new tokens already have reserved slots.
 
     Each sequence ``s`` contributes ``query_lens[i]`` tokens at positions
-    ``cache.num_computed(s) ..``; reserve them first with ``allocate`` / ``grow``.
+    ``cache.num_computed(s) ..``; reserve them first with ``allocate`` / ``grow``.  The cache
+    is read through ``cache.plan_view(rows)`` only.
 
     Parameters
     ----------
@@ -318,162 +235,103 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     """
     seq_ids = list(seq_ids)
     rows = cache.rows(seq_ids) if rows is None else rows
+    view = cache.plan_view(rows)
     batch = rows.size
-    if np.ndim(query_lens) == 0:
-        query = np.full(batch, query_lens, np.int64)
-    else:
-        query = np.asarray(query_lens, np.int64)
-        if query.shape != rows.shape:
-            raise ValueError(f"query_lens must have shape [batch = {batch}]; got {query.shape}")
-    context = cache.context_lens(rows)
-    reserved = cache.reserved_lens(rows)
-    if batch and (((context + query) > reserved).any() or query.min() < 1):
-        bad = int(np.argmax((query < 1) | (context + query > reserved)))
-        raise ValueError(f"query_lens[{bad}] = {int(query[bad])} must be >= 1 and fit the "
-                         f"{int(reserved[bad] - context[bad])} slots reserved past "
-                         f"the {int(context[bad])} cached tokens of {seq_ids[bad]!r}")
+    query = _query_lens(query_lens, batch)
+    _check_reserved(seq_ids, view, query)
     tokens = int(query.sum())
+    packed = places = None
     if buffers is None:
         if batch_size is not None or num_tokens is not None:
             raise ValueError("batch_size and num_tokens pad a plan into buffers; pass buffers too")
-        width = -(-int((context + query).max(initial=0)) // cache.block_size)
-        layout, total = _layout(batch, tokens, width)
-        packed = np.empty(total, np.int32)
-        out = _views(packed, layout)
-        memo_rows = np.full(batch, _plan_kernels.UNKNOWN_ROW, np.int64)
-        memo_versions = np.zeros(batch, np.int64)
+        batch_size, num_tokens = batch, tokens
+        width = -(-int((view.num_computed + query).max(initial=0)) // view.block_size)
+        packed, places, out, memo_rows, memo_versions = _new_arrays(batch, tokens, width)
     else:
         batch_size = batch if batch_size is None else int(batch_size)
         num_tokens = tokens if num_tokens is None else int(num_tokens)
         out, memo_rows, memo_versions = buffers.host_views(batch, tokens, batch_size, num_tokens,
-                                                           cache.max_blocks_per_seq)
-    max_q, max_k = _plan_kernels.fill_plan(
-        cache.tables, cache.table_versions, rows, context, query, cache.block_size,
+                                                           view.max_blocks_per_seq)
+    max_q, max_k = fill_plan(
+        view.tables, view.table_versions, rows, view.num_computed, query, view.block_size,
         out["positions"], out["slot_mapping"], out["cu_seqlens_q"], out["cu_seqlens_k"],
         out["query_lens"], out["cache_seqlens"], out["seqlens_k"], out["block_table"],
         memo_rows, memo_versions)
-    if input_ids is not None:
-        input_ids = np.asarray(input_ids)
-        if input_ids.shape != (tokens,):
-            raise ValueError(f"input_ids must have shape [num_tokens = {tokens}]; got {input_ids.shape}")
-        out["input_ids"][:tokens] = input_ids
-        out["input_ids"][tokens:] = 0
-    ends = out["cu_seqlens_q"][1:batch + 1]
-    if sample_mask is None:
-        sample_mask = np.ones(batch, bool)
-        num_sampled = batch
-        np.subtract(ends, 1, out=out["logits_indices"][:batch])
-    else:
-        sample_mask = np.asarray(sample_mask, bool)
-        num_sampled = int(np.count_nonzero(sample_mask))
-        out["logits_indices"][:num_sampled] = ends[sample_mask] - 1
-    out["logits_indices"][num_sampled:] = 0
-    # The decode kernel takes one token per sequence row: padded to more tokens than rows (a
-    # captured size), the step runs on the varlen path.
-    rows_match = buffers is None or num_tokens == batch_size
-    if buffers is not None:
-        out = buffers.upload(batch_size, num_tokens)
-        if batch_size > batch:
-            sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
-            seq_ids = seq_ids + [None] * (batch_size - batch)
-    elif cache.device == CUDA:  # a cache on the GPU: the plan goes there too, in one transfer
-        import cupy
-
-        out = _views(cupy.asarray(packed), layout)
+    _write_input_ids(out["input_ids"], input_ids, tokens)
+    sample_mask, num_sampled = _write_logits_indices(out["logits_indices"], out["cu_seqlens_q"], sample_mask, batch)
+    out = _device_side(out, packed, places, buffers, view.device, batch_size, num_tokens)
     out["logits_indices"] = out["logits_indices"][:num_sampled]
     if input_ids is None:
         out["input_ids"] = None
-    return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
-                    sample_mask=sample_mask, path=DECODE if max_q == 1 and rows_match else VARLEN,
-                    block_size=cache.block_size, **out)
+    if batch_size > batch:  # padding sequences: no id, no sample
+        sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
+        seq_ids = seq_ids + [None] * (batch_size - batch)
+    path = DECODE if serves_step(batch_size, num_tokens, int(max_q)) else VARLEN
+    return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), sample_mask=sample_mask,
+                    path=path, block_size=view.block_size, **out)
 
 
-class PlanBuffers:
-    """Fixed buffers a plan is built into, uploaded to the device in one transfer.
+def _query_lens(query_lens, batch: int) -> np.ndarray:
+    """``query_lens`` as ``[batch]`` int64 (one int is every sequence's)."""
+    if np.ndim(query_lens) == 0:
+        return np.full(batch, query_lens, np.int64)
+    query = np.asarray(query_lens, np.int64)
+    if query.shape != (batch,):
+        raise ValueError(f"query_lens must have shape [batch = {batch}]; got {query.shape}")
+    return query
 
-    Sized for the largest step, so the arrays' addresses and shapes never change
-    and a CUDA graph captured over them replays with each new plan.  The block
-    table keeps its full width, and rows unchanged since the previous step (same
-    sequence, no new block) are not rewritten.
 
-    Parameters
-    ----------
-    max_batch : int
-        Most sequences in a step.
-    max_tokens : int
-        Most new tokens in a step.
-    max_blocks_per_seq : int
-        Block table width (``PagedAttentionCache.max_blocks_per_seq``).
-    device : {"cpu", "cuda"}
-        Where the buffers live.  On the CPU the host buffer is the device buffer.
+def _check_reserved(seq_ids: list, view, query: np.ndarray) -> None:
+    """Every sequence has >= 1 new token, each with a reserved slot."""
+    computed, reserved = view.num_computed, view.num_slots
+    if query.size and (((computed + query) > reserved).any() or query.min() < 1):
+        bad = int(np.argmax((query < 1) | (computed + query > reserved)))
+        raise ValueError(f"query_lens[{bad}] = {int(query[bad])} must be >= 1 and fit the "
+                         f"{int(reserved[bad] - computed[bad])} slots reserved past "
+                         f"the {int(computed[bad])} cached tokens of {seq_ids[bad]!r}")
 
-    Examples
-    --------
-    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
-    >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
-    >>> _ = cache.allocate("a", list(range(3)))
-    >>> buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=cache.max_blocks_per_seq)
-    >>> plan = build_plan(cache, ["a"], [3], buffers=buffers, batch_size=2, num_tokens=4)
-    >>> plan.cu_seqlens_q.tolist(), plan.slot_mapping.tolist(), plan.block_table.shape
-    ([0, 3, 3], [0, 1, 2, -1], (2, 8))
-    """
 
-    def __init__(self, max_batch: int, max_tokens: int, max_blocks_per_seq: int, device: str = "cpu"):
-        self.max_batch, self.max_tokens = int(max_batch), int(max_tokens)
-        self.max_blocks_per_seq = int(max_blocks_per_seq)
-        self.device = device
-        self._done = None
-        layout, total = _layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq)
-        self._table_offset = layout["block_table"][0]  # the last array: an upload stops early
-        if device == CUDA:
-            import cupy
+def _new_arrays(batch: int, tokens: int, width: int):
+    """An unpadded plan's host arrays, views of one flat buffer, and a row memo that knows no row:
+    ``(buffer, places, arrays, memo_rows, memo_versions)``."""
+    places, total = layout(batch, tokens, width)
+    packed = np.empty(total, np.int32)
+    return packed, places, views(packed, places), np.full(batch, UNKNOWN_ROW, np.int64), np.zeros(batch, np.int64)
 
-            # Pinned host memory makes the upload an asynchronous DMA on the current stream.
-            pinned = cupy.cuda.alloc_pinned_memory(4 * total)
-            self._host = np.frombuffer(pinned, np.int32, total)
-            self._device = cupy.empty(total, np.int32)
-        else:
-            self._host = self._device = np.empty(total, np.int32)
-        self._host_views = _views(self._host, layout)
-        self._device_views = _views(self._device, layout)
-        self._memo_rows = np.full(self.max_batch, _plan_kernels.UNKNOWN_ROW, np.int64)
-        self._memo_versions = np.zeros(self.max_batch, np.int64)
-        self._slices: dict = {}  # (side, batch_size, num_tokens) -> views; steady steps reuse one
 
-    def host_views(self, batch: int, tokens: int, batch_size: int, num_tokens: int, max_blocks_per_seq: int):
-        """Host arrays to build a plan of ``batch``/``tokens`` padded to ``batch_size``/``num_tokens``.
+def _device_side(out: dict, packed, places, buffers, device: str, batch_size: int, num_tokens: int) -> dict:
+    """The plan's arrays where the kernels read them, each side in one transfer: the buffers'
+    device views, a new device buffer for a cache on the GPU, or the host arrays themselves."""
+    if buffers is not None:
+        return buffers.upload(batch_size, num_tokens)
+    if device == CUDA:
+        import cupy
 
-        Returns the views and the row memo (which block table rows hold what).
-        """
-        if not (batch <= batch_size <= self.max_batch and tokens <= num_tokens <= self.max_tokens):
-            raise ValueError(f"the plan ({batch} sequences, {tokens} tokens) padded to ({batch_size}, "
-                             f"{num_tokens}) must fit the buffers ({self.max_batch}, {self.max_tokens})")
-        if max_blocks_per_seq != self.max_blocks_per_seq:
-            raise ValueError(f"the buffers' block tables have {self.max_blocks_per_seq} columns but the "
-                             f"cache's max_blocks_per_seq is {max_blocks_per_seq}")
-        if self._done is not None:
-            self._done.synchronize()  # the previous upload must have read the host buffer
-        return (self._sliced("host", batch_size, num_tokens),
-                self._memo_rows[:batch_size], self._memo_versions[:batch_size])
+        return views(cupy.asarray(packed), places)
+    return out
 
-    def upload(self, batch_size: int, num_tokens: int) -> dict:
-        """Copy the host buffer to the device (one transfer, up to the step's last block table
-        row); the device views, sliced."""
-        if self._device is not self._host:
-            import cupy
 
-            end = self._table_offset + batch_size * self.max_blocks_per_seq
-            self._device[:end].set(self._host[:end])
-            self._done = cupy.cuda.get_current_stream().record()
-        return dict(self._sliced("device", batch_size, num_tokens))
+def _write_input_ids(out: np.ndarray, input_ids, tokens: int) -> None:
+    """The step's token ids into the plan's host array, padding tokens 0."""
+    if input_ids is None:
+        return
+    input_ids = np.asarray(input_ids)
+    if input_ids.shape != (tokens,):
+        raise ValueError(f"input_ids must have shape [num_tokens = {tokens}]; got {input_ids.shape}")
+    out[:tokens] = input_ids
+    out[tokens:] = 0
 
-    def _sliced(self, side: str, batch_size: int, num_tokens: int) -> dict:
-        key = (side, batch_size, num_tokens)
-        if key not in self._slices:
-            if len(self._slices) > 64:
-                self._slices.clear()
-            views = self._host_views if side == "host" else self._device_views
-            lengths = dict(input_ids=num_tokens, positions=num_tokens, slot_mapping=num_tokens,
-                           cu_seqlens_q=batch_size + 1, cu_seqlens_k=batch_size + 1)
-            self._slices[key] = {name: view[:lengths.get(name, batch_size)] for name, view in views.items()}
-        return self._slices[key]
+
+def _write_logits_indices(out: np.ndarray, cu_seqlens_q: np.ndarray, sample_mask, batch: int):
+    """The last token of each sampling sequence into ``out``, the rest 0; returns the
+    ``[batch]`` sample mask and the number of sampling sequences."""
+    ends = cu_seqlens_q[1:batch + 1]
+    if sample_mask is None:
+        sample_mask, num_sampled = np.ones(batch, bool), batch
+        np.subtract(ends, 1, out=out[:batch])
+    else:
+        sample_mask = np.asarray(sample_mask, bool)
+        num_sampled = int(np.count_nonzero(sample_mask))
+        out[:num_sampled] = ends[sample_mask] - 1
+    out[num_sampled:] = 0
+    return sample_mask, num_sampled

@@ -5,134 +5,60 @@ prefills and then waiting requests, long prompts cut into chunks, all under a
 token budget (``max_batch_tokens``) and the cache's free blocks.  When a running
 request cannot get a block, the newest running request is preempted: its blocks
 are freed and it is recomputed from its tokens later (vLLM's policy; the prefix
-cache usually gives most of them back).  The step comes out as a
-:class:`~cupy_paged.runtime.plan.StepPlan`; ``update()`` takes the sampled tokens back.
+cache usually gives most of them back).  The step comes out as a :class:`ScheduledBatch`
+of plain data; ``update()`` takes it back with the sampled tokens.  The public
+``cupy_paged.Scheduler`` builds each batch into a step plan for the kernels.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import itertools
 
 import numpy as np
 
 from .block_pool import CacheFull
-from ..runtime.plan import StepPlan, build_plan
+from .requests import Request, RequestStatus, SchedulerConfig
 
-__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
-
-
-class RequestStatus(enum.Enum):
-    """Where a request is: waiting for (re)admission, running, or finished."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+__all__ = ["Request", "RequestStatus", "ScheduledBatch", "Scheduler", "SchedulerConfig"]
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
-    """A prompt and a generation limit, plus its progress.
+class ScheduledBatch:
+    """One step as :meth:`Scheduler.schedule` chose it, in batch order: the decodes first.
 
-    Parameters
-    ----------
-    request_id : hashable
-        Unique among live requests.
-    prompt_token_ids : list of int
-        At least one token.
-    max_new_tokens : int
-        Stop after this many generated tokens (>= 1).
-    eos_token_id : int, optional
-        Stop early after generating this token.
+    Every request's new tokens have reserved slots in the cache; a plan builder takes the
+    rest from here, and :meth:`Scheduler.update` takes the batch back.
 
     Attributes
     ----------
-    token_ids : list of int
-        Prompt then generated tokens (the cache hashes blocks from this list).
-    num_computed : int
-        Leading tokens whose K/V is in the cache.
-    num_preemptions : int
-        Times the request was preempted and recomputed.
-
-    Examples
-    --------
-    >>> r = Request("a", [1, 2, 3], max_new_tokens=2)
-    >>> r.num_tokens, r.output_token_ids, r.status.value
-    (3, [], 'waiting')
+    requests : list of Request
+    seq_ids : list
+        Their ids, the cache's sequence ids.
+    num_new_tokens : list of int
+        Tokens each request feeds this step (>= 1).
+    input_ids : list of int
+        ``[sum(num_new_tokens)]`` those tokens, concatenated.
+    sample_mask : numpy.ndarray or None
+        ``[batch]`` bool, which requests sample a token; None when every one does.
+    rows : numpy.ndarray
+        ``[batch]`` the sequences' cache rows (``cache.rows(seq_ids)``).
+    num_decodes : int
+        The first ``num_decodes`` requests decode (one token each).
     """
 
-    request_id: object
-    prompt_token_ids: list
-    max_new_tokens: int
-    eos_token_id: int | None = None
-    token_ids: list = dataclasses.field(init=False)
-    num_computed: int = dataclasses.field(init=False, default=0)
-    num_preemptions: int = dataclasses.field(init=False, default=0)
-    status: RequestStatus = dataclasses.field(init=False, default=RequestStatus.WAITING)
-
-    def __post_init__(self):
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
-        if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must hold at least one token")
-        if int(self.max_new_tokens) < 1:
-            raise ValueError(f"request {self.request_id!r}: max_new_tokens must be >= 1; got {self.max_new_tokens}")
-        self.max_new_tokens = int(self.max_new_tokens)
-        self.token_ids = list(self.prompt_token_ids)
+    requests: list
+    seq_ids: list
+    num_new_tokens: list
+    input_ids: list
+    sample_mask: np.ndarray | None
+    rows: np.ndarray
+    num_decodes: int
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens so far."""
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list:
-        """The generated tokens."""
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def max_tokens(self) -> int:
-        """The longest this request can get: prompt plus ``max_new_tokens``."""
-        return len(self.prompt_token_ids) + self.max_new_tokens
-
-
-@dataclasses.dataclass
-class SchedulerConfig:
-    """Limits of one step.
-
-    Parameters
-    ----------
-    max_batch_tokens : int
-        Token budget of a step (decodes count one each).
-    max_num_seqs : int
-        Most running requests; must not exceed ``max_batch_tokens``.
-    max_prefill_chunk : int, optional
-        Most tokens of one prompt in one step (default: the whole budget).
-    admission_margin : float
-        Fraction of the cache's blocks that must stay free after admitting a waiting
-        request while others run, so running decodes do not preempt it at once.
-
-    Examples
-    --------
-    >>> SchedulerConfig(max_batch_tokens=512, max_num_seqs=64).max_prefill_chunk
-    512
-    """
-
-    max_batch_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_prefill_chunk: int | None = None
-    admission_margin: float = 0.02
-
-    def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_batch_tokens < self.max_num_seqs:
-            raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_batch_tokens "
-                             f"({self.max_batch_tokens}): every running decode must fit one step")
-        if self.max_prefill_chunk is None:
-            self.max_prefill_chunk = self.max_batch_tokens
-        if self.max_prefill_chunk < 1:
-            raise ValueError(f"max_prefill_chunk must be >= 1; got {self.max_prefill_chunk}")
-        if not 0.0 <= self.admission_margin < 1.0:
-            raise ValueError(f"admission_margin must be in [0, 1); got {self.admission_margin}")
+    def num_sampled(self) -> int:
+        """Requests that sample a token this step."""
+        return len(self.requests) if self.sample_mask is None else int(np.count_nonzero(self.sample_mask))
 
 
 class Scheduler:
@@ -143,9 +69,6 @@ class Scheduler:
     cache : PagedAttentionCache
         Owns the blocks; the scheduler is its only user while it runs.
     config : SchedulerConfig, optional
-    buffers : PlanBuffers, optional
-        Build every plan into these fixed (device) buffers: the addresses a captured
-        CUDA graph needs.  Each plan is then valid until the next ``schedule()``.
 
     Examples
     --------
@@ -153,31 +76,29 @@ class Scheduler:
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, device="cpu")
     >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
     >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))
-    >>> plan = scheduler.schedule()
-    >>> plan.query_lens.tolist(), plan.logits_indices.tolist()
-    ([16], [])
-    >>> _ = scheduler.update(plan, [])
-    >>> plan = scheduler.schedule()
-    >>> plan.query_lens.tolist(), plan.positions.tolist()
+    >>> batch = scheduler.schedule()
+    >>> batch.seq_ids, batch.num_new_tokens, batch.num_sampled
+    (['a'], [16], 0)
+    >>> _ = scheduler.update(batch, [])
+    >>> batch = scheduler.schedule()
+    >>> batch.num_new_tokens, batch.input_ids
     ([4], [16, 17, 18, 19])
-    >>> [r.output_token_ids for r in scheduler.update(plan, [7])]
+    >>> [r.output_token_ids for r in scheduler.update(batch, [7])]
     []
-    >>> plan = scheduler.schedule()
-    >>> plan.path, plan.input_ids.tolist()
-    ('decode', [7])
-    >>> [r.output_token_ids for r in scheduler.update(plan, [9])]
+    >>> batch = scheduler.schedule()
+    >>> batch.num_decodes, batch.input_ids
+    (1, [7])
+    >>> [r.output_token_ids for r in scheduler.update(batch, [9])]
     [[7, 9]]
     """
 
-    def __init__(self, cache, config: SchedulerConfig | None = None, buffers=None):
+    def __init__(self, cache, config: SchedulerConfig | None = None):
         self.cache = cache
-        self.buffers = buffers
         self.config = SchedulerConfig() if config is None else config
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self._live: dict = {}
-        # The last schedule()'s plan, requests, token counts, ids and cache rows, until update() takes them.
-        self._step: tuple[StepPlan, list, list, list, np.ndarray] | None = None
+        self._step: ScheduledBatch | None = None  # the last schedule()'s batch, until update() takes it
         self.num_preemptions = 0
         # Blocks kept free when admitting; at least one so a decode can always take a block.
         self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
@@ -210,13 +131,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> StepPlan | None:
-        """Choose this step's requests and token counts, reserve their slots, build the plan.
+    def schedule(self) -> ScheduledBatch | None:
+        """Choose this step's requests and token counts and reserve their slots.
 
         Returns
         -------
-        StepPlan or None
-            ``None`` when nothing can run.  Pass the plan and the sampled tokens to
+        ScheduledBatch or None
+            ``None`` when nothing can run.  Pass the batch and the sampled tokens to
             :meth:`update` before the next call.
 
         Examples
@@ -225,9 +146,9 @@ class Scheduler:
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
         >>> scheduler = Scheduler(cache)
         >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))
-        >>> plan = scheduler.schedule()
-        >>> plan.path, plan.slot_mapping.tolist()
-        ('varlen', [0, 1, 2])
+        >>> batch = scheduler.schedule()
+        >>> batch.input_ids, cache.slot_mapping(batch.seq_ids).tolist()
+        ([5, 6, 7], [0, 1, 2])
         """
         if self._step is not None:
             raise RuntimeError("update() must take the previous step's tokens before the next schedule()")
@@ -250,11 +171,10 @@ class Scheduler:
         num_decodes = len(decodes)
         rows = (decode_rows if num_decodes == len(requests)
                 else np.concatenate([decode_rows, self.cache.rows(ids[num_decodes:])]))
-        plan = self._plan(requests, counts, ids, rows, num_decodes)
         # The rows serve update()'s mark_computed too: nothing frees a sequence in between,
         # and a row stays with its sequence until it is freed.
-        self._step = (plan, requests, counts, ids, rows)
-        return plan
+        self._step = self._batch(requests, counts, ids, rows, num_decodes)
+        return self._step
 
     def _schedule_decodes(self, decodes: list) -> tuple[list[Request], np.ndarray]:
         """All running requests with one token left get a slot, preempting the newest as needed.
@@ -340,8 +260,8 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _plan(self, requests: list, counts: list, ids: list, rows: np.ndarray, num_decodes: int) -> StepPlan:
-        """The step's plan; the first ``num_decodes`` requests decode."""
+    def _batch(self, requests: list, counts: list, ids: list, rows: np.ndarray, num_decodes: int) -> ScheduledBatch:
+        """The step's batch; the first ``num_decodes`` requests decode."""
         if max(counts) == 1:  # one input token each, no slicing
             input_ids = [r.token_ids[r.num_computed] for r in requests]
         else:
@@ -354,17 +274,17 @@ class Scheduler:
             sample = np.ones(len(requests), bool)
             sample[num_decodes:] = [r.num_computed + n == r.num_tokens
                                     for r, n in zip(requests[num_decodes:], counts[num_decodes:])]
-        return build_plan(self.cache, ids, counts, input_ids, sample, rows=rows, buffers=self.buffers)
+        return ScheduledBatch(requests, ids, counts, input_ids, sample, rows, num_decodes)
 
-    def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
+    def update(self, batch: ScheduledBatch, sampled_token_ids) -> list[Request]:
         """Take the step's sampled tokens; finish requests that hit their limit or EOS.
 
         Parameters
         ----------
-        plan : StepPlan
-            The plan the last ``schedule()`` returned.
+        batch : ScheduledBatch
+            The batch the last ``schedule()`` returned.
         sampled_token_ids : array_like of int
-            ``[len(plan.logits_indices)]`` one token per sampling request, in batch order.
+            ``[batch.num_sampled]`` one token per sampling request, in batch order.
 
         Returns
         -------
@@ -372,22 +292,22 @@ class Scheduler:
             Requests finished this step (their blocks are freed).
         """
         if self._step is None:
-            raise RuntimeError("update() needs a plan from schedule()")
-        expected, requests, counts, ids, rows = self._step
-        if plan is not expected:
-            raise ValueError("plan is not the one the last schedule() returned")
+            raise RuntimeError("update() needs a batch from schedule()")
+        if batch is not self._step:
+            raise ValueError("batch is not the one the last schedule() returned")
+        requests = batch.requests
         sampled = np.asarray(sampled_token_ids).reshape(-1).tolist()
-        sampling = (requests if len(plan.logits_indices) == len(requests)  # all sample: no mask walk
-                    else [r for r, s in zip(requests, plan.sample_mask.tolist()) if s])
+        sampling = (requests if batch.sample_mask is None  # all sample: no mask walk
+                    else list(itertools.compress(requests, batch.sample_mask.tolist())))
         if len(sampled) != len(sampling):
             raise ValueError(f"sampled_token_ids must hold {len(sampling)} tokens, one per sampling "
                              f"request; got {len(sampled)}")
         self._step = None
         computed = []
-        for request, count in zip(requests, counts):
+        for request, count in zip(requests, batch.num_new_tokens):
             request.num_computed += count
             computed.append(request.num_computed)
-        self.cache.mark_computed(ids, computed, rows=rows)
+        self.cache.mark_computed(batch.seq_ids, computed, rows=batch.rows)
         finished = []
         for request, token in zip(sampling, sampled):
             request.token_ids.append(token)

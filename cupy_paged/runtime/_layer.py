@@ -1,0 +1,76 @@
+"""The launches of one layer shape of a step plan: resolved on the first layer, replayed by the rest."""
+from __future__ import annotations
+
+from .._core.arrays import Array, data_ptr, empty, read
+from .._core.streams import handle
+from ..api.decode import prepare_decode
+from ..api.varlen import prepare_varlen
+
+# StepPlan.path values: the decode kernel (flash_attn_with_kvcache) or the paged varlen one.
+DECODE, VARLEN = "decode", "varlen"
+
+
+def with_token_axis(array: Array) -> Array:
+    """``[T, H, D]`` as ``[T, 1, H, D]`` (the decode kernel's one token per sequence), no copy."""
+    return Array(array.obj, array.kind, array.ptr, (array.shape[0], 1) + tuple(array.shape[1:]),
+                 (array.strides[0],) + tuple(array.strides), array.dtype, array.device)
+
+
+class LayerLaunch:
+    """The launches of one layer shape of a step: built on the first layer, replayed by the rest."""
+
+    def __init__(self, plan, q, k, v, k_cache, v_cache, softmax_scale, out):
+        from .. import kernels
+
+        aq, ak, av = read(q, "q"), read(k, "k"), read(v, "v")
+        ak_cache, av_cache = read(k_cache, "k_cache"), read(v_cache, "v_cache")
+        aout = None if out is None else read(out, "out")
+        self.device = aq.device
+        self.decode = plan.path == DECODE
+        if self.decode:
+            p = prepare_decode(with_token_axis(aq), ak_cache, av_cache, with_token_axis(ak), with_token_axis(av),
+                               cache_seqlens=read(plan.cache_seqlens, "cache_seqlens"),
+                               block_table=read(plan.block_table, "block_table"), softmax_scale=softmax_scale,
+                               causal=True, out=None if aout is None else with_token_axis(aout),
+                               check_values=False)
+            for array in (p.q, p.k_new, p.v_new):
+                if not array.vectorised():
+                    raise ValueError("q, k and v of a layer must have 16-byte aligned rows")
+            self.launch = kernels.decode.DecodeLaunch(p)
+            self.index_ptrs = (p.cache_seqlens.ptr, p.block_table.ptr)
+        else:
+            for name, array in (("k", ak), ("v", av)):
+                if not array.vectorised():
+                    raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
+            self.write = kernels.kv_write.WriteLaunch(ak_cache, ak, av)
+            p = prepare_varlen(aq, ak_cache, av_cache, read(plan.cu_seqlens_q, "cu_seqlens_q"),
+                               read(plan.cu_seqlens_k, "cu_seqlens_k"), plan.max_seqlen_q, plan.max_seqlen_k,
+                               softmax_scale, True, (-1, -1), 0.0, None, read(plan.block_table, "block_table"),
+                               False, aout, False)
+            if not p.q.vectorised():
+                raise ValueError("q of a layer must have 16-byte aligned rows")
+            self.launch = kernels.varlen.VarlenLaunch(p)
+            self.index_ptrs = (p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, p.block_table.ptr,
+                               read(plan.slot_mapping, "slot_mapping").ptr)
+            self.max_seqlen_q = plan.max_seqlen_q
+        self.out_shape = tuple(aq.shape)
+
+    def run(self, kind, q, k, v, k_cache, v_cache, out, stream):
+        stream = handle(stream, kind, self.device)
+        q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
+        kc_ptr, vc_ptr = data_ptr(k_cache), data_ptr(v_cache)
+        if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
+            raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
+        if out is None:
+            out = empty(kind, q, self.out_shape, self.launch.dtype)
+        out_arg = (out, data_ptr(out))
+        if self.decode:
+            seqlens, table = self.index_ptrs
+            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, seqlens, table, 0, 0, 0, 0, 0), 0,
+                            out_arg, None, stream)
+        else:
+            cu_q, cu_k, table, slots = self.index_ptrs
+            self.write.run((kc_ptr, vc_ptr, k_ptr, v_ptr, slots), stream)
+            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, cu_q, cu_k, table, 0), self.max_seqlen_q, out_arg,
+                            None, stream)
+        return out

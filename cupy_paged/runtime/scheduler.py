@@ -1,0 +1,104 @@
+"""The public ``Scheduler``: the serving scheduler's steps, each built into a :class:`StepPlan`."""
+from __future__ import annotations
+
+from ..serving import scheduler as serving
+from .plan import StepPlan, build_plan
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler(serving.Scheduler):
+    """Turns a stream of requests into step plans over a :class:`~cupy_paged.serving.kv_cache.PagedAttentionCache`.
+
+    The requests, token counts and preemption are the serving scheduler's
+    (:class:`cupy_paged.serving.scheduler.Scheduler`); each scheduled batch comes out as the
+    :class:`StepPlan` the kernels run.
+
+    Parameters
+    ----------
+    cache : PagedAttentionCache
+        Owns the blocks; the scheduler is its only user while it runs.
+    config : SchedulerConfig, optional
+    buffers : PlanBuffers, optional
+        Build every plan into these fixed (device) buffers: the addresses a captured
+        CUDA graph needs.  Each plan is then valid until the next ``schedule()``.
+
+    Examples
+    --------
+    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+    >>> from cupy_paged.serving.scheduler import Request, SchedulerConfig
+    >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, device="cpu")
+    >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
+    >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))
+    >>> plan = scheduler.schedule()
+    >>> plan.query_lens.tolist(), plan.logits_indices.tolist()
+    ([16], [])
+    >>> _ = scheduler.update(plan, [])
+    >>> plan = scheduler.schedule()
+    >>> plan.query_lens.tolist(), plan.positions.tolist()
+    ([4], [16, 17, 18, 19])
+    >>> [r.output_token_ids for r in scheduler.update(plan, [7])]
+    []
+    >>> plan = scheduler.schedule()
+    >>> plan.path, plan.input_ids.tolist()
+    ('decode', [7])
+    >>> [r.output_token_ids for r in scheduler.update(plan, [9])]
+    [[7, 9]]
+    """
+
+    def __init__(self, cache, config: serving.SchedulerConfig | None = None, buffers=None):
+        super().__init__(cache, config)
+        self.buffers = buffers
+        self._planned: tuple[StepPlan, serving.ScheduledBatch] | None = None  # until update() takes it
+
+    def schedule(self) -> StepPlan | None:
+        """Choose this step's requests and token counts, reserve their slots, build the plan.
+
+        Returns
+        -------
+        StepPlan or None
+            ``None`` when nothing can run.  Pass the plan and the sampled tokens to
+            :meth:`update` before the next call.
+
+        Examples
+        --------
+        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged.serving.scheduler import Request
+        >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
+        >>> scheduler = Scheduler(cache)
+        >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))
+        >>> plan = scheduler.schedule()
+        >>> plan.path, plan.slot_mapping.tolist()
+        ('varlen', [0, 1, 2])
+        """
+        batch = super().schedule()
+        if batch is None:
+            return None
+        plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids, batch.sample_mask,
+                          rows=batch.rows, buffers=self.buffers)
+        self._planned = (plan, batch)
+        return plan
+
+    def update(self, plan: StepPlan, sampled_token_ids) -> list:
+        """Take the step's sampled tokens; finish requests that hit their limit or EOS.
+
+        Parameters
+        ----------
+        plan : StepPlan
+            The plan the last ``schedule()`` returned.
+        sampled_token_ids : array_like of int
+            ``[len(plan.logits_indices)]`` one token per sampling request, in batch order.
+
+        Returns
+        -------
+        list of Request
+            Requests finished this step (their blocks are freed).
+        """
+        if self._planned is None:
+            raise RuntimeError("update() needs a plan from schedule()")
+        expected, batch = self._planned
+        if plan is not expected:
+            raise ValueError("plan is not the one the last schedule() returned")
+        finished = super().update(batch, sampled_token_ids)
+        self._planned = None
+        return finished
