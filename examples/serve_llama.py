@@ -65,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--greedy", action="store_true", help="every request greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-warm-up", action="store_true", help="time the first steps' kernel compilation too")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu or not gpu_available() else "gpu"
     for name, value in DEFAULTS[device].items():
@@ -116,7 +117,7 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"{name:<{width}}  {value}")
 
 
-def report(args, model, source, engine, load_seconds) -> None:
+def report(args, model, source, engine, load_seconds, warm_seconds) -> None:
     s, c = engine.stats, model.config
     where = "GPU (CUDA kernels)" if args.device == "gpu" else "CPU (reference backend)"
     total = max(s.wall_seconds, 1e-9)
@@ -126,6 +127,8 @@ def report(args, model, source, engine, load_seconds) -> None:
         ("device", f"{where}, {np.dtype(model.dtype).name}"),
         ("model", f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads}/"
                   f"{c.num_key_value_heads} x {c.head_dim}, vocab {c.vocab_size}; {source} ({load_seconds:.1f} s)"),
+        ("warm-up", "skipped" if args.no_warm_up else f"{warm_seconds:.1f} s (kernels compiled, graphs captured; "
+                                                       "not in the numbers below)"),
         ("requests", f"{s.requests}"),
         ("prompt tokens", f"{s.prompt_tokens} ({s.computed_prompt_tokens} computed)"),
         ("generated tokens", f"{s.generated_tokens}"),
@@ -152,11 +155,15 @@ def main(argv=None) -> int:
                     max_prefill_chunk=args.max_prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                     max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs,
                     seed=args.seed)
+    start = time.perf_counter()
+    if not args.no_warm_up:
+        engine.warm_up()
+    warm_seconds = time.perf_counter() - start
     from tqdm import tqdm
 
     with tqdm(total=len(requests), unit="req", desc="requests", disable=args.no_progress) as bar:
         engine.run(requests, on_finish=lambda request: bar.update(1))
-    report(args, model, source, engine, load_seconds)
+    report(args, model, source, engine, load_seconds, warm_seconds)
     return 0
 
 

@@ -346,7 +346,7 @@ def test_top_k_and_temperature():
 
 
 def test_llama_docstring_examples():
-    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine"):
+    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine", "cublas"):
         module = importlib.import_module(f"llama.{name}")
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
 
@@ -377,6 +377,32 @@ def _gpu_engines(graph_sizes):
                                              "vocab_size": 1000, "intermediate_size": 512}), xp=cupy)
     kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
     return model, Engine(model, **kwargs), Engine(model, cuda_graphs=True, graph_sizes=graph_sizes, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
+def test_cublas_gemm_matches_numpy_and_can_be_captured(dtype):
+    import cupy
+    from llama.cublas import Gemm
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in ((37, 96), (96, 200)))
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    gemm, stream = Gemm(), cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        da, db = cupy.asarray(a), cupy.asarray(b)
+        eager = gemm(da, db)
+        stream.begin_capture()
+        try:
+            captured = gemm(da, db)
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream=stream)
+        stream.synchronize()
+    got = eager.get().astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+    np.testing.assert_array_equal(captured.get().view(np.uint8), eager.get().view(np.uint8))
 
 
 @pytest.mark.gpu

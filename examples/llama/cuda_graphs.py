@@ -67,11 +67,11 @@ class DecodePadding:
         at = bisect.bisect_left(self.sizes, batch)
         return self.sizes[at] if at < len(self.sizes) else None
 
-    def plan(self, seq_ids: list, input_ids: list):
-        """The decode plan of ``seq_ids`` (one new token each, slots reserved) padded to
-        ``size_for(len(seq_ids))`` rows; row ``i < len(seq_ids)`` is ``seq_ids[i]``."""
-        size = self.size_for(len(seq_ids))
-        if size is None:
+    def plan(self, seq_ids: list, input_ids: list, size: int | None = None):
+        """The decode plan of ``seq_ids`` (one new token each, slots reserved) padded to ``size``
+        rows (default ``size_for(len(seq_ids))``); row ``i < len(seq_ids)`` is ``seq_ids[i]``."""
+        size = self.size_for(len(seq_ids)) if size is None else size
+        if size is None or size < len(seq_ids):
             raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest size {self.sizes[-1]}")
         pad = size - len(seq_ids)
         ids = np.asarray(list(input_ids) + [0] * pad, np.int32)
@@ -155,6 +155,12 @@ class DecodeGraphs:
         graph.launch(stream=self.stream)
         self.replays += 1
         return logits[:len(seq_ids)]
+
+    def capture_all(self) -> None:
+        """Capture every size now (over plans of padding rows only), before a timed run."""
+        for size in self.padding.sizes:
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(self.padding.plan([], [], size))
 
     def _capture(self, plan):
         """Warm up, then capture the model's decode step over ``plan`` (the buffers' views)."""

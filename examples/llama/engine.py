@@ -51,9 +51,14 @@ class GenerationRequest:
 
 @dataclasses.dataclass
 class EngineStats:
-    """What a run did.  ``seconds`` buckets: ``attention`` (the plan's attention calls),
-    ``other`` (the rest of the model and sampling, eager steps), ``graph`` (decode graph
-    replays), ``host`` (scheduling, plans, bookkeeping: wall time minus the device buckets)."""
+    """What a run did.
+
+    ``seconds`` buckets: ``attention`` (the plan's attention calls), ``other`` (the rest of the
+    model and sampling in eager steps), ``graph`` (decode graph replays and their sampling), and
+    ``host`` (the rest of each step's wall time: scheduling, plan building and upload, update).
+    On the GPU the first three are stream time between CUDA events, which includes any time the
+    GPU waited for the host to enqueue work.
+    """
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -139,6 +144,7 @@ class Engine:
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
         self._live: dict = {}        # request id -> (scheduler Request, GenerationRequest, generator)
         self._admissions: dict = {}  # request id -> its num_preemptions when last admitted
+        self._preemptions_before = 0  # the scheduler's count when the statistics were last reset
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue one request (``ValueError`` when it could never fit the cache or the model)."""
@@ -166,7 +172,6 @@ class Engine:
     def step(self) -> list:
         """Run one scheduled step; returns the scheduler ``Request`` s that finished in it."""
         start = time.perf_counter()
-        device = self.timer.seconds["attention"] + self.timer.seconds["model"] + self.timer.seconds["graph"]
         with self.stream if self.gpu else contextlib.nullcontext():
             plan = self.scheduler.schedule()
             if plan is None:
@@ -177,18 +182,21 @@ class Engine:
             self._count_step(plan, live, decodes)
             sampling = live if len(plan.logits_indices) == len(live) else [
                 entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
+            params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
+            model_start = time.perf_counter()
             if self.graphs is not None and all(decodes) and self.graphs.size_for(len(live)) is not None:
                 with self.timer.span("graph"):
                     logits = self.graphs.run(plan.seq_ids, [r.token_ids[-1] for r, _, _ in live])
-                    tokens = sample(logits, [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling])
+                    tokens = sample(logits, params, generators)
             else:
                 with self.timer.span("model"):
                     logits = self.model.forward(plan, self.cache, self.timer)
-                    tokens = sample(logits, [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling])
+                    tokens = sample(logits, params, generators)
+            # Sampling ends with the tokens on the host, so on the GPU this waited for the step's work.
+            model_seconds = time.perf_counter() - model_start
             finished = self.scheduler.update(plan, tokens)
         self.timer.collect()
-        spent = self.timer.seconds["attention"] + self.timer.seconds["model"] + self.timer.seconds["graph"] - device
-        self.timer.seconds["host"] += max(0.0, time.perf_counter() - start - spent)
+        self.timer.seconds["host"] += time.perf_counter() - start - model_seconds
         for request in finished:
             del self._live[request.request_id]
             self._admissions.pop(request.request_id, None)
@@ -196,6 +204,20 @@ class Engine:
             self.stats.prompt_tokens += len(request.prompt_token_ids)
             self.stats.generated_tokens += len(request.output_token_ids)
         return finished
+
+    def warm_up(self) -> None:
+        """Compile every kernel a step uses (prefill, decode, sampling) and capture the decode
+        graphs, then forget the statistics: a timed run after it measures serving alone."""
+        block = self.cache.block_size
+        prompts = [[(7 * i + 3) % self.model.config.vocab_size for i in range(2 * block + 3)], [1, 2, 3]]
+        self.run([GenerationRequest(("warm-up", 0), prompts[0], 3),
+                  GenerationRequest(("warm-up", 1), prompts[1], 3, SamplingParams(1.0, 0.9, 5, seed=0))])
+        if self.graphs is not None:
+            with self.stream:
+                self.graphs.capture_all()
+            self.graphs.replays = 0
+        self.stats = EngineStats(num_blocks=self.cache.num_blocks)
+        self._preemptions_before = self.scheduler.num_preemptions
 
     def _count_step(self, plan, live, decodes) -> None:
         """Step kind, kernel path, prefix-cache admissions and cache use of the step just scheduled."""
@@ -211,7 +233,7 @@ class Engine:
                 stats.prefix_queried_tokens += request.num_tokens
                 stats.prefix_hit_tokens += request.num_computed
         stats.peak_blocks = max(stats.peak_blocks, self.cache.num_blocks - self.cache.num_free_blocks)
-        stats.preemptions = self.scheduler.num_preemptions
+        stats.preemptions = self.scheduler.num_preemptions - self._preemptions_before
 
     def run(self, requests, on_finish=None) -> dict:
         """Serve ``requests`` to the end.

@@ -6,7 +6,7 @@ plain matrix products over ``[T, hidden]``; attention goes through ``plan.attent
 writes each layer's new K/V into the paged cache and attends every token to its own sequence.
 
 Numerics: weights and matrix products in the weights' dtype (bfloat16 on the GPU: cuBLAS with
-float32 accumulation); the residual stream, RMSNorm, rotary and SwiGLU's activation in float32
+float32 accumulation, called through :mod:`llama.cublas` so that CUDA graphs can capture it); the residual stream, RMSNorm, rotary and SwiGLU's activation in float32
 (float64 for a float64 model), cast back to the weights' dtype at each matrix product.
 """
 from __future__ import annotations
@@ -91,6 +91,12 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: dict, xp=np, dtype=np.float32, max_positions=None):
         self.config, self.xp, self.dtype = config, xp, np.dtype(dtype)
         self.acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        if xp is np:
+            self.matmul = np.matmul
+        else:
+            from .cublas import Gemm
+
+            self.matmul = Gemm()
 
         def matrix(*names):  # HF [out, in] matrices -> one [in, sum(out)] device matrix
             joined = np.concatenate([weights[n] for n in names], axis=0).T
@@ -139,7 +145,7 @@ class LlamaModel:
         c, xp = self.config, self.xp
         tokens = x.shape[0]
         h = self.rms_norm(x, layer.input_norm).astype(self.dtype)
-        qkv = h @ layer.qkv
+        qkv = self.matmul(h, layer.qkv)
         q = self.rotate(qkv[:, :c.q_size].reshape(tokens, c.num_attention_heads, c.head_dim), cos, sin)
         k = self.rotate(qkv[:, c.q_size:c.q_size + c.kv_size].reshape(tokens, c.num_key_value_heads, c.head_dim),
                         cos, sin)
@@ -147,15 +153,15 @@ class LlamaModel:
         v = xp.ascontiguousarray(qkv[:, c.q_size + c.kv_size:]).reshape(tokens, c.num_key_value_heads, c.head_dim)
         with timer.span("attention"):
             attended = plan.attention(q, k, v, *cache.layer(index))
-        return x + (attended.reshape(tokens, c.q_size) @ layer.out).astype(self.acc)
+        return x + self.matmul(attended.reshape(tokens, c.q_size), layer.out).astype(self.acc)
 
     def _mlp_block(self, layer, x):
         """Residual plus SwiGLU: ``down(silu(gate(h)) * up(h))``."""
         size = self.config.intermediate_size
-        gate_up = self.rms_norm(x, layer.post_norm).astype(self.dtype) @ layer.gate_up
+        gate_up = self.matmul(self.rms_norm(x, layer.post_norm).astype(self.dtype), layer.gate_up)
         gate, up = gate_up[:, :size].astype(self.acc), gate_up[:, size:].astype(self.acc)
         hidden = (gate / (1.0 + self.xp.exp(-gate)) * up).astype(self.dtype)
-        return x + (hidden @ layer.down).astype(self.acc)
+        return x + self.matmul(hidden, layer.down).astype(self.acc)
 
     def forward(self, plan, cache, timer=None, all_rows: bool = False):
         """Run every layer over the step's tokens; the logits of the rows that sample.
@@ -190,5 +196,5 @@ class LlamaModel:
             if rows.shape[0] == 0:  # a step of prompt chunks that sample nothing: no LM head
                 return xp.empty((0, self.config.vocab_size), self.acc)
             x = x[rows]
-        logits = self.rms_norm(x, self.norm).astype(self.dtype) @ self.lm_head
+        logits = self.matmul(self.rms_norm(x, self.norm).astype(self.dtype), self.lm_head)
         return logits.astype(self.acc)
