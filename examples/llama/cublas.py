@@ -20,7 +20,9 @@ _DATA_TYPE = {np.dtype(np.float16): 2, np.dtype(ml_dtypes.bfloat16): 14, np.dtyp
               np.dtype(np.float64): 1}
 _COMPUTE_32F, _COMPUTE_64F = 68, 70
 _OP_N, _GEMM_DEFAULT = 0, -1
-WORKSPACE_BYTES = 32 << 20  # what NVIDIA suggests for Hopper
+# On the H200 a 32 MiB workspace made each bf16 [64, 2048] x [2048, 3072] call cost 49 us of host
+# time against 28 us with 4 MiB (and 24 us for CuPy's own matmul): 4 MiB it is.
+WORKSPACE_BYTES = 4 << 20
 
 
 def _library():
@@ -88,7 +90,8 @@ class Gemm:
 
         if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"need [M, K] @ [K, N] of one dtype; got {a.shape} {a.dtype} @ {b.shape} {b.dtype}")
-        a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
+        if not (a.flags.c_contiguous and b.flags.c_contiguous):
+            a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
         (m, k), n = a.shape, b.shape[1]
         out = cupy.empty((m, n), a.dtype)
         if m == 0 or n == 0:
