@@ -22,7 +22,7 @@ def test_import_contracts_hold():
     assert importlinter_cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
 
 
-def test_import_contracts_can_fail(tmp_path):
+def test_import_contracts_can_fail(tmp_path, monkeypatch):
     """The contracts see a crossing: a copy of the package whose serving layer imports the kernels fails them."""
     importlinter_cli = pytest.importorskip("importlinter.cli")
     import shutil
@@ -31,6 +31,7 @@ def test_import_contracts_can_fail(tmp_path):
     shutil.copytree(PACKAGE, tmp_path / "cupy_paged", ignore=shutil.ignore_patterns("__pycache__"))
     scheduler = tmp_path / "cupy_paged" / "serving" / "scheduler.py"
     scheduler.write_text(scheduler.read_text() + "\nfrom ..kernels import decode  # noqa\n")
+    monkeypatch.chdir(tmp_path)  # import-linter also looks in the working folder: make it the copy's
     sys.path.insert(0, str(tmp_path))
     saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "cupy_paged"}
     try:
