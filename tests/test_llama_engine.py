@@ -31,6 +31,7 @@ from llama import (Engine, GenerationRequest, LlamaConfig, LlamaModel, SamplingP
                    load_checkpoint, random_weights, save_checkpoint)
 from llama.sampling import filtered_probs, sample  # noqa: E402
 from llama.weights import BF16, INDEX_NAME, read_raw  # noqa: E402
+from llama_dense import dense_logits  # noqa: E402
 
 TINY = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=50000.0,
@@ -39,48 +40,6 @@ TINY = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hid
 
 def tiny_model(dtype=np.float64, config=TINY, seed=3, xp=np):
     return LlamaModel(config, random_weights(config, seed), xp, dtype)
-
-
-# --------------------------------------------------------------------------- a dense forward
-
-
-def dense_logits(config: LlamaConfig, w: dict, tokens) -> np.ndarray:
-    """``[len(tokens), vocab]`` float64 logits of one sequence: causal attention over all its
-    tokens at once, straight from the Hugging Face names, in plain NumPy."""
-    w = {name: np.asarray(a, np.float64) for name, a in w.items()}
-    n, d = len(tokens), config.head_dim
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-
-    def rms(x, weight):
-        return weight * x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + config.rms_norm_eps)
-
-    # rotate_half form: x * cos + rotate_half(x) * sin, frequencies repeated over both halves.
-    freq = config.rope_theta ** (-np.arange(0, d, 2) / d)
-    angle = np.arange(n)[:, None] * np.concatenate([freq, freq])[None, :]
-    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-
-    def rope(x):
-        return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1) * sin
-
-    causal = np.tril(np.ones((n, n), bool))
-    x = w["model.embed_tokens.weight"][np.asarray(tokens)]
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        h = rms(x, w[p + "input_layernorm.weight"])
-        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, heads, d))
-        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, kv_heads, d))
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, kv_heads, d)
-        k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
-        scores = np.where(causal[None], scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * d) @ w[p + "self_attn.o_proj.weight"].T
-        h = rms(x, w[p + "post_attention_layernorm.weight"])
-        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
-    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
-    return rms(x, w["model.norm.weight"]) @ head.T
 
 
 # --------------------------------------------------------------------------- helpers
