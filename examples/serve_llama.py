@@ -127,8 +127,8 @@ def report(args, model, source, engine, load_seconds, warm_seconds) -> None:
         ("device", f"{where}, {np.dtype(model.dtype).name}"),
         ("model", f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads}/"
                   f"{c.num_key_value_heads} x {c.head_dim}, vocab {c.vocab_size}; {source} ({load_seconds:.1f} s)"),
-        ("warm-up", "skipped" if args.no_warm_up else f"{warm_seconds:.1f} s (kernels compiled, graphs captured; "
-                                                       "not in the numbers below)"),
+        ("warm-up", "skipped" if args.no_warm_up else
+         f"{warm_seconds:.1f} s (kernels compiled{', graphs captured' if args.cuda_graphs else ''}; not below)"),
         ("requests", f"{s.requests}"),
         ("prompt tokens", f"{s.prompt_tokens} ({s.computed_prompt_tokens} computed)"),
         ("generated tokens", f"{s.generated_tokens}"),
