@@ -544,31 +544,3 @@ def test_cuda_cache_update_copy_on_write_and_plan_buffers():
     assert plan.slot_mapping.get().tolist() == [child_block * 16 + 4, -1]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("uploaded", [False, True])
-def test_cuda_plan_attention_from_host_or_device_plan(uploaded):
-    """``StepPlan.attention`` on CUDA caches, from a plan built without buffers (``build_plan``
-    uploads its indices in one transfer) or into PlanBuffers; both equal the CPU reference."""
-    import cupy
-
-    rng = np.random.default_rng(7)
-    layers, kv_heads, heads, dim = 2, 2, 4, 64
-    cache = PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
-                                device="cuda")
-    host = PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
-                               device="cpu")
-    for c in (cache, host):
-        c.allocate("a", list(range(40)))
-        c.allocate("b", list(range(7)))
-    buffers = PlanBuffers(4, 64, cache.max_blocks_per_seq, device="cuda") if uploaded else None
-    plan = build_plan(cache, ["a", "b"], [40, 7], buffers=buffers)
-    host_plan = build_plan(host, ["a", "b"], [40, 7])
-    assert isinstance(plan.block_table, cupy.ndarray)  # the plan lives where the cache lives
-    for layer in range(layers):
-        q, k, v = (rng.standard_normal((47, n, dim)).astype(np.float16) for n in (heads, kv_heads, kv_heads))
-        got = plan.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *cache.layer(layer))
-        want = host_plan.attention(q, k, v, *host.layer(layer))
-        np.testing.assert_allclose(got.get().astype(np.float32), want.astype(np.float32), rtol=5e-3, atol=5e-3)
-        np.testing.assert_array_equal(cache.layer(layer)[0].get(), host.layer(layer)[0])  # the same writes
-    if not uploaded:  # one device buffer holds every index array
-        assert plan.block_table.data.mem is plan.positions.data.mem is plan.cu_seqlens_k.data.mem

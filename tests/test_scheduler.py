@@ -10,7 +10,6 @@ import pytest
 import cupy_paged
 from cupy_paged import flash_attn_varlen_func
 from cupy_paged.runtime.buffers import PlanBuffers
-from cupy_paged.runtime.plan import build_plan
 from cupy_paged.runtime.scheduler import Scheduler
 from cupy_paged.serving import scheduler as serving
 from cupy_paged.serving.kv_cache import PagedAttentionCache
@@ -235,53 +234,6 @@ def test_the_serving_scheduler_hands_out_plain_batches_the_runtime_plans():
     assert not plain.has_unfinished() and not planned.has_unfinished()
     with pytest.raises(RuntimeError, match="needs a batch"):
         plain.update(None, [])
-
-
-# --------------------------------------------------------------------------- plan buffers
-
-def test_plan_buffers_track_changed_rows_and_pad():
-    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, dtype="float32", device="cpu",
-                                max_blocks_per_seq=6)
-    buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=6)
-    for seq, n in (("a", 5), ("b", 8)):
-        cache.allocate(seq, list(range(30)), num_new_tokens=n)
-        cache.mark_computed([seq], [n])
-    steps = [("grow", ["a", "b"]), ("fork", None), ("grow", ["a", "b", "a2"]), ("free", "b"), ("grow", ["a", "a2"])]
-    for action, arg in steps:
-        if action == "fork":
-            cache.fork("a", "a2")  # shares a's partial block: the next grow copies it
-            continue
-        if action == "free":
-            cache.free(arg)
-            continue
-        cache.grow(arg, 1)
-        fresh = build_plan(cache, arg, 1)
-        fixed = build_plan(cache, arg, 1, buffers=buffers, batch_size=4, num_tokens=8)
-        width = fresh.block_table.shape[1]
-        assert np.array_equal(fixed.block_table[:len(arg), :width], fresh.block_table)
-        assert (fixed.block_table[:len(arg), width:] == -1).all() and (fixed.block_table[len(arg):] == -1).all()
-        assert np.array_equal(fixed.slot_mapping[:len(arg)], fresh.slot_mapping)
-        assert (fixed.slot_mapping[len(arg):] == -1).all() and (fixed.positions[len(arg):] == 0).all()
-        assert fixed.cu_seqlens_q.tolist() == fresh.cu_seqlens_q.tolist() + [len(arg)] * (4 - len(arg))
-        assert fixed.cache_seqlens[len(arg):].tolist() == [0] * (4 - len(arg))
-        assert fixed.batch_size == 4 and fixed.sample_mask.tolist() == [True] * len(arg) + [False] * (4 - len(arg))
-        # 8 padded tokens on 4 rows are no longer one token per row: the varlen path runs it.
-        assert fresh.path == "decode" and fixed.path == "varlen"
-        assert build_plan(cache, arg, 1, buffers=buffers, batch_size=4, num_tokens=4).path == "decode"
-        x = np.ones((8, 1, 32), np.float32)
-        assert fixed.attention(x, x, x, *cache.layer(0)).shape == (8, 1, 32)
-        cache.mark_computed(arg, [cache.num_slots(s) for s in arg])
-
-
-def test_plan_rejects_unreserved_tokens_and_oversized_padding():
-    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
-    cache.allocate("a", [1, 2, 3])
-    with pytest.raises(ValueError, match=r"query_lens\[0\] = 4 must be >= 1 and fit the 3 slots"):
-        build_plan(cache, ["a"], [4])
-    with pytest.raises(ValueError, match="must fit the buffers"):
-        build_plan(cache, ["a"], [3], buffers=PlanBuffers(1, 2, cache.max_blocks_per_seq))
-    with pytest.raises(ValueError, match="pass buffers too"):
-        build_plan(cache, ["a"], [3], batch_size=2)
 
 
 # --------------------------------------------------------------------------- soak

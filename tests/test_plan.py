@@ -1,0 +1,86 @@
+"""The step plan: index arrays from the cache, fixed buffers for CUDA graphs, and
+``StepPlan.attention`` per layer (CPU, and on a GPU from a host or a device plan)."""
+import numpy as np
+import pytest
+
+from cupy_paged.runtime.buffers import PlanBuffers
+from cupy_paged.runtime.plan import build_plan
+from cupy_paged.serving.kv_cache import PagedAttentionCache
+
+
+def test_plan_buffers_track_changed_rows_and_pad():
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, dtype="float32", device="cpu",
+                                max_blocks_per_seq=6)
+    buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=6)
+    for seq, n in (("a", 5), ("b", 8)):
+        cache.allocate(seq, list(range(30)), num_new_tokens=n)
+        cache.mark_computed([seq], [n])
+    steps = [("grow", ["a", "b"]), ("fork", None), ("grow", ["a", "b", "a2"]), ("free", "b"), ("grow", ["a", "a2"])]
+    for action, arg in steps:
+        if action == "fork":
+            cache.fork("a", "a2")  # shares a's partial block: the next grow copies it
+            continue
+        if action == "free":
+            cache.free(arg)
+            continue
+        cache.grow(arg, 1)
+        fresh = build_plan(cache, arg, 1)
+        fixed = build_plan(cache, arg, 1, buffers=buffers, batch_size=4, num_tokens=8)
+        width = fresh.block_table.shape[1]
+        assert np.array_equal(fixed.block_table[:len(arg), :width], fresh.block_table)
+        assert (fixed.block_table[:len(arg), width:] == -1).all() and (fixed.block_table[len(arg):] == -1).all()
+        assert np.array_equal(fixed.slot_mapping[:len(arg)], fresh.slot_mapping)
+        assert (fixed.slot_mapping[len(arg):] == -1).all() and (fixed.positions[len(arg):] == 0).all()
+        assert fixed.cu_seqlens_q.tolist() == fresh.cu_seqlens_q.tolist() + [len(arg)] * (4 - len(arg))
+        assert fixed.cache_seqlens[len(arg):].tolist() == [0] * (4 - len(arg))
+        assert fixed.batch_size == 4 and fixed.sample_mask.tolist() == [True] * len(arg) + [False] * (4 - len(arg))
+        # 8 padded tokens on 4 rows are no longer one token per row: the varlen path runs it.
+        assert fresh.path == "decode" and fixed.path == "varlen"
+        assert build_plan(cache, arg, 1, buffers=buffers, batch_size=4, num_tokens=4).path == "decode"
+        x = np.ones((8, 1, 32), np.float32)
+        assert fixed.attention(x, x, x, *cache.layer(0)).shape == (8, 1, 32)
+        cache.mark_computed(arg, [cache.num_slots(s) for s in arg])
+
+
+def test_plan_rejects_unreserved_tokens_and_oversized_padding():
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
+    cache.allocate("a", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"query_lens\[0\] = 4 must be >= 1 and fit the 3 slots"):
+        build_plan(cache, ["a"], [4])
+    with pytest.raises(ValueError, match="must fit the buffers"):
+        build_plan(cache, ["a"], [3], buffers=PlanBuffers(1, 2, cache.max_blocks_per_seq))
+    with pytest.raises(ValueError, match="pass buffers too"):
+        build_plan(cache, ["a"], [3], batch_size=2)
+
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("uploaded", [False, True])
+def test_cuda_plan_attention_from_host_or_device_plan(uploaded):
+    """``StepPlan.attention`` on CUDA caches, from a plan built without buffers (``build_plan``
+    uploads its indices in one transfer) or into PlanBuffers; both equal the CPU reference."""
+    import cupy
+
+    rng = np.random.default_rng(7)
+    layers, kv_heads, heads, dim = 2, 2, 4, 64
+    cache = PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
+                                device="cuda")
+    host = PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
+                               device="cpu")
+    for c in (cache, host):
+        c.allocate("a", list(range(40)))
+        c.allocate("b", list(range(7)))
+    buffers = PlanBuffers(4, 64, cache.max_blocks_per_seq, device="cuda") if uploaded else None
+    plan = build_plan(cache, ["a", "b"], [40, 7], buffers=buffers)
+    host_plan = build_plan(host, ["a", "b"], [40, 7])
+    assert isinstance(plan.block_table, cupy.ndarray)  # the plan lives where the cache lives
+    for layer in range(layers):
+        q, k, v = (rng.standard_normal((47, n, dim)).astype(np.float16) for n in (heads, kv_heads, kv_heads))
+        got = plan.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *cache.layer(layer))
+        want = host_plan.attention(q, k, v, *host.layer(layer))
+        np.testing.assert_allclose(got.get().astype(np.float32), want.astype(np.float32), rtol=5e-3, atol=5e-3)
+        np.testing.assert_array_equal(cache.layer(layer)[0].get(), host.layer(layer)[0])  # the same writes
+    if not uploaded:  # one device buffer holds every index array
+        assert plan.block_table.data.mem is plan.positions.data.mem is plan.cu_seqlens_k.data.mem
