@@ -7,13 +7,14 @@ time of runs 1-2 is kept as ``single_call``).  Peers run on contiguous K/V in th
 imported only here; a missing peer is skipped).  The launch-bound case (64 x 128) reports
 microseconds per call, eager and as a replayed CUDA graph, rotating 8 input sets past the L2.
 ``--sweep`` then (after the table and the JSON are written, so that a failing candidate loses
-only the sweep) times the registered pipeline shape and each ``ops.decode.CANDIDATES`` shape at
+only the sweep) times the registered pipeline shape and each :data:`SWEEP` shape at
 64 x 4096 (block sizes 16, 32, 256 shuffled, 16 sorted), 256 x 2048, 8 x 32768 and 1 x 131072
 (block 16, each shape's own split heuristic) on the same inputs, with each shape's
 registers, local memory and CTAs per SM as built here and its largest difference from the
 registered kernel's output (NaN: an element left unwritten); it adds ``"sweep"`` to the JSON.
 ``--trace`` records each CTA's start and end on the GPU clock for one launch each of 64 x 4096,
-256 x 2048 and 1 x 131072 and summarises where the span goes (``"trace"``); ``--fixed-cost``
+256 x 2048 and 1 x 131072 (the kernel's TRACE specialization, ``run(..., trace=)``; the registered
+kernels hold no trace code) and summarises where the span goes (``"trace"``); ``--fixed-cost``
 fits time per call against tiles per CTA at one and two waves (``"fixed_cost"``).
 
     python benchmarks/bench_decode.py [--quick] [--sweep] [--trace] [--fixed-cost]
@@ -38,8 +39,14 @@ import cupy_paged  # noqa: E402
 from cupy_paged._core.types import BF16  # noqa: E402
 from cupy_paged._core.compiler import get_function  # noqa: E402
 from cupy_paged.kernels import decode as decode_ops  # noqa: E402
+from cupy_paged.kernels.decode import Tiles  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
+# Head dim -> the pipeline shapes --sweep times against the registered one (each also checked by
+# tests/test_decode_gpu.py's CANDIDATES; NOTES_decode.md has the earlier sweeps and their outcomes).
+SWEEP: dict[int, tuple[Tiles, ...]] = {
+    128: (Tiles(32, 3, warps=2),),
+}
 FA2, CUDNN = "torch FA2 varlen", "cuDNN SDPA"
 CHAIN = 4  # calls per timed sample (see median_ms)
 
@@ -109,7 +116,7 @@ def make_paged(rng, batch, context, block_size, copies=1, shuffle=True):
 
 
 def decode_problem(paged_set, num_splits=0, out=None):
-    """The checked problem of one ``make_paged`` set (no value checks), as ``ops.decode`` runs it."""
+    """The checked problem of one ``make_paged`` set (no value checks), as ``kernels.decode`` runs it."""
     q, k, v, table, lens = paged_set
     return cupy_paged.api.decode.prepare_decode(q, k, v, cache_seqlens=lens, block_table=table, num_splits=num_splits,
                                              out=out, check_values=False)
@@ -236,19 +243,19 @@ def launch_bound_case(rng, batch=64, context=128, block_size=16):
     return [result, graph]
 
 
-def shape_resources(tiles):
+def shape_resources(tiles, trace=False):
     """Registers, local memory, shared memory and CTAs per SM of ``paged_decode`` (bf16, D = 128)
-    with pipeline shape ``tiles`` as built on this machine."""
+    with pipeline shape ``tiles`` as built on this machine (``trace``: its TRACE specialization)."""
     smem = tiles.smem_bytes(DIM)
-    kernel = get_function(decode_ops.kernel_key(BF16, DIM, tiles), "paged_decode", smem)
+    kernel = get_function(decode_ops.kernel_key(BF16, DIM, tiles, trace=trace), "paged_decode", smem)
     return {"registers": int(kernel.num_regs), "local_bytes": int(kernel.local_size_bytes), "smem": smem,
             "ctas_per_sm": decode_ops.ctas_per_sm(kernel.num_regs, smem, tiles.threads)}
 
 
 def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
-    """The registered shape and every CANDIDATES[128] shape on one input set: TB/s, resources and
+    """The registered shape and every SWEEP[128] shape on one input set: TB/s, resources and
     the largest difference of each shape's output from the registered kernel's (through
-    ``ops.decode.run``, the same host path for all, no host checks)."""
+    ``kernels.decode.run``, the same host path for all, no host checks)."""
     sets = make_paged(rng, batch, context, block_size, shuffle=shuffle)
     out = cupy.empty_like(sets[0][0])
     problem = decode_problem(sets[0], out=out)
@@ -262,7 +269,7 @@ def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
     decode_ops.run(problem)
     reference = out.astype(np.float32)
     row = {"name": name, "registered": registered.label(), "shapes": {}}
-    for tiles in (registered,) + decode_ops.CANDIDATES.get(DIM, ()):
+    for tiles in (registered,) + SWEEP.get(DIM, ()):
         try:
             out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten element shows in the difference
             decode_ops.run(problem, tiles)
@@ -314,7 +321,8 @@ def trace_case(rng, batch, context, block_size=16, calls=8):
     t0 = start.min()
     start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
     span = float(end.max())
-    slots = decode_ops._num_sms(cupy.cuda.Device().id) * shape_resources(decode_ops.TILES[DIM])["ctas_per_sm"]
+    ctas_per_sm = shape_resources(decode_ops.TILES[DIM], trace=True)["ctas_per_sm"]  # of the kernel traced
+    slots = decode_ops._num_sms(cupy.cuda.Device().id) * ctas_per_sm
     duration = end - start
     order = np.argsort(start, kind="stable")
     wave = np.empty_like(order)
@@ -367,7 +375,7 @@ def main(argv=None):
     parser.add_argument("--fixed-cost", action="store_true",
                         help="then time calls against tiles per CTA at one and two waves (last)")
     parser.add_argument("--sweep", action="store_true",
-                        help="then time ops.decode.CANDIDATES against the registered tile shape (last)")
+                        help="then time the SWEEP shapes against the registered tile shape (last)")
     args = parser.parse_args(argv)
     reps = 10 if args.quick else 30
     rng = np.random.default_rng(0)

@@ -12,8 +12,8 @@ Cases (bf16, GQA 32 query / 8 kv heads unless named):
   table, as a ratio to the contiguous kernel on the same data (target >= 0.9);
 * ``chunk512_after_32k``: a 512-token prefill chunk after a 32k-token cached prefix:
   write the chunk's K/V with ``write_kv_cache`` then attend over the paged cache, against the
-  source document's manual path (``PagedAttentionCache.update`` scatter + gather, then the
-  contiguous kernel); metric: speed-up (target >= 1.5);
+  manual path (``PagedAttentionCache.update`` scatter + gather, then the contiguous kernel);
+  metric: speed-up (target >= 1.5);
 * ``write_kv_cache_8x4096``: GB/s (bytes read + written) of the cache write;
 * ``mixed_step_bs16``: one 512-token prefill chunk plus 255 one-token decodes at 2k context,
   paged, block size 16, through the varlen kernel (milliseconds), next to the two-launch split
@@ -22,7 +22,7 @@ Cases (bf16, GQA 32 query / 8 kv heads unless named):
 FLOPs are ``4 Lq Lk D H`` per sequence, halved when causal.  Times are medians of CUDA-event
 timings after warm-up.  ``--sweep`` then (after the results are written, so that a failing
 candidate loses only the sweep) times on the prefill workloads the candidate tile shapes of
-the registered kernel (``ops.varlen.WGMMA_CANDIDATES``), each with its registers as built here
+the registered kernel (:data:`WGMMA_SWEEP`), each with its registers as built here
 and its largest difference from the registered kernel's output; it adds ``"sweep"`` to the JSON
 and prints its table last.
 Writes ``benchmarks/results/varlen.json`` and prints a short table last.
@@ -51,12 +51,17 @@ from cupy_paged._core.compiler import get_function  # noqa: E402
 from cupy_paged.kernels import varlen as varlen_ops  # noqa: E402
 from cupy_paged.kernels import varlen_wgmma  # noqa: E402
 from cupy_paged.kernels.varlen import TILES, WGMMA_TILES  # noqa: E402
-from cupy_paged.kernels.varlen_wgmma import CANDIDATES as WGMMA_CANDIDATES  # noqa: E402
+from cupy_paged.kernels.varlen_wgmma import WgmmaTiles  # noqa: E402
 
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
-# --sweep times WGMMA_CANDIDATES (head dim -> wgmma tile shapes) on the same data as the
-# registered kernel; earlier sweeps, with their outcomes, are in NOTES_varlen.md.
+# --sweep times these wgmma tile shapes (head dim -> shapes) on the same data as the registered
+# kernel (each also checked by tests/test_varlen_gpu.py's WGMMA_CANDIDATES, the earlier default of
+# D=64, two warpgroups, among them); earlier sweeps, with their outcomes, are in NOTES_varlen.md.
+WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
+    64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
+    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
+}
 
 
 def mixed_lengths() -> list[int]:
@@ -220,7 +225,7 @@ def prefill_case(name, lens, head_dim, reps, cases):
 
 
 def sweep_case(name, lens, head_dim, reps):
-    """The registered kernel and every WGMMA_CANDIDATES shape of ``head_dim`` on one batch:
+    """The registered kernel and every WGMMA_SWEEP shape of ``head_dim`` on one batch:
     TFLOP/s, registers and local memory of the shape as built on this machine, and the largest
     difference of its output from the registered kernel's."""
     import cupy
@@ -231,7 +236,7 @@ def sweep_case(name, lens, head_dim, reps):
     registered()
     reference = batch.out.astype(np.float32)
     row = dict(name=name, registered=round(work / time_ms(registered, reps) / 1e9, 1), variants={})
-    for tiles in WGMMA_CANDIDATES.get(head_dim, ()):
+    for tiles in WGMMA_SWEEP.get(head_dim, ()):
         label = tiles.label()
         fn = batch.ours(tiles)
         batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
@@ -281,7 +286,7 @@ def chunk_after_prefix_case(reps, cases):
     table_d = cupy.asarray(table[None])
     out = cupy.empty_like(q)
 
-    def manual():  # the source document's path: update() scatters and gathers, then the contiguous kernel
+    def manual():  # the manual path: update() scatters and gathers, then the contiguous kernel
         keys, values = cache.update(k_new, v_new, 0, read_index, write_index)
         cupy_paged.flash_attn_varlen_func(q, keys, values, cu_q, cu_k, chunk, total, causal=True, out=out,
                                           check_values=False)
@@ -395,7 +400,7 @@ def warm_all() -> None:
     registered ones)."""
     import multiprocessing
 
-    keys = [varlen_ops.wgmma_key(BF16, d, t) for d, shapes in WGMMA_CANDIDATES.items() for t in shapes]
+    keys = [varlen_ops.wgmma_key(BF16, d, t) for d, shapes in WGMMA_SWEEP.items() for t in shapes]
     with multiprocessing.get_context("spawn").Pool() as pool:
         pool.map(_warm_one, keys)
 

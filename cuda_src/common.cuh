@@ -1,7 +1,7 @@
 // Types and helpers shared by every kernel of cupy_paged.
 //
 // Each specialization is compiled with -DSCALAR_T=__half or -DSCALAR_T=__nv_bfloat16
-// (see cupy_paged/_compiler.py); kernels are extern "C" so CuPy finds them by name.
+// (see cupy_paged/_core/compiler.py); kernels are extern "C" so CuPy finds them by name.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -74,7 +74,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // The device error word: int[4] = {code, sequence (or token), detail, count}, one per device
-// (cupy_paged/_errors.py allocates it, passes it to every launch and reads it in check_errors()).
+// (cupy_paged/_core/errors.py allocates it, passes it to every launch and reads it in check_errors()).
 // A kernel that meets a bad index value -- something the host could not check without a copy --
 // treats it as a hole and records it here; the first report wins the code, every report counts.
 // The codes are _errors.CODES, in this order.

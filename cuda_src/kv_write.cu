@@ -8,6 +8,7 @@
 // slot mapping can make this kernel write outside the caches, and reported to the device
 // error word (kErrSlot: where = the token, detail = the slot), once per token.
 #include "common.cuh"
+#include "paged.cuh"
 
 constexpr int kThreads = 128;
 constexpr int kUnroll = 4;                          // vectors of K and of V in flight per thread
@@ -24,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) write_kv_cache(
   const long long token = blockIdx.x;
   const long long slot = slot_mapping[token];
   if (slot < 0) return;  // padding
-  if (slot >= num_slots) {
+  if (!paged::is_slot(slot, num_slots)) {
     if (threadIdx.x == 0) cp::report_error(errors, cp::kErrSlot, token, slot);
     return;
   }

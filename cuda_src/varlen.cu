@@ -11,19 +11,18 @@
 // one division by the row sum at the end.  Key tiles that no row of the CTA can see (causal,
 // sliding window) are never visited; only tiles that straddle a bound are masked.
 //
-// Compile-time parameters (cupy_paged/ops/varlen.py spells them in the KernelKey):
+// Compile-time parameters (cupy_paged/kernels/varlen.py spells them in the KernelKey):
 //   SCALAR_T (__half | __nv_bfloat16), HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES,
-//   MIN_BLOCKS (CTAs per SM the register allocation must allow).
+//   MIN_BLOCKS (CTAs per SM the register allocation must allow), SMEM_BYTES (the dynamic shared
+//   memory the host computes for the shape; Traits checks it against its own layout).
 // Everything else (causal/window, softcap, ALiBi, LSE, paged or not, block size) is a
 // run-time argument, so one specialization serves all of them.
 //
-// v3 (see benchmarks/NOTES_varlen.md): ldmatrix addresses as one per-lane base XOR a
-// compile-time step (no per-use swizzle arithmetic); a full contiguous key tile is copied with
-// one pointer step per pass and no predicates, a full paged one with unconditional block-table
-// loads; the prefetch of the next tile is issued after S = Q K^T, while the tensor cores drain
-// it; tree reductions for the row max and sum.  (Q fragments kept in registers and a ping-pong
-// of the two warp halves were tried as compile-time options, lost or spilled, and were removed:
-// NOTES_varlen.md, v3.)  Paged K/V, both kernels: a full tile's block ids are staged in shared
+// The per-tile overhead is kept small: ldmatrix addresses are one per-lane base XOR a compile-time
+// step (no per-use swizzle arithmetic); a full contiguous key tile is copied with one pointer step
+// per pass and no predicates, a full paged one with unconditional block-table loads; the prefetch
+// of the next tile is issued after S = Q K^T, while the tensor cores drain it; the row max and sum
+// are tree reductions.  Paged K/V, both kernels: a full tile's block ids are staged in shared
 // memory by 4-byte cp.async copies in the group of the tile kAhead before it, so that no K/V copy
 // waits on a dependent block-table load (varlen_common.cuh, load_stage).
 //
@@ -69,6 +68,9 @@ struct Traits {
 };
 
 using Tr = Traits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_BLOCKS>;
+// The host launches with SMEM_BYTES of dynamic shared memory (Tiles.smem_bytes in
+// kernels/varlen.py): it must be this layout's size.
+static_assert(Tr::kSmemBytes == SMEM_BYTES, "Tiles.smem_bytes differs from Traits::kSmemBytes");
 
 }  // namespace varlen
 

@@ -4,8 +4,9 @@
 // kDTiles; the K/V pipeline's kStages, kAhead (tiles in flight ahead of the one computed) and
 // kKVBytes (bytes of one K or V tile); and QTile / KVTile, the shared-memory layouts of the Q and
 // K/V tiles, each with a static offset(row, chunk)); these functions are written against those
-// names only.
+// names only.  Paged K/V is addressed through paged.cuh.
 #pragma once
+#include "paged.cuh"
 
 namespace varlen {
 
@@ -41,9 +42,9 @@ struct WarpState {
 
 // ---------------------------------------------------------------------------- loads
 
-// A tile of kRows rows is loaded in passes of kThreads 16-byte chunks; the shapes of TILES and
-// WGMMA_TILES (ops/varlen.py) divide evenly, so every pass is full and the loops unroll without
-// bounds checks.
+// A tile of kRows rows is loaded in passes of kThreads 16-byte chunks; the registered shapes
+// (TILES in kernels/varlen.py, WGMMA_TILES in kernels/varlen_wgmma.py) divide evenly, so every
+// pass is full and the loops unroll without bounds checks.
 template <int kRows>
 struct TilePasses {
   static constexpr int kTotal = kRows * Tr::kChunks;
@@ -75,7 +76,7 @@ __device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row
 // has a column, so its block ids can be read without a bounds check, and its ids can be staged.
 __device__ __forceinline__ bool paged_full_tile(const KvSource& src, int n0) {
   return TilePasses<Tr::kBlockN>::kLaneFixed && n0 + Tr::kBlockN <= src.length &&
-         ((n0 + Tr::kBlockN - 1) >> src.block_shift) < src.table_width;
+         paged::Blocks(src.block_shift).column(n0 + Tr::kBlockN - 1) < src.table_width;
 }
 
 // The block-id ring (paged K/V): slot s (kBlockN ints) holds, for the full tile whose K/V stage
@@ -83,8 +84,8 @@ __device__ __forceinline__ bool paged_full_tile(const KvSource& src, int n0) {
 // copied there by stage_ids in the cp.async group of the tile kAhead before it (load_stage), so
 // that the loop's cp.async wait and barrier, which publish that tile, publish the ids too and
 // no cp.async of a tile waits on a dependent block-table load (under the loop's memory load such
-// a load waits about as long as the data; the decode kernel stages its ids the same way,
-// NOTES_decode.md, v7).  It follows the loadable bytes in shared memory.
+// a load waits about as long as the data; decode.cu stages its ids the same way).  It follows the
+// loadable bytes in shared memory.
 __device__ __forceinline__ int* id_ring(unsigned char* s_loadable) {
   return reinterpret_cast<int*>(s_loadable + Tr::kStages * Tr::kBlockN);
 }
@@ -99,7 +100,7 @@ __device__ __forceinline__ void stage_ids(u32 s_slot, const KvSource& src, int n
   for (int i = 0; i < kCopies; ++i) {
     const int r = threadIdx.x + i * Tr::kThreads;
     if (Tr::kBlockN % Tr::kThreads == 0 || r < Tr::kBlockN)
-      cp::cp_async_4(s_slot + 4 * r, src.table + ((n0 + r) >> src.block_shift), true);
+      cp::cp_async_4(s_slot + 4 * r, src.table + paged::Blocks(src.block_shift).column(n0 + r), true);
   }
 }
 
@@ -112,17 +113,17 @@ __device__ __forceinline__ void stage_ids(u32 s_slot, const KvSource& src, int n
 // one block-table load (the prologue's tiles, and every partial tile).  Paged, with
 // `stage_next`, it then stages the block ids of the tile kAhead below, n0 - kAhead * kBlockN,
 // into the id slot at shared address s_next_ids (load_stage).  (Both are derived here, inside the
-// paged branch, so that the contiguous path's code stays as it was.)
+// paged branch, which keeps them out of the contiguous path's code.)
 template <bool kStaged>
 __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_loadable, const int* ids,
                                             bool stage_next, u32 s_next_ids, const KvSource& src, int n0) {
   using P = TilePasses<Tr::kBlockN>;
   int hole = 0;
   if (src.table != nullptr) {
-    const int offset_mask = (1 << src.block_shift) - 1;
+    const paged::Blocks layout(src.block_shift);
     // A slot (< 2^31, checked by the host) times the slot stride in bytes (positive, checked by
-    // the host) is one 32 x 32 -> 64-bit multiply-add per row: signed 64-bit index arithmetic
-    // cost ~7 instructions per copy here, the largest part of the paged loader.
+    // the host) is one 32 x 32 -> 64-bit multiply-add per row, where signed 64-bit index arithmetic
+    // would cost ~7 instructions per copy, the largest part of the paged loader.
     const unsigned k_slot_bytes = static_cast<unsigned>(src.k_row) * sizeof(T);
     const unsigned v_slot_bytes = static_cast<unsigned>(src.v_row) * sizeof(T);
     if (paged_full_tile(src, n0)) {
@@ -137,13 +138,12 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
 #pragma unroll
       for (int pass = 0; pass < P::kCount; ++pass)
         blocks[pass] = kStaged ? row_ids[pass * P::kRowsPerPass]
-                               : __ldg(src.table + ((n0 + P::row(pass)) >> src.block_shift));
+                               : __ldg(src.table + layout.column(n0 + P::row(pass)));
 #pragma unroll
       for (int pass = 0; pass < P::kCount; ++pass) {
         const int r = P::row(pass), j = n0 + r;
-        const int block = blocks[pass];
-        const bool ok = static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
-        const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
+        const bool ok = paged::is_block(blocks[pass], src.num_rows);
+        const unsigned slot = ok ? layout.slot(blocks[pass], j) : 0u;
         cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
         cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
         if (c == 0) s_loadable[r] = ok;
@@ -156,11 +156,11 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
 #pragma unroll
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass), j = n0 + r;
-      const int column = j >> src.block_shift;
+      const int column = layout.column(j);
       const bool listed = j < src.length && column < src.table_width;
       const int block = listed ? __ldg(src.table + column) : -1;
-      const bool ok = listed && static_cast<unsigned>(block) < static_cast<unsigned>(src.num_rows);
-      const unsigned slot = ok ? static_cast<unsigned>((block << src.block_shift) | (j & offset_mask)) : 0u;
+      const bool ok = paged::is_block(block, src.num_rows) && listed;
+      const unsigned slot = ok ? layout.slot(block, j) : 0u;
       cp::cp_async_16(s_k + Tr::KVTile::offset(r, c),
                       reinterpret_cast<const char*>(src.k + c * 8) + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
       cp::cp_async_16(s_v + Tr::KVTile::offset(r, c),
@@ -249,10 +249,9 @@ __device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][
 // Online softmax: new row max, rescale O and the running sum by exp2((m_old - m_new) * scale),
 // S -> P = exp2(S * scale - m_new * scale).  A row that has seen no key keeps max -inf; its
 // base is taken as 0 so that exp2(-inf - 0) = 0 and nothing becomes NaN.
-// Split in two (softmax_scores returns each row's factor alpha, rescale_o applies it) because the
-// wgmma kernel calls the halves itself: it waits for P V before the next tile, so nothing needs
-// them apart any more, but calling online_softmax there changes its machine code (register
-// allocation), which has not been re-timed.
+// Split in two (softmax_scores returns each row's factor alpha, rescale_o applies it): the wgmma
+// kernel calls the halves itself, which keeps its register allocation as it was timed (through
+// online_softmax, the same arithmetic compiles to other machine code).
 using RowFactors = float[Tr::kMTiles][2];
 
 __device__ __forceinline__ void softmax_scores(float (&s)[Tr::kMTiles][Tr::kNTiles][4], WarpState& st,
@@ -355,7 +354,7 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
 
 // ---------------------------------------------------------------------------- the CTA's task
 
-// The kernel parameters (both kernels take the same; ops/varlen.py passes them in this order).
+// The kernel parameters (both kernels take the same; kernels/varlen.py passes them in this order).
 #define VARLEN_FWD_PARAMS                                                                          \
   const varlen::T *__restrict__ q, const varlen::T *__restrict__ k, const varlen::T *__restrict__ v, \
       varlen::T *__restrict__ out,  /* [total_q, H, D] */                                            \
@@ -385,9 +384,9 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
 //   cu_seqlens_k: never decreases, and a contiguous k/v holds its rows -> kErrCuSeqlensK;
 //   block table: every key has a column (kErrTableShort, detail = keys) and every column that
 //     holds a key has a block id in [0, num_blocks) (kErrBlockId, detail = the first bad column).
-// Not inlined and called at the kernel's one exit: inlined, or called before the K/V loop or
-// from two exits, it changed the loop's register allocation and schedule; so it reloads what
-// it needs rather than keep anything alive across the loop.
+// Not inlined, called at the kernel's one exit, and reloading what it needs: so it keeps nothing
+// alive across the K/V loop and leaves the loop's register allocation and schedule alone (inlined,
+// or called before the loop or from two exits, it would not).
 __device__ __noinline__ void check_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, const int* block_table,
                                             int table_width, int block_shift, int total_q, int kv_rows,
                                             int max_seqlen_q, int* errors) {
@@ -404,13 +403,13 @@ __device__ __noinline__ void check_sequence(const int* cu_seqlens_q, const int* 
   }
   if (block_table == nullptr || length_k <= 0) return;
   const int* table = block_table + (long long)seq * table_width;
-  const long long columns = ((length_k - 1) >> block_shift) + 1;  // holding keys [0, length_k)
+  const long long columns = paged::Blocks(block_shift).columns(length_k);  // holding keys [0, length_k)
   if (columns > table_width && lane == 0) cp::report_error(errors, cp::kErrTableShort, seq, length_k);
   const int listed = static_cast<int>(min(columns, static_cast<long long>(table_width)));
   // 32 columns at a time, one per lane; the warp stops at the first group with a bad id.
   for (int base = 0; base < listed; base += 32) {
     const int column = base + lane;
-    const bool bad = column < listed && static_cast<unsigned>(__ldg(table + column)) >= static_cast<unsigned>(kv_rows);
+    const bool bad = column < listed && !paged::is_block(__ldg(table + column), kv_rows);
     const unsigned found = __ballot_sync(0xffffffffu, bad);
     if (found != 0u) {
       if (lane == 0) cp::report_error(errors, cp::kErrBlockId, seq, base + __ffs(found) - 1);

@@ -17,9 +17,10 @@
 // fences the proxies after its copies land and before the barrier that publishes them.
 //
 // Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys per tile),
-// NUM_STAGES (K/V pipeline depth).  Compiled for sm_90a only (ops/varlen.py picks this kernel on
-// compute capability 9.0 and falls back to varlen.cu elsewhere).  An in-warpgroup overlap of
-// P V with the next tile's softmax was built and measured slower (NOTES_varlen.md, v5).
+// NUM_STAGES (K/V pipeline depth), SMEM_BYTES (the host's dynamic shared memory for the shape,
+// checked by WgTraits).  Compiled for sm_90a only (kernels/varlen.py picks this kernel on compute
+// capability 9.0 and falls back to varlen.cu elsewhere).  A warpgroup runs the steps of a tile in
+// order, each waited for.
 #include "common.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
@@ -62,6 +63,9 @@ struct WgTraits {
 };
 
 using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES>;
+// The host launches with SMEM_BYTES of dynamic shared memory (WgmmaTiles.smem_bytes in
+// kernels/varlen_wgmma.py): it must be this layout's size.
+static_assert(Tr::kSmemBytes == SMEM_BYTES, "WgmmaTiles.smem_bytes differs from WgTraits::kSmemBytes");
 
 }  // namespace varlen
 

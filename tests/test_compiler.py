@@ -60,15 +60,20 @@ def test_compile_error_is_reported():
 
 
 def _candidate_keys():
-    """The kernel keys of the shapes the benchmarks' sweeps time against the registered ones:
-    ``ops.decode.CANDIDATES`` and ``ops.varlen_wgmma.CANDIDATES``."""
+    """The kernel keys that reach the GPU only through the tests and the benchmarks: the tile shapes
+    the GPU tests check beside the registered ones (``CANDIDATES`` of test_decode_gpu.py,
+    ``MMA_CANDIDATES`` and ``WGMMA_CANDIDATES`` of test_varlen_gpu.py; the benchmarks' sweeps time
+    only these, test_benchmark_sweeps_are_tested_shapes) and the decode benchmark's TRACE launch."""
     from cupy_paged._core.types import BF16
     from cupy_paged.kernels import decode, varlen, varlen_wgmma
+    from test_decode_gpu import CANDIDATES as DECODE_CANDIDATES
+    from test_varlen_gpu import MMA_CANDIDATES, WGMMA_CANDIDATES
 
-    return ([decode.kernel_key(BF16, head_dim, tiles)
-             for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
-            + [varlen.wgmma_key(BF16, head_dim, tiles)
-               for head_dim, shapes in sorted(varlen_wgmma.CANDIDATES.items()) for tiles in shapes])
+    def keys(make, candidates):
+        return [make(BF16, head_dim, tiles) for head_dim, shapes in sorted(candidates.items()) for tiles in shapes]
+
+    return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True)]
+            + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES))
 
 
 @pytest.mark.parametrize("key,arch", [pytest.param(key, arch, id=f"{kind}-{key}-{arch}")
@@ -77,12 +82,51 @@ def _candidate_keys():
 def test_every_specialization_compiles(key, arch):
     """CI has no GPU: this is where every kernel is compiled, for sm_80 and sm_90 (and the
     wgmma kernels for the one target they run on, sm_90a): every registered key, and every
-    candidate shape of the sweeps, which reaches the GPU only there and must build, unspilled,
-    before that."""
+    candidate of the GPU tests and benchmarks, which reaches the GPU only there and must build,
+    unspilled, before that."""
     report = nvrtc.compile_offline(key, arch)
     assert report.arch == arch and report.kernels, f"{key}: no kernel in the cubin"
     for kernel in report.kernels:
         assert kernel.spill_stores == kernel.spill_loads == 0, f"{kernel.kernel} spills on {arch}"
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (it imports cupy, which the offline builds need anyway)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_sweeps_are_tested_shapes():
+    """Every shape a benchmark's --sweep times is one the GPU tests check (and the compile test
+    builds): a shape adopted from a sweep is already verified."""
+    pytest.importorskip("cupy")
+    from test_decode_gpu import CANDIDATES as DECODE_CANDIDATES
+    from test_varlen_gpu import WGMMA_CANDIDATES
+
+    for sweep, tested in ((_benchmark("bench_decode").SWEEP, DECODE_CANDIDATES),
+                          (_benchmark("bench_varlen").WGMMA_SWEEP, WGMMA_CANDIDATES)):
+        for head_dim, shapes in sweep.items():
+            assert set(shapes) <= set(tested.get(head_dim, ())), (head_dim, shapes)
+
+
+def test_smem_bytes_are_checked_against_the_layout():
+    """The host's dynamic shared memory (``SMEM_BYTES``, from the Tiles classes) is checked at
+    compile time against each kernel's own layout: a key whose size is off does not build."""
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels import decode, varlen, varlen_wgmma
+
+    for key in (decode.kernel_key(BF16, 64), varlen.kernel_key(BF16, 64), varlen_wgmma.kernel_key(BF16, 64)):
+        wrong = tuple((name, value + 16 if name == "SMEM_BYTES" else value) for name, value in key.params)
+        with pytest.raises(RuntimeError, match="smem_bytes differs"):
+            nvrtc.compile_offline(_compiler.KernelKey(key.source, wrong, key.arch), key.archs()[0])
 
 
 def test_pinned_architecture_keys():

@@ -13,12 +13,32 @@ import numpy as np
 import pytest
 
 import cupy_paged
+from cupy_paged.kernels.decode import Tiles
 from _util import BF16, assert_close, assert_same_bits, poisoned, randn, shuffled_block_table, to_numpy
 from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 F16 = np.dtype(np.float16)
 LSE_RTOL = 2e-3
+
+# Pipeline shapes the GPU tests check beside the registered ones (head dim -> shapes), so that a
+# shape benchmarks/bench_decode.py --sweep times (its SWEEP; tests/test_compiler.py checks that every
+# swept shape is here and builds) is verified before it is adopted.  A failure rules out that shape only.
+CANDIDATES: dict[int, tuple[Tiles, ...]] = {
+    128: (Tiles(32, 3, warps=2),),
+}
+
+
+def decode_on_gpu(tiles, **arguments):
+    """flash_attn_with_kvcache on device arrays: the public function for ``tiles`` None, else
+    ``kernels.decode.run`` with that pipeline shape."""
+    if tiles is None:
+        return cupy_paged.flash_attn_with_kvcache(**arguments)
+    from cupy_paged.api.decode import prepare_decode
+    from cupy_paged.kernels import decode
+
+    out, lse = decode.run(prepare_decode(**arguments), tiles)
+    return (out, lse) if arguments.get("return_softmax_lse") else out
 
 
 def make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, cache_seqlens, seqlen_q,
@@ -40,8 +60,9 @@ def make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, cache_s
     return case
 
 
-def run_both(case, **options):
-    """(reference out, lse, k_cache, v_cache), (gpu out, lse, k_cache, v_cache) as NumPy."""
+def run_both(case, tiles=None, **options):
+    """(reference out, lse, k_cache, v_cache), (gpu out, lse, k_cache, v_cache) as NumPy; the GPU
+    call on pipeline shape ``tiles`` (None: the registered one, through the public function)."""
     import cupy
 
     host = {name: np.array(value) for name, value in case.items()}
@@ -50,15 +71,15 @@ def run_both(case, **options):
     dev_options = {name: cupy.asarray(value) if isinstance(value, np.ndarray) else value
                    for name, value in options.items()}
     out = poisoned(case["q"].shape, case["q"].dtype, xp=cupy)
-    got_out, got_lse = cupy_paged.flash_attn_with_kvcache(**dev, return_softmax_lse=True, out=out, **dev_options)
+    got_out, got_lse = decode_on_gpu(tiles, **dev, return_softmax_lse=True, out=out, **dev_options)
     assert got_out is out
     reference = (ref_out, ref_lse, host["k_cache"], host["v_cache"])
     return reference, tuple(to_numpy(x) for x in (got_out, got_lse, dev["k_cache"], dev["v_cache"]))
 
 
-def check(case, **options):
+def check(case, tiles=None, **options):
     dtype = case["q"].dtype
-    (ref_out, ref_lse, ref_k, ref_v), (out, lse, k_cache, v_cache) = run_both(case, **options)
+    (ref_out, ref_lse, ref_k, ref_v), (out, lse, k_cache, v_cache) = run_both(case, tiles, **options)
     assert_close(out, ref_out, dtype)
     assert_close(lse, ref_lse, np.float32, what="lse", rtol=LSE_RTOL)
     # The whole caches: old contents everywhere, new tokens at their slots (bitwise).
@@ -349,7 +370,7 @@ def expected_with_holes(case, window=(-1, -1)):
     return np.stack(outs), np.stack(lses), k_cache, v_cache
 
 
-def test_sanitize_holes_staged_ids(monkeypatch):
+def test_sanitize_holes_staged_ids():
     """Block ids are staged in shared memory two tiles ahead of their data (decode.cu): long
     sequences (many tiles per CTA, every id slot reused), holes in the middle of a table, an id
     past the cache, a sequence longer than its table row, a window that starts inside a block,
@@ -357,22 +378,19 @@ def test_sanitize_holes_staged_ids(monkeypatch):
     holes masked, and the whole caches bitwise."""
     import cupy
 
-    from cupy_paged.kernels import decode
-
     rng = np.random.default_rng(41)
     case = make_case(rng, BF16, 128, 8, 2, 16, [1500, 999, 300, 17], 1, 1)
     case["block_table"][0, 20:23] = -1      # a hole of 48 keys inside sequence 0
     case["block_table"][1, 10] = 1_000_000  # an id past the cache
     case["cache_seqlens"][2] = case["block_table"].shape[1] * 16 + 40  # keys past its table row
-    for tiles in (decode.TILES[128],) + decode.CANDIDATES.get(128, ()):
-        monkeypatch.setitem(decode.TILES, 128, tiles)
+    for tiles in (None,) + CANDIDATES.get(128, ()):  # None: the registered shape, through the public function
         for splits, window in ((1, (-1, -1)), (3, (-1, -1)), (1, (700, 0))):
             ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case, window)
             dev = {name: cupy.asarray(value) for name, value in case.items()}
-            out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits, window_size=window,
-                                                         return_softmax_lse=True, check_values=False,
-                                                         out=poisoned(case["q"].shape, case["q"].dtype, cupy))
-            what = f"{tiles.label()} splits={splits} window={window}"
+            out, lse = decode_on_gpu(tiles, **dev, causal=True, num_splits=splits, window_size=window,
+                                     return_softmax_lse=True, check_values=False,
+                                     out=poisoned(case["q"].shape, case["q"].dtype, cupy))
+            what = f"{tiles.label() if tiles else 'registered'} splits={splits} window={window}"
             assert_close(out, ref_out, BF16, what=what)
             assert_close(lse, ref_lse, np.float32, what=f"{what} lse", rtol=LSE_RTOL)
             assert_same_bits(dev["k_cache"], ref_k, f"{what} k_cache")
@@ -389,13 +407,10 @@ def test_launch_plans_follow_shapes():
         check(dict(case), causal=True)
 
 
-# ---- the pipeline shapes bench_decode.py --sweep times (ops.decode.CANDIDATES): a shape that is
-# adopted is already verified.  A failure here rules out that shape only.
+# ---- the CANDIDATES shapes: a shape that is adopted is already verified.
 def _candidate_params():
-    from cupy_paged.kernels import decode
-
     return [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
-            for head_dim, shapes in sorted(decode.CANDIDATES.items()) for tiles in shapes]
+            for head_dim, shapes in sorted(CANDIDATES.items()) for tiles in shapes]
 
 
 def _skip_without_smem(smem):
@@ -408,27 +423,24 @@ def _skip_without_smem(smem):
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("head_dim,tiles", _candidate_params())
-def test_sweep_candidates_match_reference(monkeypatch, head_dim, tiles, dtype):
+def test_sweep_candidates_match_reference(head_dim, tiles, dtype):
     """Each candidate shape through the public function against the CPU reference: block sizes 16
     and 256, new tokens appended (caches compared bitwise), long sequences (every stage of the
     pipeline refilled many times), the plain and the masked (softcap) tile paths, forced splits."""
-    from cupy_paged.kernels import decode
-
     _skip_without_smem(tiles.smem_bytes(head_dim))
-    monkeypatch.setitem(decode.TILES, head_dim, tiles)
     rng = np.random.default_rng(zlib.crc32(f"{head_dim}{tiles}{dtype}".encode()))
     for block_size in (16, 256):
         seqlens = [0, block_size - 1, block_size, 3 * block_size + 5, 2000]
         case = make_case(rng, dtype, head_dim, 32, 8, block_size, seqlens, 1, 2)
-        check(case, causal=True)
-        check(case, causal=True, num_splits=3)
+        check(case, tiles, causal=True)
+        check(case, tiles, causal=True, num_splits=3)
         gqa4_sq4 = make_case(rng, dtype, head_dim, 8, 2, block_size, [1500, 7, 300], 4, 1)
-        check(gqa4_sq4, causal=True, softcap=20.0)
-        check(gqa4_sq4, causal=True, num_splits=5)
+        check(gqa4_sq4, tiles, causal=True, softcap=20.0)
+        check(gqa4_sq4, tiles, causal=True, num_splits=5)
 
 
 @pytest.mark.parametrize("head_dim,tiles", _candidate_params())
-def test_sweep_candidates_holes(monkeypatch, head_dim, tiles):
+def test_sweep_candidates_holes(head_dim, tiles):
     """Holes in the middle of long sequences (the per-tile loaded vote decides which tiles skip the
     mask): a candidate with the registered keys per stage and warps per CTA equals the registered
     kernel bitwise (same arithmetic in the same order; only the pipeline depth or the load layout
@@ -446,14 +458,12 @@ def test_sweep_candidates_holes(monkeypatch, head_dim, tiles):
     case["block_table"][2, 5] = -3
     results = []
     for shape in (decode.TILES[head_dim], tiles):
-        with monkeypatch.context() as patch:
-            patch.setitem(decode.TILES, head_dim, shape)
-            for splits in (1, 3):
-                dev = {name: cupy.asarray(value) for name, value in case.items()}
-                out = poisoned(case["q"].shape, BF16, xp=cupy)
-                out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, num_splits=splits, out=out,
-                                                             return_softmax_lse=True, check_values=False)
-                results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
+        for splits in (1, 3):
+            dev = {name: cupy.asarray(value) for name, value in case.items()}
+            out = poisoned(case["q"].shape, BF16, xp=cupy)
+            out, lse = decode_on_gpu(shape, **dev, causal=True, num_splits=splits, out=out,
+                                     return_softmax_lse=True, check_values=False)
+            results.append([to_numpy(x) for x in (out, lse, dev["k_cache"], dev["v_cache"])])
     # the same keys per stage shared by the same warps: the same arithmetic in the same order
     shape = decode.TILES[head_dim]
     same_keys = (tiles.keys, tiles.warps) == (shape.keys, shape.warps)

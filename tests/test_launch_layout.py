@@ -1,12 +1,15 @@
 """Each launcher's packed argument layout matches its kernel's parameter list in cuda_src/.
 
-The launches pack every argument into one buffer (ops/_common.Launcher), so a layout that drifts
-from the kernel's signature would pass garbage to the GPU; this reads the signatures from the
-source and compares them with the layouts, parameter by parameter, without a GPU.
+The launches pack every argument into one buffer (kernels/_launch.Launcher), so a layout that
+drifts from the kernel's signature would pass garbage to the GPU; this reads the signatures from
+the source and compares them with the layouts, parameter by parameter, without a GPU.  A
+parameter under ``#if MACRO`` (paged_decode's trace buffer, ``TRACE``) counts only in the
+specialization that sets the macro.
 """
 import re
 import struct
 
+import numpy as np
 import pytest
 
 from cupy_paged._core.compiler import load_source
@@ -16,8 +19,9 @@ from cupy_paged.kernels import decode, kv_write, varlen, varlen_wgmma
 CODES = {"int": "i", "long long": "q", "float": "f", "unsigned": "I"}
 
 
-def parameters(source: str, kernel: str) -> list[str]:
-    """The parameter declarations of ``kernel`` in ``source`` (macros of the varlen kernels expanded)."""
+def parameters(source: str, kernel: str, macros: frozenset = frozenset()) -> list[str]:
+    """The parameter declarations of ``kernel`` in ``source`` (macros of the varlen kernels
+    expanded; a ``#if NAME`` ... ``#endif`` block kept when NAME is in ``macros``, else dropped)."""
     text = load_source(source)
     if kernel in ("varlen_fwd", "varlen_fwd_wgmma"):
         match = re.search(r"#define VARLEN_FWD_PARAMS(.*?)\n#define", text, re.S)
@@ -27,6 +31,8 @@ def parameters(source: str, kernel: str) -> list[str]:
         body = match.group(1)
     body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
     body = re.sub(r"//[^\n]*", "", body).replace("\\\n", " ")
+    body = re.sub(r"#if (\w+)\n(.*?)#endif", lambda m: m.group(2) if m.group(1) in macros else "", body, flags=re.S)
+    assert "#" not in body, f"{kernel}: a preprocessor line this test does not read"
     return [p.strip() for p in body.split(",") if p.strip()]
 
 
@@ -50,16 +56,30 @@ def expand(layout: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("source, kernel, layout", [
-    (decode.SOURCE, "paged_decode", f"{struct.calcsize('<' + decode._PARAMS_LAYOUT)}s" + decode._DECODE_LAYOUT[len(decode._PARAMS_LAYOUT):]),
-    (decode.SOURCE, "combine_splits", decode._COMBINE_LAYOUT),
-    (varlen.SOURCE, "varlen_fwd", varlen._LAYOUT),
-    (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", varlen._LAYOUT),
-    (kv_write.SOURCE, "write_kv_cache", kv_write._LAYOUT),
-])
-def test_layout_matches_the_kernel_signature(source, kernel, layout):
-    expected = [code_of(p) for p in parameters(source, kernel)]
+def _decode_layout(layout: str) -> str:
+    """paged_decode's layout with DecodeParams as one struct entry, as the signature reads."""
+    return f"{struct.calcsize('<' + decode._PARAMS_LAYOUT)}s" + layout[len(decode._PARAMS_LAYOUT):]
+
+
+@pytest.mark.parametrize("source, kernel, macros, layout", [
+    (decode.SOURCE, "paged_decode", frozenset(), _decode_layout(decode._DECODE_LAYOUT)),
+    (decode.SOURCE, "paged_decode", frozenset({"TRACE"}), _decode_layout(decode._TRACE_LAYOUT)),
+    (decode.SOURCE, "combine_splits", frozenset(), decode._COMBINE_LAYOUT),
+    (varlen.SOURCE, "varlen_fwd", frozenset(), varlen._LAYOUT),
+    (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset(), varlen._LAYOUT),
+    (kv_write.SOURCE, "write_kv_cache", frozenset(), kv_write._LAYOUT),
+], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache"])
+def test_layout_matches_the_kernel_signature(source, kernel, macros, layout):
+    expected = [code_of(p) for p in parameters(source, kernel, macros)]
     assert expand(layout) == expected, f"{kernel}: layout {layout} against the signature {expected}"
+
+
+def test_registered_decode_keys_take_no_trace():
+    """The trace buffer belongs to the benchmark's TRACE keys only: no registered key sets TRACE,
+    and the launch of a registered key packs no trace pointer."""
+    assert all("TRACE" not in dict(key.params) for key in decode.all_keys())
+    assert "TRACE" in dict(decode.kernel_key(np.float16, 128, trace=True).params)
+    assert decode._TRACE_LAYOUT == decode._DECODE_LAYOUT + "P"
 
 
 def test_decode_params_struct_size():
@@ -73,7 +93,8 @@ class _FakeFunction:
     ptr = 0  # never launched: only the packing is tested
 
 
-@pytest.mark.parametrize("layout", [decode._DECODE_LAYOUT, decode._COMBINE_LAYOUT, varlen._LAYOUT, kv_write._LAYOUT])
+@pytest.mark.parametrize("layout", [decode._DECODE_LAYOUT, decode._TRACE_LAYOUT, decode._COMBINE_LAYOUT, varlen._LAYOUT,
+                                    kv_write._LAYOUT])
 def test_spans_rewrite_exactly_their_fields(layout):
     """Rewriting a span (what a launch does with its pointers) gives the bytes of packing the
     whole list with those values: every span's offset is its field's offset in the buffer."""

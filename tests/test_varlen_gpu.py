@@ -1,8 +1,9 @@
 """flash_attn_varlen_func on the GPU (cuda_src/varlen.cu, cuda_src/varlen_wgmma.cu) against the
-CPU reference backend.  Every test is parametrized over both kernels: ``wgmma`` (the default on
-compute capability 9.0, for the head dims it serves) and ``mma_sync`` (the default elsewhere);
-the fixture skips the runs that do not apply (a head dim wgmma does not serve, another kernel's
-candidate shapes, the wgmma dispatch check under ``mma_sync``).
+CPU reference backend.  Every test is parametrized over both kernels: ``wgmma`` (the public
+function's own choice, the wgmma kernel on compute capability 9.0 for the head dims it serves)
+and ``mma_sync`` (named explicitly: the GPU call goes through ``kernels.varlen.run`` with
+``tiles=TILES[head_dim]``); the fixture skips the runs that do not apply (a head dim wgmma does
+not serve, another kernel's candidate shapes, the wgmma dispatch check under ``mma_sync``).
 
 Every case draws fresh random inputs, runs the public function once on NumPy copies (the
 reference) and once on CuPy arrays with a NaN-poisoned ``out``, and checks every element of
@@ -16,34 +17,73 @@ import pytest
 
 import cupy_paged
 from cupy_paged.api.indexing import cu_seqlens_from_lengths
+from cupy_paged.api.varlen import prepare_varlen
 from cupy_paged.kernels import varlen as varlen_ops
-from cupy_paged.kernels import varlen_wgmma
+from cupy_paged.kernels.varlen import Tiles
+from cupy_paged.kernels.varlen_wgmma import WgmmaTiles
 from _util import DTYPES, assert_close, assert_same_bits, poisoned, randn, scatter_paged, to_numpy
 
 pytestmark = pytest.mark.gpu
 
 NUM_HEADS = 8
 
+# Tile shapes the GPU tests check beside the registered ones (head dim -> shapes): a failure here
+# rules out that shape only.  mma.sync: 3 stages and 64-key tiles at D=128, 8 warps at D=64 (the
+# shapes NOTES_varlen.md compares); wgmma: the ones benchmarks/bench_varlen.py --sweep times
+# (its WGMMA_SWEEP; tests/test_compiler.py checks that every swept shape is here and builds).
+MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
+    64: (Tiles(128, 64, 8, 3),),
+    128: (Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 2)),
+}
+WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
+    64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
+    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
+}
+
 
 @pytest.fixture(autouse=True, params=["wgmma", "mma_sync"])
-def kernel(request, monkeypatch):
-    """Runs the test on one of the two varlen kernels."""
+def kernel(request):
+    """The kernel a test runs on, as ``shape_for`` reads it."""
     import cupy
 
-    if request.param == "mma_sync":
-        monkeypatch.setattr(varlen_wgmma, "USE_WGMMA", False)
-    else:
+    if request.param == "wgmma":
         if cupy.cuda.Device().compute_capability != "90":
             pytest.skip("wgmma runs on compute capability 9.0 only")
         params = getattr(request.node, "callspec", None)
         head_dim = params.params.get("head_dim") if params else None
         if head_dim is not None and head_dim not in varlen_ops.WGMMA_TILES:
             pytest.skip(f"no wgmma kernel for head_dim {head_dim}")
-        if "candidate_variants" in request.node.name:
+        if request.function.__name__ == "test_mma_candidates":
             pytest.skip("mma.sync candidates")
-    if request.param == "mma_sync" and "wgmma_candidates" in request.node.name:
+    if request.param == "mma_sync" and request.function.__name__ == "test_wgmma_candidates":
         pytest.skip("wgmma candidates")
     return request.param
+
+
+def shape_for(kernel, head_dim: int):
+    """The tile shape that the GPU call launches: None for ``"wgmma"`` (the public function's own
+    choice), ``TILES[head_dim]`` for ``"mma_sync"``, a candidate shape (Tiles or WgmmaTiles) as it is."""
+    if kernel == "wgmma":
+        return None
+    if kernel == "mma_sync":
+        return varlen_ops.TILES[head_dim]
+    return kernel
+
+
+def varlen_on_gpu(tiles, q, k, v, cu_q, cu_k, max_q, max_k, *, alibi_slopes=None, block_table=None, out=None,
+                  check_values=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  return_softmax_lse=False):
+    """flash_attn_varlen_func on device arrays: the public function for ``tiles`` None, else
+    ``kernels.varlen.run`` with that shape (whose type names the kernel)."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    if tiles is None:
+        return cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes=alibi_slopes,
+                                                 block_table=block_table, out=out, check_values=check_values,
+                                                 return_softmax_lse=return_softmax_lse, **options)
+    p = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, block_table, return_softmax_lse, out, check_values)
+    result, lse = varlen_ops.run(p, tiles)
+    return (result, lse) if return_softmax_lse else result
 
 
 def test_wgmma_kernel_is_the_default_on_hopper(kernel, monkeypatch):
@@ -64,7 +104,7 @@ def test_wgmma_kernel_is_the_default_on_hopper(kernel, monkeypatch):
     monkeypatch.setattr(varlen_ops, "_launch", spy)
     for head_dim in (32, 64, 96, 128, 256):
         launched.clear()
-        run_case(16, "bfloat16", head_dim, [5, 70], [9, 70], num_kv_heads=2, causal=True)
+        run_case(kernel, 16, "bfloat16", head_dim, [5, 70], [9, 70], num_kv_heads=2, causal=True)
         (shape,) = {tiles for d, tiles in launched if d == head_dim}
         _, kernel_name = varlen_ops.specialization(np.float16, head_dim, shape)
         if head_dim in varlen_ops.WGMMA_TILES:
@@ -76,10 +116,11 @@ def test_wgmma_kernel_is_the_default_on_hopper(kernel, monkeypatch):
 LSE_RTOL = 1e-3  # the LSE is float32 from fp32 scores: only exp2/log2 rounding separates them
 
 
-def run_case(seed, dtype, head_dim, lens_q, lens_k, *, num_kv_heads=NUM_HEADS, num_heads=NUM_HEADS,
+def run_case(kernel, seed, dtype, head_dim, lens_q, lens_k, *, num_kv_heads=NUM_HEADS, num_heads=NUM_HEADS,
              causal=False, window=(-1, -1), softcap=0.0, alibi=False, lse=False, block_size=None,
              scale=None, check_values=True):
-    """One call on both backends; asserts closeness and returns the GPU outputs."""
+    """One call on both backends (the GPU one on ``shape_for(kernel, head_dim)``); asserts
+    closeness and returns the GPU outputs."""
     import cupy
 
     rng = np.random.default_rng(seed)
@@ -100,8 +141,8 @@ def run_case(seed, dtype, head_dim, lens_q, lens_k, *, num_kv_heads=NUM_HEADS, n
                                                  alibi_slopes=slopes, block_table=table, **kwargs)
     dev = cupy.asarray
     out = poisoned(q.shape, dtype, cupy)
-    got = cupy_paged.flash_attn_varlen_func(
-        dev(q), dev(k), dev(v), dev(cu_q), dev(cu_k), max_q, max_k,
+    got = varlen_on_gpu(
+        shape_for(kernel, head_dim), dev(q), dev(k), dev(v), dev(cu_q), dev(cu_k), max_q, max_k,
         alibi_slopes=None if slopes is None else dev(slopes),
         block_table=None if table is None else dev(table), out=out, check_values=check_values, **kwargs)
     cupy.cuda.get_current_stream().synchronize()
@@ -122,15 +163,15 @@ EDGE_K = [1, 127, 128, 129, 5, 63, 300]
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("causal", [False, True])
-def test_grid(dtype, head_dim, group, causal):
-    run_case(1, dtype, head_dim, EDGE_Q, EDGE_Q, num_kv_heads=NUM_HEADS // group, causal=causal)
+def test_grid(kernel, dtype, head_dim, group, causal):
+    run_case(kernel, 1, dtype, head_dim, EDGE_Q, EDGE_Q, num_kv_heads=NUM_HEADS // group, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("option", ["window", "window_causal", "left_only", "softcap", "alibi",
                                     "alibi_causal", "lse", "everything"])
-def test_options(dtype, head_dim, option):
+def test_options(kernel, dtype, head_dim, option):
     kwargs = {
         "window": dict(window=(37, 11)),
         "window_causal": dict(window=(70, 5), causal=True),
@@ -141,60 +182,60 @@ def test_options(dtype, head_dim, option):
         "lse": dict(lse=True, causal=True),
         "everything": dict(window=(90, 0), softcap=8.0, alibi=True, lse=True),
     }[option]
-    run_case(2, dtype, head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, **kwargs)
+    run_case(kernel, 2, dtype, head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_chunked_prefill(dtype, head_dim, causal):
+def test_chunked_prefill(kernel, dtype, head_dim, causal):
     # q shorter than k (a chunk after a cached prefix), q longer than k (leading rows see no
     # key under causal masking: zeros and LSE -inf), and an empty key side.
-    run_case(3, dtype, head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0],
+    run_case(kernel, 3, dtype, head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0],
              num_kv_heads=2, causal=causal, lse=True)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
-def test_paged_block_sizes(dtype, block_size):
-    run_case(4, dtype, 128, [129, 1, 64, 300], [700, 257, 64, 300], num_kv_heads=2,
+def test_paged_block_sizes(kernel, dtype, block_size):
+    run_case(kernel, 4, dtype, 128, [129, 1, 64, 300], [700, 257, 64, 300], num_kv_heads=2,
              causal=True, block_size=block_size, lse=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_paged_options(head_dim, block_size):
-    run_case(5, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=block_size,
+def test_paged_options(kernel, head_dim, block_size):
+    run_case(kernel, 5, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=block_size,
              window=(100, 3), softcap=10.0, alibi=True, lse=True)
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_paged_equals_contiguous(block_size):
+def test_paged_equals_contiguous(kernel, block_size):
     """The paged path reads the same keys in the same order: bit-identical to the contiguous one."""
     lens_q, lens_k = [100, 3, 257], [900, 3, 300]
-    a = run_case(6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True)
-    b = run_case(6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True, block_size=block_size)
+    a = run_case(kernel, 6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True)
+    b = run_case(kernel, 6, "bfloat16", 128, lens_q, lens_k, num_kv_heads=2, causal=True, block_size=block_size)
     assert_same_bits(b, a, "paged out against contiguous out")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_long_sequence(dtype):
-    run_case(7, dtype, 128, [4200, 17], [4200, 4100], num_heads=2, num_kv_heads=1, causal=True, lse=True)
+def test_long_sequence(kernel, dtype):
+    run_case(kernel, 7, dtype, 128, [4200, 17], [4200, 4100], num_heads=2, num_kv_heads=1, causal=True, lse=True)
 
 
-def test_long_sequence_paged_window():
-    run_case(8, "bfloat16", 64, [300, 4099], [5000, 4099], num_heads=4, num_kv_heads=1,
+def test_long_sequence_paged_window(kernel):
+    run_case(kernel, 8, "bfloat16", 64, [300, 4099], [5000, 4099], num_heads=4, num_kv_heads=1,
              window=(1000, 0), block_size=32)
 
 
-def test_worked_example_of_the_source():
-    """SPEC section 1: query lengths [10, 3, 1], key lengths [0, 1, 7]; r0 sees no key."""
-    out = run_case(9, "float16", 64, [10, 3, 1], [0, 1, 7], num_heads=4, num_kv_heads=2,
+def test_worked_example(kernel):
+    """The README's varlen example: query lengths [10, 3, 1], key lengths [0, 1, 7]; r0 sees no key."""
+    out = run_case(kernel, 9, "float16", 64, [10, 3, 1], [0, 1, 7], num_heads=4, num_kv_heads=2,
                    causal=True, lse=True)
     assert (to_numpy(out)[:10] == 0).all()
 
 
-def test_strided_inputs():
+def test_strided_inputs(kernel):
     """q, k, v as views into packed [total, 3, H, D] projections (non-dense token strides)."""
     import cupy
 
@@ -205,12 +246,12 @@ def test_strided_inputs():
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     expected = cupy_paged.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
     dq = cupy.asarray(qkv)
-    got = cupy_paged.flash_attn_varlen_func(dq[:, 0], dq[:, 1], dq[:, 2], cupy.asarray(cu),
-                                            cupy.asarray(cu), longest, longest, causal=True)
+    got = varlen_on_gpu(shape_for(kernel, 64), dq[:, 0], dq[:, 1], dq[:, 2], cupy.asarray(cu), cupy.asarray(cu),
+                        longest, longest, causal=True)
     assert_close(got, expected, DTYPES["bfloat16"])
 
 
-def _holes_case(head_dim, block_size, seed=11):
+def _holes_case(kernel, head_dim, block_size, seed=11):
     """Block ids -1 and past num_blocks (passed with check_values=False) are holes: their keys
     contribute nothing.  The reference is the same attention over the remaining keys only
     (non-causal, no ALiBi, so key positions do not matter)."""
@@ -234,68 +275,57 @@ def _holes_case(head_dim, block_size, seed=11):
     cu_kept, max_kept = cu_seqlens_from_lengths(kept)
     expected = cupy_paged.flash_attn_varlen_func(q, k[keep], v[keep], cu_q, cu_kept, max_q, max_kept)
     out = poisoned(q.shape, bf16, cupy)
-    cupy_paged.flash_attn_varlen_func(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
-                                      cupy.asarray(cu_q), cupy.asarray(cu_k), max_q, max_k,
-                                      block_table=cupy.asarray(table), out=out, check_values=False)
+    varlen_on_gpu(shape_for(kernel, head_dim), cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
+                  cupy.asarray(cu_q), cupy.asarray(cu_k), max_q, max_k, block_table=cupy.asarray(table), out=out,
+                  check_values=False)
     assert_close(out, expected, bf16)
 
 
 @pytest.mark.parametrize("block_size", [8, 64])
-def test_block_table_holes(block_size):
-    _holes_case(128, block_size)
+def test_block_table_holes(kernel, block_size):
+    _holes_case(kernel, 128, block_size)
 
 
-# Other tile shapes of the mma.sync kernel than TILES registers (NOTES_varlen.md measured them:
-# 3 stages and 64-key tiles at D=128, 8 warps at D=64).  A failure here rules out that shape only.
-CANDIDATES = {
-    "d128_n128_w8_s3": (128, dict(block_m=128, block_n=128, warps=8, stages=3)),
-    "d128_n64_w8_s2": (128, dict(block_m=128, block_n=64, warps=8, stages=2)),
-    "d64_n64_w8_s3": (64, dict(block_m=128, block_n=64, warps=8, stages=3)),
-}
+def _candidate_params(candidates):
+    return [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
+            for head_dim, shapes in sorted(candidates.items()) for tiles in shapes]
 
 
-@pytest.mark.parametrize("candidate", sorted(CANDIDATES))
-def test_candidate_variants(monkeypatch, candidate):
-    """Each candidate through the public function: the edge grid causal with LSE, chunked
-    prefill, and paged K/V with every option (the fixture runs it under ``mma_sync`` only)."""
-    head_dim, shape = CANDIDATES[candidate]
-    monkeypatch.setitem(varlen_ops.TILES, head_dim, varlen_ops.Tiles(**shape))
-    _candidate_cases(15, head_dim)
+@pytest.mark.parametrize("head_dim,tiles", _candidate_params(MMA_CANDIDATES))
+def test_mma_candidates(head_dim, tiles):
+    """Each mma.sync candidate (the fixture runs it under ``mma_sync`` only)."""
+    _candidate_cases(tiles, 15, head_dim)
 
 
-def _candidate_cases(seed, head_dim):
+@pytest.mark.parametrize("head_dim,tiles", _candidate_params(WGMMA_CANDIDATES))
+def test_wgmma_candidates(head_dim, tiles):
+    """Each wgmma candidate (the fixture runs it under ``wgmma`` only)."""
+    _candidate_cases(tiles, 18, head_dim)
+
+
+def _candidate_cases(tiles, seed, head_dim):
     """What a candidate shape must pass: the edge grid causal with LSE, chunked prefill, and
     paged K/V with every option."""
-    run_case(seed, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, causal=True, lse=True)
-    run_case(seed + 1, "bfloat16", head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0], num_kv_heads=2,
+    run_case(tiles, seed, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=2, causal=True, lse=True)
+    run_case(tiles, seed + 1, "bfloat16", head_dim, [64, 200, 1, 150, 7], [700, 333, 513, 40, 0], num_kv_heads=2,
              causal=True, lse=True)
-    run_case(seed + 2, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
+    run_case(tiles, seed + 2, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
              window=(100, 3), softcap=10.0, alibi=True, lse=True)
-
-
-# The wgmma tile shapes that the benchmark's --sweep times next to the registered WGMMA_TILES
-# (ops.varlen.WGMMA_CANDIDATES).  A failure here rules out that shape only.
-@pytest.mark.parametrize("head_dim,tiles", [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
-                                            for head_dim, shapes in sorted(varlen_wgmma.CANDIDATES.items())
-                                            for tiles in shapes])
-def test_wgmma_candidates(monkeypatch, head_dim, tiles):
-    monkeypatch.setitem(varlen_ops.WGMMA_TILES, head_dim, tiles)
-    _candidate_cases(18, head_dim)
 
 
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sanitize_contiguous(head_dim):
-    run_case(12, "bfloat16", head_dim, [1, 129, 0, 70], [1, 129, 3, 200], num_kv_heads=2,
+def test_sanitize_contiguous(kernel, head_dim):
+    run_case(kernel, 12, "bfloat16", head_dim, [1, 129, 0, 70], [1, 129, 3, 200], num_kv_heads=2,
              causal=True, lse=True)
 
 
 @pytest.mark.parametrize("head_dim", [96, 128])
-def test_sanitize_paged_options(head_dim):
-    run_case(13, "float16", head_dim, [1, 129, 0, 70], [1, 129, 3, 200], num_kv_heads=2,
+def test_sanitize_paged_options(kernel, head_dim):
+    run_case(kernel, 13, "float16", head_dim, [1, 129, 0, 70], [1, 129, 3, 200], num_kv_heads=2,
              block_size=16, window=(50, 2), softcap=6.0, alibi=True, lse=True)
 
 
-def test_sanitize_holes():
-    _holes_case(64, 16, seed=14)
+def test_sanitize_holes(kernel):
+    _holes_case(kernel, 64, 16, seed=14)

@@ -2,6 +2,9 @@
 
 Each module owns its source's specializations (``all_keys``), tile shapes and launch
 (``*Launch`` classes resolve a checked call once; ``run`` launches it); ``registry`` lists
-every family.
+every family.  ``_launch`` holds what the launches share (the packed argument buffer, outputs),
+``_workspace`` the device buffers they keep between calls.
 """
-from . import decode, kv_write, merge, varlen, varlen_wgmma  # noqa: F401
+from . import decode, kv_write, merge, varlen, varlen_wgmma
+
+__all__ = ["decode", "kv_write", "merge", "varlen", "varlen_wgmma"]

@@ -22,11 +22,13 @@ cache is read as blocks of one token through one identity table per device (grow
 workspace, so it too must be sized before a capture: one eager call), and an int
 ``cache_seqlens`` travels as one value in that struct, so a call builds no index arrays.
 
-Tile shapes
------------
+Tile shapes and tracing
+-----------------------
 One specialization per (dtype, head dim); its pipeline shape (keys per stage, stages, warps)
-comes from :data:`TILES`.  ``run(p, tiles)`` launches another shape: :data:`CANDIDATES` are the ones the
-benchmark's ``--sweep`` times and ``tests/test_decode_gpu.py`` checks (NOTES_decode.md, v5).
+comes from :data:`TILES`.  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)`` launch another shape
+(the benchmark's sweep and the GPU tests name theirs).  ``trace=`` launches the ``TRACE``
+specialization, which records each CTA's start, end and SM for the benchmark's ``--trace``: the
+registered keys (:func:`all_keys`) hold no trace code and take no trace argument.
 """
 from __future__ import annotations
 
@@ -34,15 +36,14 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
-
 from .._core.arrays import CUPY
 from .._core.problems import DecodeProblem
 from .._core.types import HEAD_DIMS, KERNEL_DTYPES, alibi_batch_stride, element_strides
 from .._core.compiler import KernelKey, get_function
 from .._core.errors import word
-from .._core.streams import handle, is_capturing
+from .._core.streams import handle
 from ._launch import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
+from ._workspace import identity_table, split_workspace
 
 SOURCE = "decode.cu"
 WARPS = 4               # warps per CTA of the registered shapes
@@ -85,7 +86,9 @@ class Tiles:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
-        16 bytes for the sequence's length (decode.cu's Smem)."""
+        16 bytes for the sequence's entries.  The one size: :func:`kernel_key` passes it to the
+        compiler as ``SMEM_BYTES``, and decode.cu static_asserts that it equals ``Smem::kBytes``,
+        so a layout that drifts from this sum fails to build."""
         id_slots = 2 * (self.stages - 1)
         return ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
                 + (self.stages + id_slots) * self.keys * 4 + 16)
@@ -93,32 +96,21 @@ class Tiles:
 
 # The registered shape of each head dim (the keys ``all_keys`` lists).
 TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
-# Head dim -> shapes that ``bench_decode.py --sweep`` times against TILES and the GPU tests check
-# (NOTES_decode.md, v5: bytes in flight per SM against warps per SM at D = 128).
-# v5's shapes -- Tiles(64, 4), Tiles(64, 6), Tiles(128, 3): more bytes in flight, one CTA per SM --
-# ran 32-45% slower than the registered shape on the H200.  v7-v12 compared kernel variants the
-# same way.  v13: the rate follows warps per SM; two stages, other warp counts and other load
-# layouts were slower.  Kept: 4 CTAs of 2 warps, +3% at 256 x 2048 but -1 to -2% on split
-# launches (its own heuristic splits for 528 slots).
-CANDIDATES: dict[int, tuple[Tiles, ...]] = {
-    128: (Tiles(32, 3, warps=2),),
-}
 
 
-def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False) -> KernelKey:
+def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False,
+               trace: bool = False) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``;
     ``rotary``: the variant that rotates q and the new keys (its own code, so that the plain
-    kernel's loop carries none of it)."""
+    kernel's loop carries none of it); ``trace``: the benchmark's variant with a trace buffer."""
     tiles = tiles or TILES[head_dim]
-    params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
-              ("TILE_KEYS", tiles.keys), ("STAGES", tiles.stages), ("WARPS", tiles.warps))
-    return KernelKey(SOURCE, params + ((("ROTARY", 1),) if rotary else ()))
+    params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("TILE_KEYS", tiles.keys),
+              ("STAGES", tiles.stages), ("WARPS", tiles.warps), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
+    return KernelKey(SOURCE, params + ((("ROTARY", 1),) if rotary else ()) + ((("TRACE", 1),) if trace else ()))
 
 
 def all_keys():
     return [kernel_key(dtype, d, rotary=r) for r in (False, True) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
-
-
 
 
 # --------------------------------------------------------------------------- split heuristic
@@ -161,55 +153,6 @@ def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int
 
 # --------------------------------------------------------------------------- workspace
 
-_WORKSPACES: dict[tuple[int, int], object] = {}
-_IDENTITIES: dict[int, object] = {}
-_RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
-
-
-def _grown(store: dict, key, size: int, make, what: str, stream: int):
-    """``store[key]``, replaced by ``make(n)`` (n >= size, at least doubling) when it holds fewer
-    than ``size`` elements.  Growing allocates, so while ``stream`` captures a graph it raises
-    instead; an outgrown buffer is kept alive for the graphs captured with it."""
-    current = store.get(key)
-    if current is None or current.size < size:
-        if is_capturing(stream):
-            raise RuntimeError(
-                f"{what} must hold {size} elements but holds {0 if current is None else current.size}: "
-                "make one eager call with the same shapes on this stream before capture (for the "
-                "split-KV workspace, cupy_paged.kernels.decode.reserve_workspace(...) also does)")
-        if current is not None:
-            _RETIRED.append(current)
-        current = make(max(size, 2 * (0 if current is None else current.size)))
-        store[key] = current
-    return current
-
-
-def _workspace(num_floats: int, device: int, stream: int):
-    """The float32 split-KV workspace of (device, stream), of at least ``num_floats``."""
-    import cupy
-
-    def make(n):
-        workspace = cupy.empty(n, np.float32)
-        cupy.cuda.Device(device).synchronize()  # allocated before another stream uses it
-        return workspace
-
-    return _grown(_WORKSPACES, (device, stream), num_floats, make, "the split-KV workspace", stream)
-
-
-def _identity_table(size: int, device: int, stream: int):
-    """int32 ``0, 1, ..., size - 1`` (at least) on ``device``: the block table of a contiguous cache
-    ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).  One per device,
-    grown, never built per call."""
-    import cupy
-
-    def make(n):
-        table = cupy.arange(n, dtype=np.int32)
-        cupy.cuda.Device(device).synchronize()  # filled before another stream reads it
-        return table
-
-    return _grown(_IDENTITIES, device, size, make, "the identity block table", stream)
-
-
 def _workspace_floats(splits: int, rows_total: int, head_dim: int) -> int:
     return splits * rows_total * (head_dim + 1)
 
@@ -237,16 +180,18 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
 
     splits = min(max(int(num_splits), 1), MAX_SPLITS)
     device = cupy.cuda.runtime.getDevice()
-    _workspace(_workspace_floats(splits, batch * seqlen_q * num_heads, head_dim), device,
-               handle(stream, CUPY, device))
+    split_workspace(_workspace_floats(splits, batch * seqlen_q * num_heads, head_dim), device,
+                    handle(stream, CUPY, device))
 
 
 # --------------------------------------------------------------------------- launch
 
 # paged_decode's parameters: DecodeParams by value (9 int64 strides, 20 int32, 2 float32: 160
-# bytes), then 20 pointers, in decode.cu's order.
+# bytes), then 19 pointers, in decode.cu's order; the TRACE specialization takes the trace
+# buffer last.
 _PARAMS_LAYOUT = "9q20i2f"
-_DECODE_LAYOUT = _PARAMS_LAYOUT + "20P"
+_DECODE_LAYOUT = _PARAMS_LAYOUT + "19P"
+_TRACE_LAYOUT = _DECODE_LAYOUT + "P"
 # combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
 _COMBINE_LAYOUT = "PPiqiiPP"
 _NO_STRIDES = (0, 0, 0)
@@ -265,7 +210,6 @@ class _Shape:
     threads: int       # of a paged_decode CTA
 
 
-
 def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
     """``(max_blocks, num_blocks, block_shift)`` as paged_decode reads the cache: a paged one
     through its table; a contiguous ``[Bc, S, Hkv, D]`` one as Bc * S blocks of one token (any S)."""
@@ -277,13 +221,13 @@ def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int, num_splits: int,
-           tiles: Tiles, rotary: bool) -> _Shape:
+           tiles: Tiles, rotary: bool, trace: bool) -> _Shape:
     """What these shapes decide, kept per shape: a decode loop pays the kernel look-up and the
     split heuristic once."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     rows = (num_heads // num_kv_heads) * seqlen_q
     row_groups = -(-rows // ROWS_PER_CTA)
-    kernels = kernel_key(dtype, head_dim, tiles, rotary)
+    kernels = kernel_key(dtype, head_dim, tiles, rotary, trace)
     smem = tiles.smem_bytes(head_dim)
     decode = get_function(kernels, "paged_decode", smem)
     if num_splits:
@@ -293,6 +237,13 @@ def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int,
                                _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads))
     return _Shape(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
                   splits, rows, row_groups, tiles.threads)
+
+
+def _problem_shape(p: DecodeProblem, tiles: Tiles | None, trace: bool = False) -> _Shape:
+    """:func:`_shape` of a problem (``tiles`` None: ``TILES[head_dim]``)."""
+    max_blocks, _, shift = _cache_geometry(p)
+    return _shape(p.q.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
+                  p.num_splits, tiles or TILES[p.head_dim], p.rotary_cos is not None, trace)
 
 
 def _strides3(array) -> tuple:
@@ -305,15 +256,16 @@ class DecodeLaunch:
 
     Built from a checked problem whose arrays are device :class:`~cupy_paged._core.arrays.Array`
     descriptors; valid for every call with the same shapes, strides, dtypes, device and
-    scalar arguments (the memo of ``attention.py`` keys it so).
+    scalar arguments (the call memo of ``api/_call.py`` keys it so).  ``tiles``: another pipeline
+    shape than ``TILES[head_dim]``; ``trace``: a uint64 CuPy array of 3 per CTA (:func:`trace_size`)
+    that each launch fills with every CTA's start and end on the GPU's nanosecond clock and its SM
+    (the TRACE specialization; for the benchmark).
     """
 
     def __init__(self, p: DecodeProblem, tiles: Tiles | None = None, trace=None):
-        tiles = tiles or TILES[p.head_dim]
         self.device = p.q.device
         max_blocks, num_blocks, shift = _cache_geometry(p)
-        shape = _shape(self.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
-                       p.num_splits, tiles, p.rotary_cos is not None)
+        shape = _problem_shape(p, tiles, trace is not None)
         self.shape = shape
         self.splits = shape.splits
         batch, seqlen_q, num_heads, head_dim = (int(x) for x in p.q.shape)
@@ -332,7 +284,7 @@ class DecodeLaunch:
         self.lse_offset = 4 * shape.splits * self.rows_total * head_dim  # bytes: part_lse after part_out
         self.grid = (shape.row_groups * shape.splits, p.num_kv_heads, batch)
         self.combine_grid = (self.rows_total, 1, 1)
-        self.trace = 0 if trace is None else int(trace.data.ptr)
+        self.trace = () if trace is None else (int(trace.data.ptr),)
         k_strides = _strides3(p.k_new) if p.k_new is not None else _NO_STRIDES
         v_strides = _strides3(p.v_new) if p.v_new is not None else _NO_STRIDES
         left, right = p.window
@@ -346,11 +298,12 @@ class DecodeLaunch:
                        p.rotary_dim, rotary_flags, seqlen_ro, alibi_batch_stride(p.alibi_slopes), 0, 0,
                        p.softmax_scale, p.softcap]
         self.errors = word(self.device)
-        self.launch = Launcher(shape.decode, _DECODE_LAYOUT)
-        # The scalars are packed once; a call rewrites cached_all (field 12) and the 20 pointers.
-        self.launch.pack(*self.params, *([0] * 20))
+        pointers = 19 + len(self.trace)
+        self.launch = Launcher(shape.decode, _TRACE_LAYOUT if self.trace else _DECODE_LAYOUT)
+        # The scalars are packed once; a call rewrites cached_all (field 12) and the pointers.
+        self.launch.pack(*self.params, *([0] * pointers))
         self._cached_span = self.launch.span(12, 1)
-        self._pointer_span = self.launch.span(len(self.params), 20)
+        self._pointer_span = self.launch.span(len(self.params), pointers)
         self.combine = Launcher(shape.combine, _COMBINE_LAYOUT) if shape.combine is not None else None
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
 
@@ -366,10 +319,10 @@ class DecodeLaunch:
             return out_obj, lse_obj
         q, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad, cos, sin, alibi = ptrs
         if self.contiguous_cache:
-            table = _identity_table(self.identity_size, self.device, stream).data.ptr
+            table = identity_table(self.identity_size, self.device, stream).data.ptr
         part_out = part_lse = 0
         if self.splits > 1:
-            workspace = _workspace(self.workspace_floats, self.device, stream)
+            workspace = split_workspace(self.workspace_floats, self.device, stream)
             part_out = workspace.data.ptr
             part_lse = part_out + self.lse_offset
         shape = self.shape
@@ -378,7 +331,7 @@ class DecodeLaunch:
         self.launch.launch(self.grid, shape.threads, shape.smem, stream, (cached_struct, cached_at, (cached_all,)),
                            (pointer_struct, pointer_at,
                             (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, seqlens, table, batch_idx, leftpad,
-                             cos, sin, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors, self.trace)))
+                             cos, sin, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors, *self.trace)))
         if self.combine is not None:
             self.combine(self.combine_grid, COMBINE_THREADS, 0, stream, part_out, part_lse, self.splits,
                          self.rows_total, self.out_shape[1], self.out_shape[2], out_ptr, lse_ptr)
@@ -387,16 +340,13 @@ class DecodeLaunch:
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
     """The split count ``run`` will use for ``p`` (``p.num_splits``, or the heuristic for 0)."""
-    max_blocks, _, shift = _cache_geometry(p)
-    return _shape(p.q.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
-                  p.num_splits, tiles or TILES[p.head_dim], p.rotary_cos is not None).splits
+    return _problem_shape(p, tiles).splits
 
 
 def trace_size(p: DecodeProblem, tiles: Tiles | None = None) -> int:
-    """Elements of the ``trace`` buffer ``run`` fills for ``p``: 3 per CTA of the decode launch."""
-    max_blocks, _, shift = _cache_geometry(p)
-    shape = _shape(p.q.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
-                   p.num_splits, tiles or TILES[p.head_dim], p.rotary_cos is not None)
+    """Elements of the ``trace`` buffer that ``run(p, tiles, trace=...)`` fills: 3 per CTA of the
+    decode launch."""
+    shape = _problem_shape(p, tiles, trace=True)
     return 3 * shape.row_groups * shape.splits * p.num_kv_heads * p.batch
 
 
@@ -418,10 +368,8 @@ def problem_args(p: DecodeProblem) -> tuple:
 
 def run(p: DecodeProblem, tiles: Tiles | None = None, trace=None, stream: int | None = None):
     """Append ``p.k_new``/``p.v_new`` to the caches and compute attention on the GPU, on ``stream``
-    (default: the caller's current stream for ``p.q``'s kind).  ``tiles`` (a candidate shape,
-    default ``TILES[head_dim]``) is for the benchmark's sweep; ``trace`` (a uint64 CuPy array of 3
-    per CTA, ``trace_size``) receives each CTA's start and end on the GPU's nanosecond clock and
-    its SM, for the benchmark's ``--trace``.  Returns (out, lse or None) in ``p.q``'s kind."""
+    (default: the caller's current stream for ``p.q``'s kind).  ``tiles`` and ``trace``: as
+    :class:`DecodeLaunch` takes them.  Returns (out, lse or None) in ``p.q``'s kind."""
     launch = DecodeLaunch(p, tiles, trace)
     if stream is None:
         stream = handle(None, p.q.kind, p.q.device)

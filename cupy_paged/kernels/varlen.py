@@ -7,8 +7,11 @@ sm_90a, head dims in :data:`WGMMA_TILES`) runs on compute capability 9.0, ``varl
 head dim) each; tile shapes come from :data:`TILES` and :data:`WGMMA_TILES`.  Causal
 masking, sliding windows, softcap, ALiBi, the LSE output and paged K/V (any block size)
 are run-time arguments, so a fresh machine compiles at most one module per (dtype, head dim).
-``run(p, tiles)`` launches another shape: :data:`WGMMA_CANDIDATES` are the ones the
-benchmark's ``--sweep`` times and ``tests/test_varlen_gpu.py`` checks.
+
+The kernel is chosen by the tile shape a launch is given: ``VarlenLaunch(p, tiles)`` and
+``run(p, tiles)`` launch the mma.sync kernel for a :class:`Tiles` and the wgmma kernel for a
+:class:`WgmmaTiles` (compute capability 9.0 only); ``tiles=None``, what the public functions
+pass, takes the registered shape of the kernel this GPU runs.
 """
 from __future__ import annotations
 
@@ -48,7 +51,9 @@ class Tiles:
         return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}m{self.min_blocks}"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory, as ``Traits::kSmemBytes`` in varlen.cu computes it."""
+        """Dynamic shared memory of the launch.  The one size: :func:`kernel_key` passes it to the
+        compiler as ``SMEM_BYTES``, and varlen.cu static_asserts that it equals
+        ``Traits::kSmemBytes``, so a layout that drifts from this sum fails to build."""
         row_bytes = smem_row_bytes(head_dim)
         # Q, the K and V stages, then per stage and key a "loadable" byte and a block id (int)
         return (row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
@@ -60,18 +65,19 @@ TILES = {
     32: Tiles(128, 64, 4, 3),
     64: Tiles(128, 64, 4, 3),
     96: Tiles(128, 64, 8, 2, 1),
-    128: Tiles(128, 128, 8, 2, 1),  # 2 stages: 3 ran contiguous +1.5% but paged -13% (NOTES_varlen.md)
+    128: Tiles(128, 128, 8, 2, 1),  # 2 stages: the faster depth through a block table (NOTES_varlen.md)
     256: Tiles(64, 32, 4, 2),
 }
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None) -> KernelKey:
-    """The specialization for ``dtype`` (float16 or bfloat16) and ``head_dim``."""
+    """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles`` (default
+    ``TILES[head_dim]``)."""
     tiles = tiles or TILES[head_dim]
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim),
               ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n),
               ("NUM_WARPS", tiles.warps), ("NUM_STAGES", tiles.stages),
-              ("MIN_BLOCKS", tiles.min_blocks))
+              ("MIN_BLOCKS", tiles.min_blocks), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
     return KernelKey(SOURCE, params)
 
 
@@ -101,17 +107,23 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
 _LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P"
 
 
+def default_tiles(head_dim: int, device: int | None = None) -> Tiles | WgmmaTiles:
+    """The registered shape of the kernel that ``device`` runs for ``head_dim``: wgmma's where it
+    serves the head dim on this GPU (compute capability 9.0), else mma.sync's."""
+    return WGMMA_TILES[head_dim] if wgmma_available(head_dim, device) else TILES[head_dim]
+
 
 class VarlenLaunch:
     """One ``flash_attn_varlen_func`` call shape, resolved: the kernel, its shared memory and every
-    scalar argument packed once; :meth:`run` adds the pointers and ``max_seqlen_q`` (the grid)."""
+    scalar argument packed once; :meth:`run` adds the pointers and ``max_seqlen_q`` (the grid).
+
+    ``tiles`` picks the kernel and its shape (see the module docstring); None: :func:`default_tiles`.
+    """
 
     def __init__(self, p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None):
         head_dim, num_heads = p.head_dim, p.num_heads
         self.device = device = p.q.device
-        if tiles is None:
-            tiles = WGMMA_TILES[head_dim] if wgmma_available(head_dim, device) else TILES[head_dim]
-        self.tiles = tiles
+        self.tiles = tiles = tiles or default_tiles(head_dim, device)
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
         self.launch = Launcher(function, _LAYOUT)
         self.total_q = total_q = int(p.q.shape[0])
@@ -182,8 +194,8 @@ def problem_args(p: VarlenProblem) -> tuple:
 
 def run(p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None, stream: int | None = None):
     """Launch the varlen kernel on a checked CUDA problem whose arrays the kernel can read as they
-    are (see ``attention.py``); returns (out, lse or None) in ``p.q``'s kind.  ``tiles`` (a candidate
-    shape; its type picks the kernel) is for the benchmark's sweep."""
+    are (see ``api/varlen.py``); returns (out, lse or None) in ``p.q``'s kind.  ``tiles``: the
+    kernel and shape to launch, as :class:`VarlenLaunch` takes it."""
     launch = VarlenLaunch(p, tiles)
     if stream is None:
         stream = handle(None, p.q.kind, p.q.device)

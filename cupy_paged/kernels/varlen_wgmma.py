@@ -15,9 +15,6 @@ from ._launch import cuda_scalar, device_property
 SOURCE = "varlen_wgmma.cu"
 KERNEL = "varlen_fwd_wgmma"
 ARCH = "sm_90a"
-# Use the wgmma kernel where it can run (compute capability 9.0); tests and the benchmark turn
-# it off to run the mma.sync kernel on the same GPU.
-USE_WGMMA = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,34 +38,31 @@ class WgmmaTiles:
         return f"wg{self.block_m}x{self.block_n}s{self.stages}"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory, as ``WgTraits::kSmemBytes`` in varlen_wgmma.cu computes it."""
+        """Dynamic shared memory of the launch.  The one size: :func:`kernel_key` passes it to the
+        compiler as ``SMEM_BYTES``, and varlen_wgmma.cu static_asserts that it equals
+        ``WgTraits::kSmemBytes``, so a layout that drifts from this sum fails to build."""
         row_bytes = 2 * head_dim
-        # Q, the K and V stages, then per stage and key a "loadable" byte and a block id (int)
+        # 1024 bytes of alignment slack, Q, the K and V stages, then per stage and key a
+        # "loadable" byte and a block id (int)
         return (1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
                 + self.stages * self.block_n + 4 * self.stages * self.block_n)
 
 
-# (NOTES_varlen.md, v4-v6: measured against the other shapes on the H200)
+# The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
 WGMMA_TILES = {
-    64: WgmmaTiles(64, 2, groups=1),  # 40 KB, 157 registers: 3 CTAs per SM overlap each other's softmax
+    64: WgmmaTiles(64, 2, groups=1),  # 40 KB: several CTAs per SM overlap each other's softmax
     128: WgmmaTiles(128, 2),           # 165 KB: one CTA of two warpgroups per SM
     256: WgmmaTiles(64, 2),            # 198 KB
 }
 
-# Other wgmma tile shapes (head dim -> shapes), timed by benchmarks/bench_varlen.py --sweep next
-# to WGMMA_TILES and checked by tests/test_varlen_gpu.py::test_wgmma_candidates (the earlier
-# default of D=64, two warpgroups, among them).
-CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
-    64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
-    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
-}
-
 
 def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKey:
-    """The wgmma specialization (sm_90a) for ``dtype`` and ``head_dim``."""
+    """The wgmma specialization (sm_90a) for ``dtype``, ``head_dim`` and ``tiles`` (default
+    ``WGMMA_TILES[head_dim]``)."""
     tiles = tiles or WGMMA_TILES[head_dim]
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
-              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages))
+              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages),
+              ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
     return KernelKey(SOURCE, params, arch=ARCH)
 
 
@@ -76,11 +70,10 @@ def all_keys():
     return [kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in WGMMA_TILES]
 
 
-
-
 def wgmma_available(head_dim: int, device: int | None = None) -> bool:
-    """Whether the wgmma kernel serves ``head_dim`` on ``device`` (default: the current one)."""
-    if not USE_WGMMA or head_dim not in WGMMA_TILES:
+    """Whether the wgmma kernel serves ``head_dim`` on ``device`` (default: the current one): a
+    registered shape for the head dim and a compute capability 9.0 GPU."""
+    if head_dim not in WGMMA_TILES:
         return False
     if device is None:
         import cupy

@@ -1,0 +1,61 @@
+"""Device buffers that launches keep between calls and only ever grow: the split-KV workspace of
+``paged_decode`` (per device and stream) and the identity block table of a contiguous decode cache
+(per device).
+
+Growing allocates, which a CUDA graph capture must not do: while the stream captures, a buffer
+that would have to grow raises instead.  An outgrown buffer is kept alive, so a graph captured
+with it never points at freed memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._core.streams import is_capturing
+
+_WORKSPACES: dict[tuple[int, int], object] = {}
+_IDENTITIES: dict[int, object] = {}
+_RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
+
+
+def _grown(store: dict, key, size: int, make, what: str, stream: int):
+    """``store[key]``, replaced by ``make(n)`` (n >= size, at least doubling) when it holds fewer
+    than ``size`` elements.  Growing allocates, so while ``stream`` captures a graph it raises
+    instead; an outgrown buffer is kept alive for the graphs captured with it."""
+    current = store.get(key)
+    if current is None or current.size < size:
+        if is_capturing(stream):
+            raise RuntimeError(
+                f"{what} must hold {size} elements but holds {0 if current is None else current.size}: "
+                "make one eager call with the same shapes on this stream before capture (for the "
+                "split-KV workspace, cupy_paged.kernels.decode.reserve_workspace(...) also does)")
+        if current is not None:
+            _RETIRED.append(current)
+        current = make(max(size, 2 * (0 if current is None else current.size)))
+        store[key] = current
+    return current
+
+
+def split_workspace(num_floats: int, device: int, stream: int):
+    """The float32 split-KV workspace of (device, stream), of at least ``num_floats``."""
+    import cupy
+
+    def make(n):
+        workspace = cupy.empty(n, np.float32)
+        cupy.cuda.Device(device).synchronize()  # allocated before another stream uses it
+        return workspace
+
+    return _grown(_WORKSPACES, (device, stream), num_floats, make, "the split-KV workspace", stream)
+
+
+def identity_table(size: int, device: int, stream: int):
+    """int32 ``0, 1, ..., size - 1`` (at least) on ``device``: the block table of a contiguous cache
+    ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).  One per device,
+    grown, never built per call."""
+    import cupy
+
+    def make(n):
+        table = cupy.arange(n, dtype=np.int32)
+        cupy.cuda.Device(device).synchronize()  # filled before another stream reads it
+        return table
+
+    return _grown(_IDENTITIES, device, size, make, "the identity block table", stream)
