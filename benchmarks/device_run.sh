@@ -8,7 +8,7 @@
 #   per-step limits in seconds: T_WARM T_TESTS T_BENCH (T_BENCH_DECODE, T_BENCH_CALLS for those
 #   benchmarks alone) T_SANITIZE; extra arguments: TEST_ARGS,
 #   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10),
-#   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS
+#   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
@@ -60,7 +60,12 @@ for step in $steps; do
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-}
       run_step racecheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 \
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-} ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls sanitize)" >&2; exit 2 ;;
+    engine)  # the Llama engine's GPU default, eager and with decode CUDA graphs
+      run_step serve_eager engine "${T_ENGINE:-150}" python3 examples/serve_llama.py --no-progress
+      run_step serve_graphs engine "${T_ENGINE:-150}" python3 examples/serve_llama.py --no-progress --cuda-graphs ;;
+    kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
+      tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls sanitize engine kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -37,13 +37,41 @@ def test_nested_headers_are_folded_and_hashed(tmp_path, monkeypatch):
         _compiler.load_source.cache_clear()
 
 
-def test_keys_spell_every_parameter_and_are_unique():
+def _macros(source: str) -> tuple[set, set]:
+    """(macros the folded source takes from the command line, macros it defines itself): upper-case
+    names used in the code (comments and strings left out) that nothing in the source declares,
+    and the names of its ``#define``s (a ``#ifndef X / #define X`` default among them)."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", " ", source, flags=re.S)
+    text = re.sub(r'"(\\.|[^"\\])*"', '""', re.sub(r"//[^\n]*", " ", text))
+    used = set(re.findall(r"\b[A-Z][A-Z0-9_]*[A-Z0-9]\b", text))
+    defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", text, re.M))
+    macro_params = {p.strip() for params in re.findall(r"^\s*#\s*define\s+\w+\(([^)]*)\)", text, re.M)
+                    for p in params.split(",")}
+    declared = set(re.findall(r"\b(?:constexpr|const|enum|struct|class|typename|int|unsigned|bool|float)\s+"
+                              r"(?:\w+\s+)*?([A-Z][A-Z0-9_]+)\b", text))
+    return used - defined - macro_params - declared, defined
+
+
+def test_keys_are_unique_and_spell_exactly_the_macros_their_source_takes():
+    """Two keys never compile the same source with the same macros, and each key spells every
+    macro its source takes from the command line (none left to a stale default) and no macro its
+    source never reads (so equal keys mean equal code)."""
     texts = [str(k) for k in KEYS]
     assert len(set(texts)) == len(texts)
+    assert {k.source for k in KEYS} >= {"decode.cu", "kv_write.cu", "merge.cu", "varlen.cu", "varlen_wgmma.cu"}
     for key in KEYS:
-        assert all(f"-D{name}={value}" in key.options() for name, value in key.params)
-    families = {k.source for k in KEYS}
-    assert "kv_write.cu" in families
+        free, defined = _macros(_compiler.load_source(key.source))
+        spelled = {name for name, _ in key.params}
+        assert free <= spelled, f"{key} leaves {sorted(free - spelled)} to the command line unspelled"
+        assert spelled <= free | defined, f"{key} spells {sorted(spelled - free - defined)}, which its source never reads"
+
+
+def test_the_macro_check_sees_a_missing_and_a_stray_macro():
+    free, defined = _macros("#ifndef ROTARY\n#define ROTARY 0\n#endif\n// HEAD_DIM in a comment\n"
+                            "__global__ void f(TILE_T* x) { constexpr int kN = BLOCK_N; x[kN] = ROTARY; }")
+    assert free == {"TILE_T", "BLOCK_N"} and "ROTARY" in defined and "HEAD_DIM" not in free
 
 
 def test_ptxas_log_is_parsed():

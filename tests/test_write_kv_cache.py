@@ -46,17 +46,27 @@ def test_kernel_matches_reference(dtype, head_dim, block_size):
 
 @pytest.mark.gpu
 def test_kernel_runs_on_the_current_stream():
+    """The write goes into CuPy's current stream: captured there, it is a node of that stream's
+    graph and has not run when the capture ends (a launch on any other stream would have run,
+    or broken the capture); replaying the graph writes the slot."""
     import cupy
 
     rng = np.random.default_rng(5)
     k_cache = cupy.zeros((2, 16, 1, 64), cupy.float16)
     v_cache = cupy.zeros_like(k_cache)
     k = cupy.asarray(randn(rng, (1, 1, 64), np.float16))
+    slots = cupy.asarray(np.array([20], np.int32))
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
     with stream:
-        cupy_paged.write_kv_cache(k_cache, v_cache, k, k, cupy.asarray(np.array([20], np.int32)))
+        stream.begin_capture()
+        cupy_paged.write_kv_cache(k_cache, v_cache, k, k, slots)
+        graph = stream.end_capture()
     stream.synchronize()
-    assert bool((k_cache[1, 4] == k[0]).all())
+    assert not bool(k_cache.any()), "the write ran outside the captured stream"
+    graph.launch(stream)
+    stream.synchronize()
+    assert bool((k_cache[1, 4] == k[0]).all()) and bool((v_cache[1, 4] == k[0]).all())
 
 
 @pytest.mark.gpu

@@ -4,4 +4,6 @@ One module per public function of ``api/``, each with ``run``: it fills the outp
 checked call (``_core.problems``).  Arithmetic is float32 (like the kernels' accumulators)
 for float16/bfloat16/float32 inputs and float64 for float64 inputs.
 """
-from . import decode, kv_write, merge, varlen  # noqa: F401
+from . import decode, kv_write, merge, varlen
+
+__all__ = ["decode", "kv_write", "merge", "varlen"]
