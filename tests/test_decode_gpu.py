@@ -195,8 +195,8 @@ def test_contiguous_cache_without_block_table(seqlen_cache):
     assert np.array_equal(to_numpy(dk), ref_k) and np.array_equal(to_numpy(dv), ref_v)
 
 
-def test_spec_worked_example():
-    """SPEC section 1: cache_seqlens [30, 32, 70], block size 32, the source's block table."""
+def test_decode_worked_example():
+    """The decode worked example: cache_seqlens [30, 32, 70], block size 32, block table rows [2], [0, 1], [3, 5, 6]."""
     rng = np.random.default_rng(30)
     table = np.array([[2, -1, -1, -1], [0, 1, -1, -1], [3, 5, 6, -1]], np.int32)
     case = dict(q=randn(rng, (3, 1, 8, 128), BF16),

@@ -52,25 +52,9 @@ class Scheduler(serving.Scheduler):
         self._planned: tuple[StepPlan, serving.ScheduledBatch] | None = None  # until update() takes it
 
     def schedule(self) -> StepPlan | None:
-        """Choose this step's requests and token counts, reserve their slots, build the plan.
-
-        Returns
-        -------
-        StepPlan or None
-            ``None`` when nothing can run.  Pass the plan and the sampled tokens to
-            :meth:`update` before the next call.
-
-        Examples
-        --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
-        >>> from cupy_paged.serving.scheduler import Request
-        >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
-        >>> scheduler = Scheduler(cache)
-        >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))
-        >>> plan = scheduler.schedule()
-        >>> plan.path, plan.slot_mapping.tolist()
-        ('varlen', [0, 1, 2])
-        """
+        """The serving scheduler's next batch (:meth:`serving.scheduler.Scheduler.schedule`) as the
+        plan every layer of the step reuses, or ``None`` when nothing can run.  Pass the plan and
+        the sampled tokens to :meth:`update` before the next call."""
         batch = super().schedule()
         if batch is None:
             return None
