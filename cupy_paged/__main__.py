@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     warm_parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     warm_parser.add_argument("--filter", default="")
     warm_args = warm_parser.parse_args(args.rest)
+    if warm_args.jobs < 1:
+        warm_parser.error(f"--jobs must be >= 1; got {warm_args.jobs}")
     from cupy_paged.kernels import registry
 
     return registry.warm(warm_args.jobs, warm_args.filter)

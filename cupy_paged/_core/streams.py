@@ -8,6 +8,7 @@ queued before the call and before whatever it queues after.
 from __future__ import annotations
 
 import functools
+import numbers
 import sys
 
 from .arrays import TORCH, cupy
@@ -37,7 +38,11 @@ def handle(stream, kind: str, device: int) -> int:
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
-        return int(value[1]) if isinstance(value, tuple) else int(value)
+        value = value[1] if isinstance(value, tuple) and len(value) == 2 else value
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise TypeError(f"stream's __cuda_stream__ must give a cudaStream_t handle (a non-negative int); "
+                            f"got {value!r}")
+        return int(value)
     for attribute in ("ptr", "cuda_stream"):  # CuPy streams; torch streams
         value = getattr(stream, attribute, None)
         if isinstance(value, int):

@@ -30,6 +30,7 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 BLOCK_SIZES = tuple(2 ** i for i in range(3, 9))  # 8 .. 256
 WINDOW_CAP = 1 << 30  # windows are clamped to this: wider than any sequence, int32-safe
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
+INT32_MAX = 2 ** 31 - 1
 
 
 def dtype_name(dtype) -> str:
@@ -62,20 +63,23 @@ def check_bool(value, name: str) -> bool:
     return bool(value)
 
 
-def check_int(value, name: str, minimum: int | None = 0) -> int:
-    """An integer (Python or NumPy, never a bool or a float), at least ``minimum``."""
+def check_int(value, name: str, minimum: int | None = 0, maximum: int | None = None) -> int:
+    """An integer (Python or NumPy, never a bool or a float), at least ``minimum`` and at most
+    ``maximum``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int; got {value!r}")
-    value = int(value)
+    value = int(value)  # an Integral: exact
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}; got {value}")
     return value
 
 
 def check_real(value, name: str) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number; got {value!r}")
-    return float(value)
+    return float(value)  # a Real: a float (at most rounded to the nearest double)
 
 
 # --------------------------------------------------------------------------- small checks
@@ -125,7 +129,7 @@ def check_heads(num_heads: int, num_kv_heads: int, q_name: str, k_name: str) -> 
 def check_head_dim(head_dim: int, name: str) -> None:
     if head_dim not in HEAD_DIMS:
         what = "head_dim must be" if name == "head_dim" else f"{name}'s last axis (head_dim) must be"
-        raise ValueError(f"{what} one of the supported head dims {HEAD_DIMS}; got head dim {head_dim}")
+        raise ValueError(f"{what} one of the supported head dims {HEAD_DIMS}; got {head_dim}")
 
 
 def check_block_size(block_size: int, name: str) -> None:
@@ -195,11 +199,18 @@ def check_out(out, name: str, shape: tuple, dtype, backend: str):
         raise ValueError(f"{name} must have shape {list(shape)}; got {tuple(out.shape)}")
     if out.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype_name(dtype)}; got {dtype_name(out.dtype)}")
+    check_writable(out, name, "the call writes the result into it")
     if not c_contiguous(out):
         raise ValueError(f"{name} must be C-contiguous")
     if isinstance(out, Array) and out.ptr % 16:
         raise ValueError(f"{name} must start on a 16-byte boundary")
     return out
+
+
+def check_writable(array, name: str, why: str) -> None:
+    """A NumPy array the call writes into must be writeable (device arrays always are)."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        raise ValueError(f"{name} is read-only, but {why}")
 
 
 def check_same_shape(a, b, a_name: str, b_name: str) -> None:

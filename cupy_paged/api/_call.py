@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.arrays import CUPY, NUMPY, TORCH, Array, cupy, data_ptr, read
+from .._core.arrays import CUPY, NUMPY, TORCH, Array, cupy, data_ptr, empty, read
 from .._core.types import BF16, check_bool, check_real
 
 MEMO: dict = {}         # call signature -> resolved launch (kernels.*.*Launch)
@@ -97,3 +97,18 @@ def check_fa2_flags(dropout_p, deterministic, return_attn_probs):
         raise ValueError(f"dropout_p must be 0: cupy_paged computes the inference forward pass only; got {dropout_p!r}")
     check_bool(deterministic, "deterministic")
     return check_bool(return_attn_probs, "return_attn_probs")
+
+
+def served_empty(kind: str, like, out, lse_out, out_shape: tuple, lse_shape: tuple, dtype, want_lse: bool,
+                 device: int, alloc_stream_: int | None):
+    """``(out, lse or None)`` of a device call with nothing to compute (no sequence, or no query
+    token): the caller's ``out``/``lse_out`` where given, else new zero-size arrays in the caller's
+    kind (CuPy for foreign arrays) on ``device``; no kernel is compiled or launched."""
+    fast = kind in FAST_KINDS
+    kind, like = (kind, like) if fast else (CUPY, None)
+    with on_device(device):
+        if out is None:
+            out = empty(kind, like, tuple(out_shape), dtype, alloc_stream_)
+        if lse_out is None and want_lse:
+            lse_out = empty(kind, like, tuple(lse_shape), np.float32, alloc_stream_)
+    return out, lse_out

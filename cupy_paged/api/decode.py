@@ -14,9 +14,9 @@ from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_s
                            check_block_table_values, check_bool, check_cache_pair, check_dense_last, check_float,
                            check_head_dim, check_heads, check_index, check_int, check_lse, check_out, check_rank,
                            check_same_dtype, check_same_shape, check_scalars, check_values_mode, check_window,
-                           dtype_name, host_checked)
+                           check_writable, dtype_name, host_checked)
 from ._call import (FAST_KINDS, MEMO, alloc_stream, current_device, host_outputs, on_device, ptr_of, readable,
-                    remember)
+                    remember, served_empty)
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -158,8 +158,12 @@ def _decode_slow(key, kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
         reference.decode.run(p)
         result = host_outputs(p, out, lse_out, kind)
         return result if p.lse is not None else result[0]
-    copied = False
     h = handle(stream, kind, p.q.device)
+    if p.batch == 0:  # no sequence: outputs only, no launch
+        result = served_empty(kind, q, out, lse_out, p.q.shape, (0, p.num_heads, p.seqlen_q), p.q.dtype,
+                              p.want_lse or p.lse is not None, p.q.device, alloc_stream(stream, kind, h))
+        return result if p.want_lse or p.lse is not None else result[0]
+    copied = False
     for name in ("q", "k_new", "v_new", "cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad",
                  "rotary_cos", "rotary_sin"):
         value, c = readable(getattr(p, name), name in ("q", "k_new", "v_new"), h)
@@ -227,6 +231,9 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
     batch, seqlen_q, num_heads, head_dim, num_kv_heads = _check_query_and_caches(q, k_cache, v_cache, k, v,
                                                                                  paged, backend)
     seqlen_new = _check_new_tokens(k, v, batch, num_kv_heads, head_dim)
+    if k is not None:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_writable(cache, name, "the call appends the new tokens k and v to it")
     rotary_cos, rotary_sin = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim, backend)
     block_table, cache_batch_idx, cache_leftpad = _check_cache_rows(k_cache, block_table, cache_batch_idx,
                                                                     cache_leftpad, batch)

@@ -8,7 +8,7 @@ from .._core import errors
 from .._core.arrays import CPU, CUPY, NUMPY, TORCH, Array, kind_of, on_stream, read
 from .._core.streams import handle
 from ._call import (FAST_KINDS, alloc_stream, check_fa2_flags, device_copy, host_result, on_device, readable,
-                    reshaped)
+                    reshaped, served_empty)
 from .varlen import prepare_varlen
 
 _CU_SEQLENS: dict = {}  # (device, batch, seqlen) -> int32 [batch + 1] on the device
@@ -117,6 +117,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         lse = None if p.lse is None else np.ascontiguousarray(
             p.lse.reshape(p.num_heads, batch, seqlen_q).transpose(1, 0, 2))
         return (result, host_result(lse, host_kind), None) if attn_probs else result
+    if batch == 0 or seqlen_q == 0:  # no query token: outputs only, no launch
+        result, lse = served_empty(kind, q, out, None, tuple(aq.shape), (batch, p.num_heads, seqlen_q), aq.dtype,
+                                   attn_probs, p.q.device, alloc_stream(stream, kind, h))
+        return (result, lse, None) if attn_probs else result
     for name in ("q", "k", "v"):
         setattr(p, name, readable(getattr(p, name), True, h)[0])
     fast = kind if kind in FAST_KINDS else CUPY

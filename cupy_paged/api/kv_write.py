@@ -6,7 +6,7 @@ from .._core import errors
 from .._core.arrays import CPU, CUDA, CUPY, TORCH, data_ptr, backend_of, kind_of, read, signature, to_host
 from .._core.streams import handle
 from .._core.types import (as_read, check_cache_pair, check_float, check_head_dim, check_index,
-                           check_rank, check_same_dtype, check_same_shape, check_values_mode, host_checked)
+                           check_rank, check_same_dtype, check_same_shape, check_values_mode, check_writable, host_checked)
 from ._call import MEMO, current_device, on_device, readable, remember
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_values=None):
@@ -58,6 +58,8 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_v
     if backend == CPU:
         reference.kv_write.run(a["k_cache"], a["v_cache"], a["k"], a["v"], slots)
         return
+    if int(a["k"].shape[0]) == 0:  # no token: nothing to write, no launch
+        return
     h = handle(stream, kind, a["k_cache"].device)
     (k_dev, c1), (v_dev, c2), (slots, c3) = (readable(a["k"], True, h), readable(a["v"], True, h),
                                              readable(slots, False, h))
@@ -80,6 +82,8 @@ def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=None):
     check_rank(k_cache, "k_cache", (4,), layout)
     check_rank(v_cache, "v_cache", (4,), layout)
     check_cache_pair(k_cache, v_cache)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_writable(cache, name, "write_kv_cache writes k and v into it")
     check_float(k_cache, "k_cache", backend)
     check_float(v_cache, "v_cache", backend)
     _, _, num_kv_heads, head_dim = (int(s) for s in k_cache.shape)

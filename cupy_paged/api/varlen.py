@@ -11,9 +11,9 @@ from .._core.streams import handle
 from .._core.types import (as_read, check_alibi, check_block_size, check_block_table_values, check_bool,
                            check_cache_pair, check_dense_last, check_float, check_head_dim, check_heads, check_index,
                            check_int, check_lse, check_out, check_rank, check_same_dtype, check_same_shape,
-                           check_scalars, check_values_mode, check_window, host_checked)
+                           check_scalars, check_values_mode, check_window, host_checked, INT32_MAX)
 from ._call import (FAST_KINDS, MEMO, alloc_stream, check_fa2_flags, current_device, host_outputs, on_device, ptr_of,
-                    readable, remember, reshaped)
+                    readable, remember, reshaped, served_empty)
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -131,8 +131,12 @@ def _varlen_slow(key, kind, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if p.backend == CPU:
         reference.varlen.run(p)
         return _varlen_result(host_outputs(p, out, lse_out, kind), q, p.lse is not None, attn_probs)
-    copied = False
     h = handle(stream, kind, p.q.device)
+    if p.batch == 0 or p.q.shape[0] == 0:  # nothing to compute: outputs only, no launch
+        result = served_empty(kind, q, out, lse_out, p.q.shape, (p.num_heads, p.q.shape[0]), p.q.dtype,
+                              p.want_lse or p.lse is not None, p.q.device, alloc_stream(stream, kind, h))
+        return _varlen_result(result, q, p.want_lse or p.lse is not None, attn_probs)
+    copied = False
     names = ("q",) + (() if p.block_table is not None else ("k", "v"))
     for name in names + ("cu_seqlens_q", "cu_seqlens_k", "block_table"):
         value, c = readable(getattr(p, name), name in names, h)
@@ -203,8 +207,8 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         raise ValueError(f"cu_seqlens_k must have shape [batch_size + 1] = {tuple(cu_q.shape)} "
                          f"like cu_seqlens_q; got {tuple(cu_k.shape)}")
     batch = int(cu_q.shape[0]) - 1
-    max_seqlen_q = check_int(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = check_int(max_seqlen_k, "max_seqlen_k")
+    max_seqlen_q = check_int(max_seqlen_q, "max_seqlen_q", 0, INT32_MAX)
+    max_seqlen_k = check_int(max_seqlen_k, "max_seqlen_k", 0, INT32_MAX)
     if paged:
         block_table = check_index(block_table, "block_table", 2, "[batch_size, max_blocks_per_seq]")
         if block_table.shape[0] != batch:

@@ -15,7 +15,7 @@ def _scatter_rows(cache_rows, token_rows, slots):
 def _as_row_bits(array: np.ndarray) -> np.ndarray:
     """``array [tokens, Hkv, D]`` as raw bits ``[tokens, Hkv * D]`` (numba has no bfloat16)."""
     bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[array.dtype.itemsize]
-    return np.ascontiguousarray(array).view(bits).reshape(array.shape[0], -1)
+    return np.ascontiguousarray(array).view(bits).reshape(array.shape[0], int(np.prod(array.shape[1:])))
 
 
 def run(k_cache, v_cache, k, v, slot_mapping) -> None:
