@@ -29,3 +29,22 @@ def test_continuous_batching_example_finishes_every_request():
 def test_continuous_batching_example_on_the_gpu():
     """The same run on the CUDA kernels (both paths: decode and paged varlen)."""
     run_example("GPU")
+
+
+def test_readme_first_command_serves_the_engine_on_the_cpu_in_under_a_minute():
+    """The README's first Quick start command installs the engine extra and runs the engine; its
+    run step, on a machine without a GPU, prints tokens per second within a minute."""
+    import re
+    import time
+
+    readme = (ROOT / "README.md").read_text()
+    first = readme.split("## Quick start", 1)[1].split("```", 2)[1].strip()
+    install, run = first.rsplit("&&", 1)
+    assert "engine" in install and ".venv/bin/python examples/serve_llama.py" in run, first
+    argv = [sys.executable] + run.split()[1:]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    start = time.perf_counter()
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.perf_counter() - start < 60
+    assert re.search(r"^tokens per second\s+[\d.]+", result.stdout, re.MULTILINE), result.stdout
