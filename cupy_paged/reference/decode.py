@@ -38,6 +38,8 @@ def run(p: DecodeProblem) -> None:
     """
     acc = accumulator_dtype(p.q.dtype)
     batch, seqlen_new = p.batch, p.seqlen_new
+    if batch == 0:  # no sequence: nothing to attend, nothing to append
+        return
     seqlens = np.maximum(np.broadcast_to(np.asarray(p.cache_seqlens, np.int64), (batch,)), 0)
     no_tokens = np.empty((batch, 0) + tuple(p.k_cache.shape[2:]), p.k_cache.dtype)
     q = p.q

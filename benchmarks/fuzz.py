@@ -1,0 +1,490 @@
+"""Kernel fuzzing (issue 16, point 2): random configurations through the public API on CuPy arrays,
+each against the CPU reference backend on float32 copies of the same values.
+
+Kernels: ``varlen`` (contiguous K/V), ``varlen_paged`` (block table), ``decode``
+(``flash_attn_with_kvcache``: paged or contiguous caches, appends, rotary, splits),
+``write_kv_cache`` and ``merge`` (``merge_attention_states``).  A configuration draws lengths
+(0 and 1 among them), float16/bfloat16 (merge: float32 too), head dims 32..256, GQA ratios, block
+sizes 8..256, shuffled block tables with spare blocks and -1 columns, holes in needed columns
+(then ``check_values=False`` on both sides: the kernels' error word may name ``block_table``,
+nothing else), window / causal / softcap / ALiBi / LSE / rotary combinations, split counts, and
+``out=`` given (NaN-poisoned, so an unwritten element fails) or not.
+
+Configuration ``i`` of kernel ``K`` is drawn from ``np.random.default_rng([seed, index of K, i])``:
+``--seed S --kernels K --only i`` replays it alone.  Every configuration's seed and result go
+to the log (``--log``); each failing one is also printed.  A comparison passes when nothing is
+NaN, the infinities agree and the norm-wise relative error is under the dtype's tolerance of
+``tests/_util.py`` (bfloat16 2e-2, float16 5e-3, float32 1e-5) with every element within 8x
+that of the largest reference value; caches written by ``write_kv_cache`` must be equal bit for bit.
+
+``--dry-run`` needs no GPU: it draws the configurations and runs the reference side twice, on the
+case's own dtype (standing in for the device) and on float32 -- the configuration drawing, the
+reference side and the comparison, tested by ``tests/test_fuzz_config.py``.
+
+    python benchmarks/fuzz.py                       # 1000 configurations per kernel, on the GPU
+    python benchmarks/fuzz.py --configs 200 --kernels decode merge --time-limit 300
+    python benchmarks/fuzz.py --seed 0 --kernels decode --only 17   # replay one configuration
+    python benchmarks/fuzz.py --dry-run --configs 20 --out /tmp/fuzz.json
+
+Writes ``benchmarks/results/fuzz.json``: ``{"device", "date", "versions", "cases": [{"name":
+kernel, "metric": "configs" | "mismatches" | "worst_rel_err_<dtype>", "value", "peers": {}}]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import cupy_paged  # noqa: E402
+from cupy_paged._core.types import BLOCK_SIZES, HEAD_DIMS  # noqa: E402
+from _util import RTOL  # noqa: E402  (the tests' tolerances, one source)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
+KERNELS = ("varlen", "varlen_paged", "decode", "write_kv_cache", "merge")
+WORK_CAP = 4e6  # query-key-head products per configuration: keeps the CPU reference in milliseconds
+
+
+# --------------------------------------------------------------------------- drawing
+
+def _length(rng, longest: int) -> int:
+    """0 (10%), 1 (15%), 2..16 (25%), else up to ``longest``."""
+    u = rng.random()
+    if u < 0.10:
+        return 0
+    if u < 0.25:
+        return 1
+    if u < 0.50 or longest <= 16:
+        return int(rng.integers(2, min(16, max(longest, 2)) + 1))
+    return int(rng.integers(17, longest + 1))
+
+
+def _lengths(rng, batch: int, longest: int) -> list[int]:
+    return [_length(rng, longest) for _ in range(batch)]
+
+
+def _values(rng, shape, dtype, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def _attention_options(rng, num_heads: int, batch: int, head_dim: int) -> dict:
+    """The options varlen and decode share: scale, causal, window, softcap, ALiBi, LSE."""
+    options = dict(causal=bool(rng.random() < 0.5), return_softmax_lse=bool(rng.random() < 0.5))
+    if rng.random() < 0.3:
+        options["softmax_scale"] = float(rng.uniform(0.3, 2.0) / math.sqrt(head_dim))
+    if rng.random() < 0.4:
+        options["window_size"] = (int(rng.choice([-1, 0, 1, int(rng.integers(2, 80))])),
+                                  int(rng.choice([-1, 0, 1, int(rng.integers(2, 80))])))
+    if rng.random() < 0.3:
+        options["softcap"] = float(rng.uniform(5.0, 50.0))
+    if rng.random() < 0.3:
+        shape = (num_heads,) if rng.random() < 0.5 or batch == 0 else (batch, num_heads)
+        options["alibi_slopes"] = rng.uniform(0.0, 0.5, shape).astype(np.float32)
+    return options
+
+
+def _heads(rng) -> tuple[int, int, int, np.dtype]:
+    """(num_heads, num_kv_heads, head_dim, dtype): GQA ratios 1, 2, 4, 8."""
+    kv_heads = int(rng.choice([1, 2, 4]))
+    ratio = int(rng.choice([1, 2, 4, 8]))
+    return kv_heads * ratio, kv_heads, int(rng.choice(HEAD_DIMS)), (F16 if rng.random() < 0.5 else BF16)
+
+
+def _fit(lengths_q: list, lengths_k: list, heads: int) -> tuple[list, list]:
+    """Halve the lengths until the reference's work fits :data:`WORK_CAP`."""
+    while sum(max(a, 1) * max(b, 1) for a, b in zip(lengths_q, lengths_k)) * heads > WORK_CAP:
+        lengths_q = [n // 2 for n in lengths_q]
+        lengths_k = [n // 2 for n in lengths_k]
+    return lengths_q, lengths_k
+
+
+def _paged_table(rng, capacities: list, block_size: int) -> tuple[np.ndarray, int]:
+    """A shuffled table: blocks for ``capacities[b]`` tokens each, 0-3 spare blocks nobody owns,
+    0-2 extra -1 columns.  Returns (table int32, num_blocks)."""
+    counts = [-(-n // block_size) for n in capacities]
+    num_blocks = max(sum(counts) + int(rng.integers(0, 4)), 1)
+    ids = rng.permutation(num_blocks)
+    width = max(counts, default=0) + int(rng.integers(0, 3))
+    table = np.full((len(capacities), max(width, 1)), -1, np.int32)
+    start = 0
+    for b, count in enumerate(counts):
+        table[b, :count] = ids[start:start + count]
+        start += count
+    return table, num_blocks
+
+
+def _punch_holes(rng, table: np.ndarray, needed_blocks: list, num_blocks: int) -> bool:
+    """With probability 0.1, make one needed table entry a hole (-1 or an id past the cache)."""
+    candidates = [(b, j) for b, n in enumerate(needed_blocks) for j in range(n)]
+    if not candidates or rng.random() >= 0.1:
+        return False
+    b, j = candidates[int(rng.integers(len(candidates)))]
+    table[b, j] = -1 if rng.random() < 0.5 else num_blocks + int(rng.integers(0, 5))
+    return True
+
+
+def draw_varlen(rng, paged: bool) -> dict:
+    num_heads, kv_heads, head_dim, dtype = _heads(rng)
+    batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
+    lengths_q, lengths_k = _fit(_lengths(rng, batch, 96), _lengths(rng, batch, 300), num_heads)
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q, dtype=np.int64)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k, dtype=np.int64)]).astype(np.int32)
+    args = dict(q=_values(rng, (int(cu_q[-1]), num_heads, head_dim), dtype),
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=max(lengths_q, default=0) + int(rng.choice([0, 0, 0, 3])),
+                max_seqlen_k=max(lengths_k, default=0) + int(rng.choice([0, 0, 0, 5])))
+    args.update(_attention_options(rng, num_heads, batch, head_dim))
+    holes = False
+    if paged:
+        block_size = int(rng.choice(BLOCK_SIZES))
+        table, num_blocks = _paged_table(rng, lengths_k, block_size)
+        holes = _punch_holes(rng, table, [-(-n // block_size) for n in lengths_k], num_blocks)
+        args.update(k=_values(rng, (num_blocks, block_size, kv_heads, head_dim), dtype),
+                    v=_values(rng, (num_blocks, block_size, kv_heads, head_dim), dtype), block_table=table)
+    else:
+        args.update(k=_values(rng, (int(cu_k[-1]), kv_heads, head_dim), dtype),
+                    v=_values(rng, (int(cu_k[-1]), kv_heads, head_dim), dtype))
+    if holes:
+        args["check_values"] = False
+    out = (int(cu_q[-1]), num_heads, head_dim) if rng.random() < 0.4 else None
+    return dict(function="flash_attn_varlen_func", dtype=dtype, args=args, out_shape=out, holes=holes,
+                in_place=(), lse_key="return_softmax_lse")
+
+
+def _decode_cache(rng, args: dict, cached: list, seqlen_new: int, kv_heads: int, head_dim: int, dtype) -> bool:
+    """Paged (70%) or contiguous caches for ``cached`` tokens plus the appends; returns holes."""
+    batch = len(cached)
+    if rng.random() < 0.7:
+        block_size = int(rng.choice(BLOCK_SIZES))
+        capacities = [n + seqlen_new + int(rng.integers(0, 2 * block_size)) for n in cached]
+        table, num_blocks = _paged_table(rng, capacities, block_size)
+        holes = _punch_holes(rng, table, [-(-(n + seqlen_new) // block_size) for n in cached], num_blocks)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        args.update(block_table=table)
+    else:
+        holes = False
+        rows = batch + int(rng.integers(0, 3)) if rng.random() < 0.3 else batch
+        length = max([n + seqlen_new for n in cached], default=1) + int(rng.integers(0, 8))
+        shape = (rows, max(length, 1), kv_heads, head_dim)
+        if rows != batch or rng.random() < 0.2:
+            args["cache_batch_idx"] = rng.permutation(rows)[:batch].astype(np.int32)
+        if rng.random() < 0.15:
+            args["cache_leftpad"] = np.array([int(rng.integers(0, n + 1)) for n in cached], np.int32)
+    args.update(k_cache=_values(rng, shape, dtype), v_cache=_values(rng, shape, dtype))
+    return holes
+
+
+def draw_decode(rng) -> dict:
+    num_heads, kv_heads, head_dim, dtype = _heads(rng)
+    batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
+    seqlen_q = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
+    seqlen_new = 0 if rng.random() < 0.3 else int(rng.choice([1, 1, 1, 2, 3]))
+    cached = _fit([seqlen_q] * batch, _lengths(rng, batch, 400), num_heads)[1]
+    if batch and rng.random() < 0.15:  # one int for every sequence
+        cached = [cached[0]] * batch
+    args = dict(q=_values(rng, (batch, seqlen_q, num_heads, head_dim), dtype))
+    holes = _decode_cache(rng, args, cached, seqlen_new, kv_heads, head_dim, dtype)
+    args["cache_seqlens"] = (cached[0] if batch and len(set(cached)) == 1 and rng.random() < 0.5
+                             else np.array(cached, np.int32))
+    if seqlen_new:
+        args.update(k=_values(rng, (batch, seqlen_new, kv_heads, head_dim), dtype),
+                    v=_values(rng, (batch, seqlen_new, kv_heads, head_dim), dtype))
+        if rng.random() < 0.3:
+            rotary_dim = 16 * int(rng.integers(1, head_dim // 16 + 1))
+            rows = max([n + max(seqlen_new, seqlen_q) for n in cached], default=1) + int(rng.integers(0, 16))
+            angles = np.arange(rows)[:, None] * rng.uniform(0.001, 0.5, rotary_dim // 2)[None, :]
+            args.update(rotary_cos=np.cos(angles).astype(dtype), rotary_sin=np.sin(angles).astype(dtype),
+                        rotary_interleaved=bool(rng.random() < 0.5))
+    args.update(_attention_options(rng, num_heads, batch, head_dim))
+    args["num_splits"] = 0 if rng.random() < 0.5 else int(rng.integers(1, 9))
+    if holes:
+        args["check_values"] = False
+    out = (batch, seqlen_q, num_heads, head_dim) if rng.random() < 0.4 else None
+    return dict(function="flash_attn_with_kvcache", dtype=dtype, args=args, out_shape=out, holes=holes,
+                in_place=("k_cache", "v_cache") if seqlen_new else (), lse_key="return_softmax_lse")
+
+
+def draw_write(rng) -> dict:
+    _, kv_heads, head_dim, dtype = _heads(rng)
+    block_size = int(rng.choice(BLOCK_SIZES))
+    num_blocks = int(rng.integers(1, 17))
+    capacity = num_blocks * block_size
+    tokens = min(_length(rng, 256), capacity)
+    slots = rng.choice(capacity, tokens, replace=False).astype(np.int32)  # distinct: no write race
+    slots[rng.random(tokens) < 0.1] = -1  # padding tokens: skipped
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    args = dict(k_cache=_values(rng, shape, dtype), v_cache=_values(rng, shape, dtype),
+                k=_values(rng, (tokens, kv_heads, head_dim), dtype), v=_values(rng, (tokens, kv_heads, head_dim), dtype),
+                slot_mapping=slots)
+    return dict(function="write_kv_cache", dtype=dtype, args=args, out_shape=None, holes=False,
+                in_place=("k_cache", "v_cache"), lse_key=None, exact=True)
+
+
+def draw_merge(rng) -> dict:
+    num_heads, _, head_dim, dtype = _heads(rng)
+    dtype = F32 if rng.random() < 0.1 else dtype
+    if rng.random() < 0.5:
+        tokens = _length(rng, 64)
+        shape, lse_shape, lse_rows = (tokens, num_heads, head_dim), (num_heads, tokens), (1, 0)
+    else:
+        batch, seqlen = int(rng.integers(0, 5)), int(rng.integers(1, 5))
+        shape, lse_shape, lse_rows = (batch, seqlen, num_heads, head_dim), (batch, num_heads, seqlen), (0, 2, 1)
+    lse = [(rng.standard_normal(lse_shape) * 3).astype(np.float32) for _ in range(2)]
+    outs = [_values(rng, shape, dtype) for _ in range(2)]
+    for side in range(2):  # rows that saw no key: LSE -inf, output anything (NaN here)
+        empty = rng.random(lse_shape) < (0.15 if rng.random() < 0.5 else 0.0)
+        lse[side][empty] = -np.inf
+        outs[side][np.transpose(empty, lse_rows) if len(shape) == 4 else empty.T] = np.nan
+    args = dict(out_a=outs[0], lse_a=lse[0], out_b=outs[1], lse_b=lse[1])
+    where = rng.random()
+    return dict(function="merge_attention_states", dtype=dtype, args=args, holes=False, lse_key=None, in_place=(),
+                out_shape=shape if where < 0.3 else None, out_is_a=bool(0.3 <= where < 0.45))
+
+
+def draw(kernel: str, seed: int, index: int) -> dict:
+    """Configuration ``index`` of ``kernel``: a dict (function, dtype, args of NumPy arrays in the
+    case's dtype, out_shape, holes, in_place outputs...)."""
+    rng = np.random.default_rng([seed, KERNELS.index(kernel), index])
+    case = {"varlen": lambda: draw_varlen(rng, False), "varlen_paged": lambda: draw_varlen(rng, True),
+            "decode": lambda: draw_decode(rng), "write_kv_cache": lambda: draw_write(rng),
+            "merge": lambda: draw_merge(rng)}[kernel]()
+    case.update(kernel=kernel, seed=seed, index=index)
+    return case
+
+
+def describe(case: dict) -> str:
+    """A one-line summary of a configuration: shapes, dtypes and scalar options."""
+    parts = []
+    for name, value in case["args"].items():
+        if isinstance(value, np.ndarray):
+            parts.append(f"{name}={list(value.shape)}" if value.ndim > 1 or value.size > 8 else
+                         f"{name}={value.tolist()}")
+        else:
+            parts.append(f"{name}={value!r}")
+    extra = " out=" + ("out_a" if case.get("out_is_a") else "given" if case.get("out_shape") else "none")
+    return f"{case['dtype'].name if case['dtype'] != BF16 else 'bfloat16'} " + " ".join(parts) + extra
+
+
+# --------------------------------------------------------------------------- running
+
+LOW = (F16, BF16)
+
+
+def side_args(case: dict, xp, reference: bool) -> dict:
+    """The call's arguments on one side: ``xp`` arrays (NumPy or CuPy); on the reference side the
+    float arrays in float32 (exact copies of the case's values), every array a fresh copy (the
+    calls write caches and outputs in place)."""
+    args = {}
+    for name, value in case["args"].items():
+        if isinstance(value, np.ndarray):
+            value = value.astype(np.float32) if reference and value.dtype in LOW else value.copy()
+            value = xp.asarray(value)
+        args[name] = value
+    out_dtype = F32 if reference else case["dtype"]
+    if case.get("out_is_a"):
+        args["out"] = args["out_a"]
+    elif case.get("out_shape") is not None:
+        args["out"] = xp.full(case["out_shape"], np.nan, np.float32).astype(out_dtype)  # poisoned
+    return args
+
+
+def _host(array) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array
+    import cupy
+
+    return cupy.asnumpy(array)
+
+
+def run_side(case: dict, xp, reference: bool) -> dict:
+    """Run the case's public function on one side; returns {output name: float64 NumPy array}."""
+    args = side_args(case, xp, reference)
+    result = getattr(cupy_paged, case["function"])(**args)
+    outputs = {}
+    if case["function"] == "merge_attention_states":
+        outputs["out"], outputs["lse"] = result
+    elif case["function"] != "write_kv_cache":
+        wants_lse = case["lse_key"] and args.get(case["lse_key"])
+        outputs["out"], outputs["lse"] = result if wants_lse else (result, None)
+        if case.get("out_shape") is not None and outputs["out"] is not args["out"]:
+            raise AssertionError("out= was given but another array came back")
+    for name in case["in_place"]:
+        outputs[name] = args[name]
+    return {name: _host(value).astype(np.float64) for name, value in outputs.items() if value is not None}
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, dtype, exact: bool = False) -> tuple[float, str | None]:
+    """(relative error, None or why it fails): the rules of ``tests/_util.py``'s ``assert_close``
+    (NaN never passes; infinities must agree; norm-wise error under the dtype's tolerance, every
+    element within 8x that of the largest value); ``exact``: bit-equal values."""
+    if actual.shape != expected.shape:
+        return math.inf, f"shape {actual.shape} != {expected.shape}"
+    if np.isnan(actual).any():
+        return math.inf, f"{int(np.isnan(actual).sum())} NaN elements"
+    finite = np.isfinite(expected)
+    if (np.isfinite(actual) != finite).any() or (actual[~finite] != expected[~finite]).any():
+        return math.inf, "infinities differ from the reference"
+    a, e = actual[finite], expected[finite]
+    norm = float(np.linalg.norm(e)) or 1.0
+    rel = float(np.linalg.norm(a - e)) / norm
+    if exact:
+        return rel, None if np.array_equal(a, e) else f"{int((a != e).sum())} elements differ"
+    tol = RTOL[np.dtype(dtype)]
+    scale = max(float(np.abs(e).max(initial=0.0)), 1e-6)
+    worst = float(np.abs(a - e).max(initial=0.0))
+    if rel > tol:
+        return rel, f"relative error {rel:.2e} > {tol:.0e}"
+    if worst > 8 * tol * scale:
+        return rel, f"worst element error {worst:.3e} > {8 * tol * scale:.3e}"
+    return rel, None
+
+
+def _error_word(case: dict, dry_run: bool) -> str | None:
+    """The kernels' error word after the call: empty for a clean configuration; for one with holes
+    it may name ``block_table`` and nothing else.  None when fine, else why not."""
+    if dry_run:
+        return None
+    try:
+        cupy_paged.check_errors()
+    except ValueError as error:
+        if case["holes"] and str(error).startswith("block_table"):
+            return None
+        return f"check_errors: {error}"
+    return None
+
+
+def check_case(case: dict, dry_run: bool) -> tuple[dict, list]:
+    """Run one configuration on both sides.  Returns ({output: rel err}, [failure messages])."""
+    if dry_run:
+        device_xp = np
+    else:
+        import cupy as device_xp
+    failures = []
+    try:
+        expected = run_side(case, np, reference=True)
+        actual = run_side(case, device_xp, reference=False)
+        if not dry_run:
+            device_xp.cuda.get_current_stream().synchronize()
+    except Exception as error:  # a valid configuration must run: any exception is a failure
+        return {}, [f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"]
+    word = _error_word(case, dry_run)
+    if word:
+        failures.append(word)
+    errors = {}
+    for name, want in expected.items():
+        rel, why = compare(actual[name], want, case["dtype"], exact=case.get("exact", False))
+        errors[name] = rel
+        if why:
+            failures.append(f"{name}: {why}")
+    return errors, failures
+
+
+def replay(case: dict) -> str:
+    return f"--seed {case['seed']} --kernels {case['kernel']} --only {case['index']}"
+
+
+# --------------------------------------------------------------------------- the run and the report
+
+def dtype_label(dtype) -> str:
+    return "bfloat16" if np.dtype(dtype) == BF16 else np.dtype(dtype).name
+
+
+def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bool, only: int | None = None,
+         log=None, quiet: bool = False) -> dict:
+    """Draw and check configurations kernel by kernel.  Returns {kernel: {"configs", "mismatches",
+    "worst": {dtype: rel err}, "failed": [replay arguments]}}; stops drawing at ``time_limit``
+    seconds (what ran is reported)."""
+    start = time.perf_counter()
+    stats = {}
+    indices = range(configs) if only is None else [only]
+    for kernel in kernels:
+        entry = stats[kernel] = {"configs": 0, "mismatches": 0, "worst": {}, "failed": []}
+        for index in indices:
+            if time_limit is not None and time.perf_counter() - start > time_limit:
+                entry["stopped"] = True
+                break
+            case = draw(kernel, seed, index)
+            errors, failures = check_case(case, dry_run)
+            entry["configs"] += 1
+            label = dtype_label(case["dtype"])
+            worst = max(errors.values(), default=0.0)
+            entry["worst"][label] = max(entry["worst"].get(label, 0.0), worst)
+            line = f"{kernel} #{index} ({replay(case)}) {'FAIL' if failures else 'ok'} rel={worst:.2e} " \
+                   f"{describe(case)}"
+            if log is not None:
+                print(line + ("" if not failures else " :: " + "; ".join(failures)), file=log)
+            if failures:
+                entry["mismatches"] += 1
+                entry["failed"].append(replay(case))
+                print(f"MISMATCH {kernel} #{index}: {'; '.join(failures)}\n  replay: python benchmarks/fuzz.py "
+                      f"{replay(case)}\n  config: {describe(case)}", flush=True)
+        if not quiet:
+            worst = ", ".join(f"{k} {v:.2e}" for k, v in sorted(entry["worst"].items()))
+            print(f"{kernel:15} {entry['configs']:5} configs, {entry['mismatches']} mismatches, worst rel err: "
+                  f"{worst or '-'}{' (time limit reached)' if entry.get('stopped') else ''}", flush=True)
+    return stats
+
+
+def report(stats: dict, dry_run: bool) -> dict:
+    """The results file's content (``{"device", "date", "versions", "cases"}``)."""
+    versions = {"python": platform.python_version(), "numpy": np.__version__, "cupy_paged": cupy_paged.__version__}
+    device = "CPU reference only (--dry-run)"
+    if not dry_run:
+        import cupy
+
+        versions["cupy"] = cupy.__version__
+        versions["cuda_runtime"] = str(cupy.cuda.runtime.runtimeGetVersion())
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        device = name.decode() if isinstance(name, bytes) else name
+    cases = []
+    for kernel, entry in stats.items():
+        cases.append({"name": kernel, "metric": "configs", "value": entry["configs"], "peers": {}})
+        cases.append({"name": kernel, "metric": "mismatches", "value": entry["mismatches"], "peers": {}})
+        for label, worst in sorted(entry["worst"].items()):
+            cases.append({"name": kernel, "metric": f"worst_rel_err_{label}", "value": float(f"{worst:.4g}"),
+                          "peers": {}})
+    return {"device": device, "date": datetime.date.today().isoformat(), "versions": versions, "cases": cases}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", type=int, default=1000, help="configurations per kernel (default 1000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--time-limit", type=float, default=None, help="stop drawing after this many seconds")
+    parser.add_argument("--only", type=int, default=None, help="replay configuration ONLY alone")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: draw and run the reference side only")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz.json"))
+    parser.add_argument("--log", default=str(ROOT / "benchmarks" / "logs" / "fuzz.log"),
+                        help="every configuration's seed, shapes and result")
+    args = parser.parse_args(argv)
+    if args.configs < 1 or args.seed < 0 or (args.only is not None and args.only < 0):
+        parser.error("--configs must be >= 1, --seed and --only >= 0")
+    if not args.dry_run and not cupy_paged._core.arrays.gpu_available():
+        parser.error("no CUDA GPU answers: run on the GPU, or pass --dry-run")
+    pathlib.Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.log, "w") as log:
+        stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log)
+    result = report(stats, args.dry_run)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    total = sum(entry["mismatches"] for entry in stats.values())
+    print(f"{sum(e['configs'] for e in stats.values())} configurations, {total} mismatches; wrote {args.out}")
+    return 1 if total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
