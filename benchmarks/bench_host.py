@@ -81,8 +81,8 @@ def running_scheduler(num_requests: int, rng: np.random.Generator) -> Scheduler:
 def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[dict]:
     scheduler = running_scheduler(num_requests, rng)
     cache = scheduler.cache
-    ids = [r.request_id for r in scheduler.running]
-    cache.grow(ids, 1)  # the decode slots a step reserves
+    first = scheduler.schedule()  # an all-decode step: one slot reserved for every request
+    ids = list(first.seq_ids)
     rows = cache.rows(ids)
     decode_inputs = rng.integers(0, 32000, len(ids))
 
@@ -110,13 +110,10 @@ def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[d
                                                         mixed_sample, rows=mixed_rows), repeats),
     }
     cache.free("prefill")
-    cache.mark_computed(ids, [cache.num_computed(i) + 1 for i in ids])
-    for request in scheduler.running:  # the slots reserved above are computed now
-        request.num_computed += 1
-        request.token_ids.append(int(rng.integers(0, 32000)))
+    scheduler.update(first, decode_inputs)
 
     schedule_times, update_times = [], []
-    for step in range(min(repeats, 60) + 5):
+    for step in range(max(repeats, 3) + 5):
         start = time.perf_counter_ns()
         plan = scheduler.schedule()
         middle = time.perf_counter_ns()

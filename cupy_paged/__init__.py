@@ -22,7 +22,7 @@ from .runtime.plan import PlanBuffers, StepPlan, build_plan  # noqa: E402
 from .serving.block_pool import BlockPool, CacheFull  # noqa: E402
 from .serving.kv_cache import PagedAttentionCache  # noqa: E402
 from .runtime.scheduler import Scheduler  # noqa: E402
-from .serving.scheduler import Request, RequestStatus, SchedulerConfig  # noqa: E402
+from .serving.scheduler import Request, RequestStatus, SamplingParams, SchedulerConfig  # noqa: E402
 
 __all__ = [
     "flash_attn_varlen_func",
@@ -42,6 +42,7 @@ __all__ = [
     "SchedulerConfig",
     "Request",
     "RequestStatus",
+    "SamplingParams",
     "StepPlan",
     "PlanBuffers",
     "build_plan",

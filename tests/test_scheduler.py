@@ -222,8 +222,8 @@ def test_the_serving_scheduler_hands_out_plain_batches_the_runtime_plans():
     for step in range(3):
         batch, plan = plain.schedule(), planned.schedule()
         assert isinstance(batch, serving.ScheduledBatch) and not hasattr(batch, "block_table")
-        assert plan.seq_ids == batch.seq_ids and plan.query_lens.tolist() == batch.num_new_tokens
-        assert plan.input_ids.tolist() == batch.input_ids and len(plan.logits_indices) == batch.num_sampled
+        assert plan.seq_ids == batch.seq_ids and plan.query_lens.tolist() == batch.num_new_tokens.tolist()
+        assert plan.input_ids.tolist() == batch.input_ids.tolist() and len(plan.logits_indices) == batch.num_sampled
         assert batch.rows.tolist() == plain.cache.rows(batch.seq_ids).tolist()
         assert (batch.num_decodes, batch.sample_mask is None) == [(0, False), (1, False), (1, True)][step]
         with pytest.raises(ValueError, match="batch is not the one"):

@@ -61,6 +61,12 @@ class StepPlan:
         (``flash_attn_with_kvcache``) takes the step: one new token per row, as many tokens as
         rows, padding counted; ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
     block_size : int
+    sample_requests : list or None
+        Set by ``cupy_paged.Scheduler``: ``[num_samples]`` the request each sampled token is for
+        (its ``sampling`` parameters, its ``sample_index`` among parallel samples).
+    sample_rows : numpy.ndarray or None
+        Set by ``cupy_paged.Scheduler``: ``[num_samples]`` which row of ``logits_indices`` each
+        sample reads (a prompt of ``n`` parallel samples is read ``n`` times); None: each once.
     """
 
     seq_ids: list
@@ -79,6 +85,8 @@ class StepPlan:
     sample_mask: np.ndarray
     path: str
     block_size: int
+    sample_requests: list | None = None
+    sample_rows: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

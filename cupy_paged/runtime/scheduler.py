@@ -10,9 +10,10 @@ __all__ = ["Scheduler"]
 class Scheduler(serving.Scheduler):
     """Turns a stream of requests into step plans over a :class:`~cupy_paged.serving.kv_cache.PagedAttentionCache`.
 
-    The requests, token counts and preemption are the serving scheduler's
-    (:class:`cupy_paged.serving.scheduler.Scheduler`); each scheduled batch comes out as the
-    :class:`StepPlan` the kernels run.
+    The requests, token counts, preemption, abort, rollback and statistics are the serving
+    scheduler's (:class:`cupy_paged.serving.scheduler.Scheduler`); each scheduled batch comes out
+    as the :class:`StepPlan` the kernels run, with ``sample_requests`` / ``sample_rows`` saying
+    which request each sampled token is for.
 
     Parameters
     ----------
@@ -22,6 +23,11 @@ class Scheduler(serving.Scheduler):
     buffers : PlanBuffers, optional
         Build every plan into these fixed (device) buffers: the addresses a captured
         CUDA graph needs.  Each plan is then valid until the next ``schedule()``.
+
+    Raises
+    ------
+    ValueError
+        When ``buffers``' block table width is not the cache's.
 
     Examples
     --------
@@ -48,41 +54,70 @@ class Scheduler(serving.Scheduler):
 
     def __init__(self, cache, config: serving.SchedulerConfig | None = None, buffers=None):
         super().__init__(cache, config)
+        if buffers is not None and buffers.max_blocks_per_seq != cache.max_blocks_per_seq:
+            raise ValueError(f"the buffers' block tables have {buffers.max_blocks_per_seq} columns but the "
+                             f"cache's max_blocks_per_seq is {cache.max_blocks_per_seq}")
         self.buffers = buffers
         self._planned: tuple[StepPlan, serving.ScheduledBatch] | None = None  # until update() takes it
 
     def schedule(self) -> StepPlan | None:
         """The serving scheduler's next batch (:meth:`serving.scheduler.Scheduler.schedule`) as the
-        plan every layer of the step reuses, or ``None`` when nothing can run.  Pass the plan and
-        the sampled tokens to :meth:`update` before the next call."""
+        plan every layer of the step reuses.
+
+        Returns
+        -------
+        StepPlan or None
+            ``None`` when nothing can run.  Pass the plan and the sampled tokens to
+            :meth:`update` (or the plan to :meth:`rollback`) before the next call.
+        """
         batch = super().schedule()
         if batch is None:
             return None
-        plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids, batch.sample_mask,
-                          rows=batch.rows, buffers=self.buffers)
+        try:
+            plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids, batch.sample_mask,
+                              rows=batch.rows, buffers=self.buffers)
+        except Exception:
+            super().rollback(batch)
+            raise
+        plan.sample_requests, plan.sample_rows = batch.sample_requests, batch.sample_rows
         self._planned = (plan, batch)
         return plan
 
+    def _batch_of(self, plan: StepPlan, verb: str) -> serving.ScheduledBatch:
+        if self._planned is None:
+            raise RuntimeError(f"{verb}() needs a plan from schedule()")
+        expected, batch = self._planned
+        if plan is not expected:
+            raise ValueError("plan is not the one the last schedule() returned")
+        return batch
+
     def update(self, plan: StepPlan, sampled_token_ids) -> list:
-        """Take the step's sampled tokens; finish requests that hit their limit or EOS.
+        """Take the step's sampled tokens; finish requests that hit their limit or a stop token.
 
         Parameters
         ----------
         plan : StepPlan
             The plan the last ``schedule()`` returned.
         sampled_token_ids : array_like of int
-            ``[len(plan.logits_indices)]`` one token per sampling request, in batch order.
+            ``[len(plan.sample_requests)]`` one token per sample (``len(plan.logits_indices)``
+            unless a prompt of parallel samples ends this step).
 
         Returns
         -------
         list of Request
             Requests finished this step (their blocks are freed).
         """
-        if self._planned is None:
-            raise RuntimeError("update() needs a plan from schedule()")
-        expected, batch = self._planned
-        if plan is not expected:
-            raise ValueError("plan is not the one the last schedule() returned")
-        finished = super().update(batch, sampled_token_ids)
+        finished = super().update(self._batch_of(plan, "update"), sampled_token_ids)
         self._planned = None
         return finished
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Undo the pending step, as :meth:`serving.scheduler.Scheduler.rollback` does.
+
+        Parameters
+        ----------
+        plan : StepPlan
+            The plan the last ``schedule()`` returned.
+        """
+        super().rollback(self._batch_of(plan, "rollback"))
+        self._planned = None

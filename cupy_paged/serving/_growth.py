@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._tables import append_blocks
+from ._tables import append_blocks, count_decode_growth, grow_decodes
+
+_NO_BLOCKS = np.empty(0, np.int32)
 
 
 class Growth:
@@ -12,6 +14,17 @@ class Growth:
 
     def blocks_needed(self, seq_ids, num_new_tokens) -> int:
         """Free blocks ``grow(seq_ids, num_new_tokens)`` would take (copy-on-write included).
+
+        Parameters
+        ----------
+        seq_ids : sequence
+            Live sequence ids.
+        num_new_tokens : int or array_like of int
+            ``[batch]`` (or one for all) tokens each would add.
+
+        Returns
+        -------
+        int
 
         Examples
         --------
@@ -74,6 +87,8 @@ class Growth:
         [0, 1]
         """
         rows = self.rows(seq_ids) if rows is None else rows
+        if type(num_new_tokens) is int and num_new_tokens == 1 and self._grow_decodes(rows, reserve):
+            return
         seen = np.zeros(len(self._num_slots), bool)
         seen[rows] = True  # cheaper than np.unique for a thousand rows
         if np.count_nonzero(seen) != rows.size:
@@ -93,6 +108,71 @@ class Growth:
         append_blocks(self.tables, rows, self._num_blocks, need - cow, fresh[num_cow:])
         self._num_slots[rows] += new
         self.table_versions[rows[need > 0]] += 1
+
+    def _grow_decodes(self, rows: np.ndarray, reserve: int) -> bool:
+        """``grow(rows, 1)`` in two numba passes, the decode step's case; False (nothing changed) when
+        the general path must take it: a row listed twice, too long, or a copy-on-write."""
+        if self._seen.size < self._num_slots.size:
+            self._seen = np.zeros(self._num_slots.size, bool)
+        need = count_decode_growth(self.tables, rows, self._num_blocks, self._num_slots, self.pool.ref_counts,
+                                   self.block_size, self.max_blocks_per_seq, self._seen)
+        if need < 0:
+            return False
+        self._check_room(need, reserve)
+        fresh = self.pool.allocate(need) if need else _NO_BLOCKS
+        grow_decodes(self.tables, rows, self._num_blocks, self._num_slots, self.table_versions, fresh,
+                     self.block_size)
+        return True
+
+    def shrink(self, seq_ids, num_tokens, rows: np.ndarray | None = None) -> None:
+        """Give back the last ``num_tokens`` reserved, not yet computed slots of each sequence: the
+        inverse of :meth:`grow` (blocks no longer needed are freed, so a later ``grow`` of the same
+        counts takes the same blocks again; a copy-on-write copy is kept).
+
+        Parameters
+        ----------
+        seq_ids : sequence
+            Distinct live sequence ids.
+        num_tokens : int or array_like of int
+            ``[batch]`` (or one for all) slots to give back, at most each one's uncomputed slots.
+        rows : numpy.ndarray, optional
+            ``rows(seq_ids)`` when the caller already has them.
+
+        Raises
+        ------
+        ValueError
+            When a sequence would give back computed slots.
+
+        Examples
+        --------
+        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
+        >>> cache.allocate("a", list(range(8)))
+        0
+        >>> cache.grow(["a"], 1)
+        >>> cache.shrink(["a"], 1)
+        >>> cache.num_slots("a"), cache.blocks("a").tolist(), cache.num_free_blocks
+        (8, [0], 3)
+        """
+        rows = self.rows(seq_ids) if rows is None else rows
+        back = np.broadcast_to(np.asarray(num_tokens, np.int64), rows.shape)
+        slots = self._num_slots[rows] - back
+        if (back < 0).any() or (slots < self._num_computed[rows]).any():
+            raise ValueError("shrink gives back only reserved slots not yet computed")
+        keep = -(-slots // self.block_size)
+        freed = []
+        # Last row first, each row's last block first: the pool's free stack then hands them out
+        # again in the order grow took them.
+        for row, kept in zip(rows.tolist()[::-1], keep.tolist()[::-1]):
+            have = int(self._num_blocks[row])
+            if kept < have:
+                freed.append(self.tables[row, kept:have][::-1].copy())
+                self.tables[row, kept:have] = -1
+                self._num_blocks[row] = kept
+                self.table_versions[row] += 1
+        self._num_slots[rows] = slots
+        if freed:
+            self.pool.release(np.concatenate(freed))
 
     def fork(self, parent_id, child_id, token_ids=None) -> None:
         """Start ``child_id`` sharing all of ``parent_id``'s blocks (no copy, no allocation).

@@ -31,6 +31,7 @@ from .._core.types import check_block_size
 from ._batch_views import BatchViews
 from ._storage import LayerAccess, check_storage, count_blocks
 from ._growth import Growth
+from ._tables import set_computed
 from .block_pool import BlockPool, CacheFull
 from .prefix_cache import PrefixCache
 
@@ -118,6 +119,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         self._num_hashed = np.empty(0, np.int64)
         # Bumped on every change of a row of `tables`, so plan buffers re-copy only changed rows.
         self.table_versions = np.empty(0, np.int64)
+        self._seen = np.zeros(0, bool)  # scratch of grow's decode path
         self._add_rows(int(max_seqs))
 
     # ------------------------------------------------------------------ storage
@@ -224,17 +226,23 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         self._last_hash[row] = last_hash
         return cached
 
-    def mark_computed(self, seq_ids, num_computed, rows: np.ndarray | None = None) -> None:
+    def mark_computed(self, seq_ids, num_computed=None, rows: np.ndarray | None = None) -> None:
         """Record that K/V is written up to ``num_computed`` tokens; cache newly full blocks.
 
         Parameters
         ----------
         seq_ids : sequence
             Live sequence ids.
-        num_computed : int or array_like of int
-            ``[batch]`` new totals, between the current count and ``num_slots``.
+        num_computed : int or array_like of int, optional
+            ``[batch]`` new totals, between the current count and ``num_slots``.  Default: every
+            reserved slot (``num_slots``), what a finished step wrote.
         rows : numpy.ndarray, optional
             ``rows(seq_ids)`` when the caller already has them.
+
+        Raises
+        ------
+        ValueError
+            When a total is out of range; nothing changed.
 
         Examples
         --------
@@ -246,18 +254,23 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         ([9], 1)
         """
         rows = self.rows(seq_ids) if rows is None else rows
-        counts = np.broadcast_to(np.asarray(num_computed, np.int64), rows.shape)
-        bad = (counts < self._num_computed[rows]) | (counts > self._num_slots[rows])
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"num_computed for sequence {list(seq_ids)[i]!r} must be in "
-                             f"[{self._num_computed[rows[i]]}, {self._num_slots[rows[i]]}]; "
-                             f"got {counts[i]}")
-        self._num_computed[rows] = counts
+        if num_computed is None:
+            counts = _NO_COUNTS
+        else:
+            counts = np.asarray(num_computed, np.int64)
+            counts = np.full(rows.shape, counts) if counts.ndim == 0 else np.ascontiguousarray(counts)
+            if counts.shape != rows.shape:
+                raise ValueError(f"num_computed must have shape {rows.shape}; got {counts.shape}")
+        to_hash = np.empty(rows.size, np.int64)
+        k, bad = set_computed(rows, counts, self._num_computed, self._num_slots, self._num_hashed,
+                              self.block_size, to_hash)
+        if bad >= 0:
+            row = rows[bad]
+            raise ValueError(f"num_computed for sequence {list(seq_ids)[bad]!r} must be in "
+                             f"[{self._num_computed[row]}, {self._num_slots[row]}]; got {counts[bad]}")
         if not self.enable_prefix_caching:
             return
-        full = counts // self.block_size
-        for row in rows[full > self._num_hashed[rows]].tolist():
+        for row in to_hash[:k].tolist():
             last = int(self._num_computed[row]) // self.block_size
             self._last_hash[row] = self.prefix_cache.register_blocks(
                 self._tokens[row], self.tables[row], int(self._num_hashed[row]), last, self._last_hash[row])
@@ -265,6 +278,16 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
 
     def free(self, seq_id) -> None:
         """Drop a sequence; blocks nobody else holds become free (cached ones stay cached).
+
+        Parameters
+        ----------
+        seq_id : hashable
+            A live sequence id.
+
+        Raises
+        ------
+        KeyError
+            When ``seq_id`` is not in the cache.
 
         Examples
         --------
@@ -315,6 +338,9 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         self._tokens.extend([None] * count)
         self._last_hash.extend([None] * count)
         self._free_rows.extend(range(start + count - 1, start - 1, -1))
+
+
+_NO_COUNTS = np.empty(0, np.int64)
 
 
 def _chunk_length(num_tokens: int, cached: int, num_new_tokens, max_num_new_tokens) -> int:

@@ -1,26 +1,28 @@
 """Continuous batching: which requests run each step, and with how many tokens.
 
-Each ``schedule()`` call makes one step: running decodes first, then running
-prefills and then waiting requests, long prompts cut into chunks, all under a
-token budget (``max_batch_tokens``) and the cache's free blocks.  When a running
-request cannot get a block, the newest running request is preempted: its blocks
-are freed and it is recomputed from its tokens later (vLLM's policy; the prefix
-cache usually gives most of them back).  The step comes out as a :class:`ScheduledBatch`
-of plain data; ``update()`` takes it back with the sampled tokens.  The public
-``cupy_paged.Scheduler`` builds each batch into a step plan for the kernels.
+The policy (decodes first, then chunks of prompts under a token budget; preemption of the least
+urgent, newest request when blocks run out) is ``_policy.py``'s.  The step comes out as a
+:class:`ScheduledBatch` of plain data; ``update()`` takes it back with the sampled tokens, or
+``rollback()`` undoes it when the step failed.  A step in which every running request decodes
+takes a path without per-request Python: the running requests are a persistent batch
+(``_running.py``) whose arrays are updated in place.  The public ``cupy_paged.Scheduler``
+builds each batch into a step plan for the kernels.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
+import types
 
 import numpy as np
 
+from ._policy import GeneralStep
+from ._running import RunningBatch
+from ._stats import Counters, SchedulerStats
 from .block_pool import CacheFull
-from .requests import Request, RequestStatus, SchedulerConfig
+from .requests import Request, RequestStatus, SamplingParams, SchedulerConfig
 
-__all__ = ["Request", "RequestStatus", "ScheduledBatch", "Scheduler", "SchedulerConfig"]
+__all__ = ["Request", "RequestStatus", "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig",
+           "SchedulerStats"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -28,40 +30,55 @@ class ScheduledBatch:
     """One step as :meth:`Scheduler.schedule` chose it, in batch order: the decodes first.
 
     Every request's new tokens have reserved slots in the cache; a plan builder takes the
-    rest from here, and :meth:`Scheduler.update` takes the batch back.
+    rest from here, and :meth:`Scheduler.update` (or :meth:`Scheduler.rollback`) takes it back.
 
     Attributes
     ----------
     requests : list of Request
     seq_ids : list
         Their ids, the cache's sequence ids.
-    num_new_tokens : list of int
-        Tokens each request feeds this step (>= 1).
-    input_ids : list of int
-        ``[sum(num_new_tokens)]`` those tokens, concatenated.
+    num_new_tokens : numpy.ndarray
+        ``[batch]`` int64 tokens each request feeds this step (>= 1).
+    input_ids : numpy.ndarray
+        ``[sum(num_new_tokens)]`` int64 those tokens, concatenated.
     sample_mask : numpy.ndarray or None
-        ``[batch]`` bool, which requests sample a token; None when every one does.
+        ``[batch]`` bool, which requests sample (their last token's logits); None when all do.
     rows : numpy.ndarray
         ``[batch]`` the sequences' cache rows (``cache.rows(seq_ids)``).
     num_decodes : int
         The first ``num_decodes`` requests decode (one token each).
+    sample_requests : list of Request
+        ``[num_samples]`` the request (or parallel branch) each token ``update`` takes is for;
+        its ``sampling`` and ``sample_index`` say how to sample it.
+    sample_rows : numpy.ndarray or None
+        ``[num_samples]`` which sampling row (0 .. num_sampled - 1, in batch order) each sample
+        reads: a prompt of ``n`` parallel samples that ends this step is read ``n`` times.
+        None when each row is sampled once.
     """
 
     requests: list
     seq_ids: list
-    num_new_tokens: list
-    input_ids: list
+    num_new_tokens: np.ndarray
+    input_ids: np.ndarray
     sample_mask: np.ndarray | None
     rows: np.ndarray
     num_decodes: int
+    sample_requests: list
+    sample_rows: np.ndarray | None = None
 
     @property
     def num_sampled(self) -> int:
-        """Requests that sample a token this step."""
+        """Requests whose logits are sampled this step (the sampling rows)."""
         return len(self.requests) if self.sample_mask is None else int(np.count_nonzero(self.sample_mask))
 
+    @property
+    def num_samples(self) -> int:
+        """Tokens :meth:`Scheduler.update` takes: ``num_sampled`` plus the extra first samples of
+        parallel branches."""
+        return len(self.sample_requests)
 
-class Scheduler:
+
+class Scheduler(GeneralStep):
     """Turns a stream of requests into steps over a :class:`~cupy_paged.serving.kv_cache.PagedAttentionCache`.
 
     Parameters
@@ -70,6 +87,12 @@ class Scheduler:
         Owns the blocks; the scheduler is its only user while it runs.
     config : SchedulerConfig, optional
 
+    Attributes
+    ----------
+    waiting : list of Request
+        Queued requests in admission order (priority, then arrival); read only.
+    num_preemptions : int
+
     Examples
     --------
     >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
@@ -77,16 +100,16 @@ class Scheduler:
     >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
     >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))
     >>> batch = scheduler.schedule()
-    >>> batch.seq_ids, batch.num_new_tokens, batch.num_sampled
+    >>> batch.seq_ids, batch.num_new_tokens.tolist(), batch.num_sampled
     (['a'], [16], 0)
     >>> _ = scheduler.update(batch, [])
     >>> batch = scheduler.schedule()
-    >>> batch.num_new_tokens, batch.input_ids
+    >>> batch.num_new_tokens.tolist(), batch.input_ids.tolist()
     ([4], [16, 17, 18, 19])
     >>> [r.output_token_ids for r in scheduler.update(batch, [7])]
     []
     >>> batch = scheduler.schedule()
-    >>> batch.num_decodes, batch.input_ids
+    >>> batch.num_decodes, batch.input_ids.tolist()
     (1, [7])
     >>> [r.output_token_ids for r in scheduler.update(batch, [9])]
     [[7, 9]]
@@ -95,39 +118,142 @@ class Scheduler:
     def __init__(self, cache, config: SchedulerConfig | None = None):
         self.cache = cache
         self.config = SchedulerConfig() if config is None else config
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order: the newest is last
-        self._live: dict = {}
+        self.waiting: list = []
+        self._running = RunningBatch(min(self.config.max_num_seqs, 1024))
+        self._live: dict = {}  # id -> request, every branch of every unfinished request
         self._step: ScheduledBatch | None = None  # the last schedule()'s batch, until update() takes it
+        self._undo: list = []  # what the pending step did, for rollback()
+        self._saved: tuple | None = None
+        self._decoding_only = True  # every running request has exactly one token to compute
+        self._arrivals = self._admissions = 0
+        self._counters = Counters()
+        self._cached_by_request: dict = {}
+        self._ones = np.ones(0, np.int64)
         self.num_preemptions = 0
         # Blocks kept free when admitting; at least one so a decode can always take a block.
         self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
 
+    @property
+    def running(self) -> list:
+        """The running requests (read only; the persistent batch's order)."""
+        return self._running.requests
+
     # ------------------------------------------------------------------ requests
 
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt plus new tokens) a request may reach here.
+
+        Returns
+        -------
+        int
+            The least of ``config.max_model_len``, the cache's block table width
+            (``max_seq_len``) and all its blocks, in tokens.
+        """
+        cache = self.cache
+        limit = min(cache.max_seq_len, cache.num_blocks * cache.block_size)
+        return limit if self.config.max_model_len is None else min(limit, self.config.max_model_len)
+
     def add_request(self, request: Request) -> None:
-        """Queue a request.
+        """Queue a request (and, for ``sampling.n > 1``, its parallel branches).
+
+        Parameters
+        ----------
+        request : Request
+            A new request; its id (and its branches' ``(id, k)``) must not be live.
 
         Raises
         ------
         ValueError
             When its id is live already, or prompt plus ``max_new_tokens`` could never fit
-            the cache (a single sequence's length limit, or all blocks).
+            (:meth:`max_model_len`: the cache's block table width, all its blocks, or
+            ``config.max_model_len``).
         """
         if request.request_id in self._live:
             raise ValueError(f"request {request.request_id!r} is already queued or running")
-        cache = self.cache
-        if request.max_tokens > cache.max_seq_len or -(-request.max_tokens // cache.block_size) > cache.num_blocks:
+        limit = self.max_model_len()
+        if request.max_tokens > limit:
             raise ValueError(f"request {request.request_id!r} may grow to {request.max_tokens} tokens, "
-                             f"more than the cache can hold for one sequence "
-                             f"({min(cache.max_seq_len, cache.num_blocks * cache.block_size)})")
-        request.status = RequestStatus.WAITING
-        self._live[request.request_id] = request
-        self.waiting.append(request)
+                             f"more than the cache can hold for one sequence ({limit}: max_model_len)")
+        self._arrivals += 1
+        request._arrival = self._arrivals
+        if request.sampling.n > 1 and len(request.branches) == 1:
+            request.branches = [request] + [request._branch(k) for k in range(1, request.sampling.n)]
+            if any(b.request_id in self._live for b in request.branches):
+                raise ValueError(f"a branch id of request {request.request_id!r} is already live")
+            request._unforked = True
+        for branch in request.branches:
+            self._live[branch.request_id] = branch
+        request._cache = None
+        self._enqueue(request)
+
+    def abort(self, request_ids) -> list[Request]:
+        """Stop requests wherever they are; their blocks are freed (full computed blocks stay in
+        the prefix cache).  Aborting a request aborts its parallel branches; ``(id, k)`` aborts
+        one branch.
+
+        Safe between any two calls.  Between ``schedule()`` and ``update()`` the pending step
+        keeps its rows (the forward pass may be running over them): ``update`` drops the
+        aborted rows and their sampled tokens, and ``rollback`` leaves them aborted.
+
+        Parameters
+        ----------
+        request_ids : iterable
+            Request ids; finished, aborted and unknown ones are skipped.
+
+        Returns
+        -------
+        list of Request
+            The requests (branches) aborted, status ``ABORTED``.
+        """
+        aborted = []
+        self._detach()
+        for request_id in request_ids:
+            request = self._live.get(request_id)
+            if request is None:
+                continue
+            for branch in ([request] + request.branches[1:]):
+                if not branch.is_done:
+                    self._abort_one(branch)
+                    aborted.append(branch)
+        return aborted
+
+    def _abort_one(self, request: Request) -> None:
+        if request._cache is not None:
+            self._stop_running(request)
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+            if request.num_preemptions:
+                self._counters.num_preempted_waiting -= 1
+        request.status, request.finish_reason = RequestStatus.ABORTED, "abort"
+        request._pending_fork = False
+        del self._live[request.request_id]
+        self._cached_by_request.pop(request.request_id, None)
+        self._counters.num_aborted += 1
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
+        """True while any request (or branch) waits or runs.
+
+        Returns
+        -------
+        bool
+        """
         return bool(self._live)
+
+    def stats(self) -> SchedulerStats:
+        """Counts of requests, cache blocks and scheduled tokens; O(1), cheap every step.
+
+        Returns
+        -------
+        SchedulerStats
+        """
+        c, cache = self._counters, self.cache
+        return SchedulerStats(
+            num_running=len(self._running), num_waiting=len(self.waiting), num_preempted=c.num_preempted_waiting,
+            num_preemptions=self.num_preemptions, num_finished=c.num_finished, num_aborted=c.num_aborted,
+            blocks_used=cache.num_blocks - cache.num_free_blocks, blocks_total=cache.num_blocks,
+            prompt_tokens=c.prompt_tokens, cached_prompt_tokens=c.cached_prompt_tokens,
+            prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+            cached_prompt_tokens_by_request=types.MappingProxyType(self._cached_by_request))
 
     # ------------------------------------------------------------------ one step
 
@@ -138,7 +264,12 @@ class Scheduler:
         -------
         ScheduledBatch or None
             ``None`` when nothing can run.  Pass the batch and the sampled tokens to
-            :meth:`update` before the next call.
+            :meth:`update` (or the batch to :meth:`rollback`) before the next call.
+
+        Raises
+        ------
+        RuntimeError
+            When the previous step was neither updated nor rolled back.
 
         Examples
         --------
@@ -147,176 +278,122 @@ class Scheduler:
         >>> scheduler = Scheduler(cache)
         >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))
         >>> batch = scheduler.schedule()
-        >>> batch.input_ids, cache.slot_mapping(batch.seq_ids).tolist()
+        >>> batch.input_ids.tolist(), cache.slot_mapping(batch.seq_ids).tolist()
         ([5, 6, 7], [0, 1, 2])
         """
         if self._step is not None:
             raise RuntimeError("update() must take the previous step's tokens before the next schedule()")
-        decodes, prefills = [], []
-        for request in self.running:  # one pass: this runs over every running request each step
-            (decodes if len(request.token_ids) - request.num_computed == 1 else prefills).append(request)
-        decodes, decode_rows = self._schedule_decodes(decodes)
-        scheduled: dict[Request, int] = dict.fromkeys(decodes, 1)
-        preemptions = self.num_preemptions
-        budget = self._schedule_running_prefills(prefills, scheduled, self.config.max_batch_tokens - len(decodes))
-        if self.num_preemptions != preemptions:  # a prefill's growth may have preempted decodes
-            kept = np.array([r in scheduled for r in decodes], bool)
-            decodes, decode_rows = list(itertools.compress(decodes, kept)), decode_rows[kept]
-        self._admit_waiting(scheduled, budget)
-        if not scheduled:
-            return None
-        # The decodes lead `scheduled`: the first rows are theirs already.
-        requests, counts = list(scheduled), list(scheduled.values())
-        ids = [r.request_id for r in requests]
-        num_decodes = len(decodes)
-        rows = (decode_rows if num_decodes == len(requests)
-                else np.concatenate([decode_rows, self.cache.rows(ids[num_decodes:])]))
-        # The rows serve update()'s mark_computed too: nothing frees a sequence in between,
-        # and a row stays with its sequence until it is freed.
-        self._step = self._batch(requests, counts, ids, rows, num_decodes)
-        return self._step
+        self._undo = []
+        c = self._counters
+        self._saved = (self._decoding_only, c.prompt_tokens, c.cached_prompt_tokens, c.prefill_tokens,
+                       c.decode_tokens)
+        run = self._running
+        n = len(run)
+        batch = None
+        if n and self._decoding_only and (not self.waiting or n >= self.config.max_num_seqs):
+            batch = self._schedule_decodes_only(run, n)
+        if batch is None:
+            batch = self._schedule_general()
+        self._step = batch
+        return batch
 
-    def _schedule_decodes(self, decodes: list) -> tuple[list[Request], np.ndarray]:
-        """All running requests with one token left get a slot, preempting the newest as needed.
-        Returns them and their cache rows."""
-        while decodes:
-            ids = [r.request_id for r in decodes]
-            rows = self.cache.rows(ids)
-            try:
-                self.cache.grow(ids, 1, rows=rows)
-                return decodes, rows
-            except CacheFull:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim in decodes:  # the newest is usually a decode itself
-                    decodes.remove(victim)
-        return decodes, np.empty(0, np.int64)
+    def _schedule_decodes_only(self, run: RunningBatch, n: int) -> ScheduledBatch | None:
+        """Every running request decodes: one numba pass reserves the slots; no per-request Python.
+        The batch's lists and input ids are the running batch's own (``abort`` copies them first)."""
+        rows = run.rows[:n].copy()
+        try:
+            self.cache.grow(None, 1, rows=rows)
+        except CacheFull:
+            return None  # the general step preempts
+        self._undo.append(("grow", run.requests, rows, 1, None))  # nothing preempts after it
+        self._counters.decode_tokens += n
+        if self._ones.size < n:
+            self._ones = np.ones(2 * n, np.int64)
+            self._ones.flags.writeable = False
+        batch = self._new_batch(run.requests, run.ids, self._ones[:n], run.last[:n], None, rows, n, run.requests)
+        batch._persistent = True  # the running batch in its order: update's array path applies
+        return batch
 
-    def _schedule_running_prefills(self, prefills: list, scheduled: dict, budget: int) -> int:
-        """Next chunk of each running, partly prefilled request, oldest first."""
-        chunk_limit = self.config.max_prefill_chunk
-        for request in prefills:
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted for an older request earlier in this loop
-            count = min(request.num_tokens - request.num_computed, budget, chunk_limit)
-            count, released = self._grow_or_preempt(request, count, scheduled)
-            if count:
-                scheduled[request] = count
-            budget += released - count  # a preempted victim's scheduled tokens are back
-        return budget
+    def _detach(self) -> None:
+        """The pending decode-only batch stops sharing the running batch's lists (before they change)."""
+        batch = self._step
+        if batch is not None and batch._persistent and batch.requests is self._running.requests:
+            batch.requests = batch.sample_requests = list(batch.requests)
+            batch.seq_ids, batch.input_ids = list(batch.seq_ids), batch.input_ids.copy()
+            self._undo[0] = self._undo[0][:1] + (batch.requests,) + self._undo[0][2:]
 
-    def _grow_or_preempt(self, request: Request, count: int, scheduled: dict) -> tuple[int, int]:
-        """Reserve ``count`` slots for ``request``, shrinking the chunk or preempting newer requests.
-        Returns the slots reserved and the tokens of preempted requests taken out of ``scheduled``."""
-        cache = self.cache
-        released = 0
-        while True:
-            try:
-                cache.grow([request.request_id], count)
-                return count, released
-            except CacheFull:
-                pass
-            # A smaller chunk that fits now beats preempting anyone.
-            room = -cache.num_slots(request.request_id) % cache.block_size
-            fits = room + cache.num_free_blocks * cache.block_size
-            if 0 < fits < count:
-                count = fits
-                continue
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is request:
-                return 0, released
-            released += scheduled.pop(victim, 0)  # its reserved slots went with its blocks
-
-    def _admit_waiting(self, scheduled: dict, budget: int) -> None:
-        """Admit waiting requests first come first served while budget, seats and blocks last."""
-        cache, config = self.cache, self.config
-        while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
-            request = self.waiting[0]
-            limit = min(budget, config.max_prefill_chunk)
-            margin = self._margin if self.running else 0
-            try:  # one prefix match: allocate cuts the chunk to the limit after the cached prefix
-                cached = cache.allocate(request.request_id, request.token_ids, reserve=margin,
-                                        max_num_new_tokens=limit)
-            except CacheFull:
-                break
-            count = cache.num_slots(request.request_id) - cached  # the slots allocate reserved
-            self.waiting.popleft()
-            request.num_computed = cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled[request] = count
-            budget -= count
-
-    def _preempt(self, request: Request) -> None:
-        """Free ``request``'s blocks and queue it first for recomputation."""
-        self.cache.free(request.request_id)
-        self.running.remove(request)
-        request.num_computed = 0
-        request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-        self.num_preemptions += 1
-
-    def _batch(self, requests: list, counts: list, ids: list, rows: np.ndarray, num_decodes: int) -> ScheduledBatch:
-        """The step's batch; the first ``num_decodes`` requests decode."""
-        if max(counts) == 1:  # one input token each, no slicing
-            input_ids = [r.token_ids[r.num_computed] for r in requests]
-        else:
-            input_ids = list(itertools.chain.from_iterable(
-                r.token_ids[r.num_computed:r.num_computed + n] for r, n in zip(requests, counts)))
-        sample = None  # every row samples: decodes always do
-        if num_decodes < len(requests):
-            # Only a prefill whose chunk reaches its last token samples: a one-token chunk in the
-            # middle of a prompt (budget or max_prefill_chunk of 1) does not.
-            sample = np.ones(len(requests), bool)
-            sample[num_decodes:] = [r.num_computed + n == r.num_tokens
-                                    for r, n in zip(requests[num_decodes:], counts[num_decodes:])]
-        return ScheduledBatch(requests, ids, counts, input_ids, sample, rows, num_decodes)
+    @staticmethod
+    def _new_batch(*fields) -> ScheduledBatch:
+        batch = ScheduledBatch(*fields)
+        batch._persistent = False
+        return batch
 
     def update(self, batch: ScheduledBatch, sampled_token_ids) -> list[Request]:
-        """Take the step's sampled tokens; finish requests that hit their limit or EOS.
+        """Take the step's sampled tokens; finish requests that hit their limit or a stop token.
 
         Parameters
         ----------
         batch : ScheduledBatch
             The batch the last ``schedule()`` returned.
         sampled_token_ids : array_like of int
-            ``[batch.num_sampled]`` one token per sampling request, in batch order.
+            ``[batch.num_samples]`` one token per sample, in ``batch.sample_requests`` order.
 
         Returns
         -------
         list of Request
-            Requests finished this step (their blocks are freed).
+            Requests (branches) finished this step (their blocks are freed).
+
+        Raises
+        ------
+        RuntimeError
+            Without a pending step.
+        ValueError
+            For another batch, or the wrong number of tokens.
         """
         if self._step is None:
             raise RuntimeError("update() needs a batch from schedule()")
         if batch is not self._step:
             raise ValueError("batch is not the one the last schedule() returned")
-        requests = batch.requests
-        sampled = np.asarray(sampled_token_ids).reshape(-1).tolist()
-        sampling = (requests if batch.sample_mask is None  # all sample: no mask walk
-                    else list(itertools.compress(requests, batch.sample_mask.tolist())))
-        if len(sampled) != len(sampling):
-            raise ValueError(f"sampled_token_ids must hold {len(sampling)} tokens, one per sampling "
-                             f"request; got {len(sampled)}")
+        sampled = np.asarray(sampled_token_ids, np.int64).reshape(-1)
+        if sampled.size != len(batch.sample_requests):
+            raise ValueError(f"sampled_token_ids must hold {len(batch.sample_requests)} tokens, one per sampling "
+                             f"request; got {sampled.size}")
         self._step = None
-        computed = []
-        for request, count in zip(requests, batch.num_new_tokens):
-            request.num_computed += count
-            computed.append(request.num_computed)
-        self.cache.mark_computed(batch.seq_ids, computed, rows=batch.rows)
-        finished = []
-        for request, token in zip(sampling, sampled):
-            request.token_ids.append(token)
-            if request.num_tokens >= request.max_tokens or token == request.eos_token_id:
-                finished.append(request)
+        if batch._persistent and batch.requests is self._running.requests:  # no abort since schedule()
+            return self._update_decodes_only(self._running, sampled)
+        return self._update_general(batch, sampled.tolist())
+
+    def _update_decodes_only(self, run: RunningBatch, sampled: np.ndarray) -> list:
+        """The decode-only step's update, on the persistent batch's arrays."""
+        cache = self.cache
+        done = run.advance(sampled, cache.block_size if cache.enable_prefix_caching else 0)
+        cache.mark_computed(run.ids, rows=run.rows[:len(run)])
+        if done is None:
+            return []
+        finished = [run.requests[i] for i in np.flatnonzero(done).tolist()]
         for request in finished:
-            request.status = RequestStatus.FINISHED
-            self.cache.free(request.request_id)
-            del self._live[request.request_id]
-        if finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self._finish(request)
         return finished
+
+    def rollback(self, batch: ScheduledBatch) -> None:
+        """Undo the pending step (its forward pass failed): the slots it reserved are given back and
+        the requests it admitted wait again where they were, so the next ``schedule()`` makes the
+        same step.  Requests it preempted stay preempted (their blocks may hold the failed step's
+        writes), and requests aborted since stay aborted.
+
+        Parameters
+        ----------
+        batch : ScheduledBatch
+            The batch the last ``schedule()`` returned.
+
+        Raises
+        ------
+        RuntimeError, ValueError
+            As :meth:`update`.
+        """
+        if self._step is None:
+            raise RuntimeError("rollback() needs a batch from schedule()")
+        if batch is not self._step:
+            raise ValueError("batch is not the one the last schedule() returned")
+        self._undo_step()
+        self._step = None
