@@ -27,7 +27,8 @@ class PagedAttention(torch.nn.Module):
 
     def __init__(self, hidden, num_heads, num_kv_heads, head_dim, num_blocks, block_size, **factory):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = num_heads, num_kv_heads, head_dim, block_size
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.block_size = head_dim, block_size
         self.q_proj = torch.nn.Linear(hidden, num_heads * head_dim, bias=False, **factory)
         self.k_proj = torch.nn.Linear(hidden, num_kv_heads * head_dim, bias=False, **factory)
         self.v_proj = torch.nn.Linear(hidden, num_kv_heads * head_dim, bias=False, **factory)
