@@ -69,3 +69,16 @@ def test_jax_arrays_through_dlpack():
     view = as_array(x, "q")
     assert isinstance(view, cupy.ndarray)
     np.testing.assert_array_equal(cupy.asnumpy(view), np.arange(16, dtype=np.float32))
+
+
+def test_slot_mapping_from_torch_tensors_is_a_torch_tensor():
+    """Torch CPU tensors in, a torch tensor out, the same slots as from NumPy; float ids rejected by name."""
+    torch = pytest.importorskip("torch")
+    import cupy_paged
+
+    table = cupy_paged.block_table_from_lists([[2], [0, 1], [3, 5, 6]], max_blocks=4)
+    slots = cupy_paged.slot_mapping_from_positions(torch.from_numpy(table), torch.tensor([0, 1, 2]),
+                                                   torch.tensor([30, 32, 70]), 32)
+    assert isinstance(slots, torch.Tensor) and slots.tolist() == [94, 32, 198]
+    with pytest.raises(TypeError, match="seq_ids"):
+        cupy_paged.slot_mapping_from_positions(torch.from_numpy(table), torch.tensor([0.5]), torch.tensor([3]), 32)

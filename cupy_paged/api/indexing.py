@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.arrays import to_host, xp_of
+from .._core.arrays import TORCH, as_array, kind_of, to_host, xp_of
 from .._core.paging import slots_of
 from .._core.types import INT32_MAX, check_int, dtype_name
 
@@ -117,6 +117,13 @@ def slot_mapping_from_positions(block_table, seq_ids, positions, block_size: int
     [94, 32, 198]
     """
     block_size = check_int(block_size, "block_size", 1)
+    if kind_of(block_table) is TORCH:  # torch in, torch out: the same work on zero-copy NumPy / CuPy views
+        import torch
+
+        views = [as_array(a, n) if kind_of(a) is TORCH else a
+                 for a, n in ((block_table, "block_table"), (seq_ids, "seq_ids"), (positions, "positions"))]
+        slots = slot_mapping_from_positions(*views, block_size)
+        return torch.from_numpy(slots) if isinstance(slots, np.ndarray) else torch.from_dlpack(slots)
     if not hasattr(block_table, "dtype") or block_table.ndim != 2 or block_table.dtype.kind not in "iu":
         raise TypeError(f"block_table must be a 2-D integer array [batch_size, max_blocks]; got "
                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape "
