@@ -1,7 +1,8 @@
 """PagedAttentionCache: storage, allocation, fork/copy-on-write, prefix caching, update().
 
-The state machine at the end drives thousands of random allocate / grow / compute /
-fork / free / preempt steps and checks every invariant of the cache after each.
+The state machines at the end drive thousands of random allocate / grow / compute /
+fork / free / preempt steps, and random requests through the scheduler (abort, parallel
+samples, rollback), and check every invariant of the cache after each.
 """
 import ctypes
 
@@ -16,6 +17,8 @@ from cupy_paged import write_kv_cache
 from cupy_paged.serving.kv_cache import CacheFull, PagedAttentionCache
 from cupy_paged.runtime.buffers import PlanBuffers
 from cupy_paged.runtime.plan import build_plan
+from cupy_paged.runtime.scheduler import Scheduler
+from cupy_paged.serving.scheduler import Request, RequestStatus, SamplingParams, SchedulerConfig
 from cupy_paged.reference._attend import gather_paged
 
 
@@ -515,6 +518,129 @@ class CacheMachine(RuleBasedStateMachine):
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------- the scheduler's state machine
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random requests (several stop ids, n parallel samples, priorities) through the scheduler over a
+    small cache, with abort at any point (also between schedule and update) and rolled-back steps;
+    every step writes each new token's K/V, and the invariants check blocks and content."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedAttentionCache(2, 1, 32, block_size=BLOCK, num_blocks=NUM_BLOCKS, dtype="float32",
+                                         device="cpu", max_seqs=2, max_blocks_per_seq=6)
+        self.scheduler = Scheduler(self.cache, SchedulerConfig(max_batch_tokens=24, max_num_seqs=4,
+                                                               max_prefill_chunk=10, admission_margin=0.0))
+        self.requests: list = []
+        self.next_id = 0
+
+    def _write_step(self, plan):
+        """The forward pass's cache writes: every new token's K/V, a function of its prefix."""
+        for b, seq in enumerate(plan.seq_ids):
+            tokens = self.scheduler._live[seq].token_ids
+            start, stop = int(plan.cu_seqlens_q[b]), int(plan.cu_seqlens_q[b + 1])
+            positions = plan.positions[start:stop].tolist()
+            slots = plan.slot_mapping[start:stop]
+            for layer in range(self.cache.num_layers):
+                values = np.broadcast_to(content(tokens, positions, layer)[:, None, None],
+                                         (len(positions), 1, self.cache.head_dim))
+                self.cache.update(values, -values, layer, read_index=slots, write_index=slots)
+
+    @precondition(lambda self: len(self.scheduler._live) < 8)
+    @rule(stem=st.sampled_from(STEMS), keep=st.integers(0, 20), tail=st.lists(st.integers(0, 3), max_size=6),
+          new=st.integers(1, 8), n=st.integers(1, 3), priority=st.integers(0, 2),
+          stops=st.sets(st.integers(0, 4), max_size=2))
+    def add(self, stem, keep, tail, new, n, priority, stops):
+        prompt = (stem[:keep] + tail or [0])[:self.cache.max_seq_len - new]
+        request = Request(self.next_id, prompt, new, eos_token_id=sorted(stops) or None,
+                          sampling=SamplingParams(n=n), priority=priority)
+        self.next_id += 1
+        self.scheduler.add_request(request)
+        self.requests.extend(request.branches)
+        event(f"n={n}")
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data(), abort_in_flight=st.booleans())
+    def step(self, data, abort_in_flight):
+        plan = self.scheduler.schedule()
+        assert plan is not None, "requests are left but nothing could be scheduled"
+        self._write_step(plan)
+        if abort_in_flight:
+            live = sorted(self.scheduler._live, key=repr)
+            self.scheduler.abort([data.draw(st.sampled_from(live))])
+            event("abort in flight")
+        tokens = data.draw(st.lists(st.integers(0, 5), min_size=len(plan.sample_requests),
+                                    max_size=len(plan.sample_requests)))
+        self.scheduler.update(plan, tokens)
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule()
+    def failed_step_rolled_back(self):
+        preemptions = self.scheduler.num_preemptions
+        before = scheduler_state(self.scheduler)
+        plan = self.scheduler.schedule()
+        first = (list(plan.seq_ids), plan.query_lens.tolist(), plan.input_ids.tolist())
+        self._write_step(plan)  # the failed forward pass wrote some of its K/V
+        self.scheduler.rollback(plan)
+        if self.scheduler.num_preemptions == preemptions:
+            assert scheduler_state(self.scheduler) == before
+            again = self.scheduler.schedule()
+            assert (list(again.seq_ids), again.query_lens.tolist(), again.input_ids.tolist()) == first
+            self.scheduler.rollback(again)
+            event("rolled back")
+        else:
+            event("rolled back a step that preempted")
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(self.scheduler._live, key=repr)
+        aborted = self.scheduler.abort([data.draw(st.sampled_from(live))])
+        assert aborted and all(r.status is RequestStatus.ABORTED for r in aborted)
+
+    @invariant()
+    def blocks_and_content_are_accounted_for(self):
+        cache, scheduler = self.cache, self.scheduler
+        running = [r for r in self.requests if r.status is RequestStatus.RUNNING]
+        assert sorted(map(repr, cache.seq_ids())) == sorted(repr(r.request_id) for r in running)
+        owners = np.zeros(NUM_BLOCKS, np.int64)
+        for request in running:
+            owners[cache.blocks(request.request_id)] += 1
+            assert cache.num_computed(request.request_id) == request.num_computed < request.num_tokens
+            assert_content(cache, request.request_id, request.token_ids)
+        assert np.array_equal(cache.pool.ref_counts, owners)
+        stats = scheduler.stats()
+        assert stats.num_running == len(running) == len(scheduler.running)
+        assert stats.num_waiting == len(scheduler.waiting)
+        assert stats.num_preempted == sum(r.num_preemptions > 0 for r in scheduler.waiting)
+        assert stats.blocks_used == int((owners > 0).sum())
+        done = [r for r in self.requests if r.is_done]
+        assert stats.num_finished + stats.num_aborted == len(done)
+        for request in done:
+            assert request.status is RequestStatus.ABORTED or (
+                len(request.output_token_ids) == request.max_new_tokens
+                or request.output_token_ids[-1] in request.stop_token_ids)
+
+    def teardown(self):
+        self.scheduler.abort(list(self.scheduler._live))
+        cache = self.cache
+        assert not self.scheduler.has_unfinished() and len(cache) == 0
+        assert cache.num_free_blocks == NUM_BLOCKS and (cache.pool.ref_counts == 0).all()
+
+
+def scheduler_state(scheduler):
+    cache = scheduler.cache
+    return ([(r.request_id, r.status, r.num_computed, r.num_tokens) for r in scheduler.running],
+            [r.request_id for r in scheduler.waiting], cache.num_free_blocks,
+            {repr(s): (cache.num_slots(s), cache.num_computed(s), cache.blocks(s).tolist()) for s in cache.seq_ids()},
+            {k: v for k, v in vars(scheduler.stats()).items() if k != "cached_prompt_tokens_by_request"})
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
 
 
 # --------------------------------------------------------------------------- on a GPU

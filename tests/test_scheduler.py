@@ -13,7 +13,7 @@ from cupy_paged.runtime.buffers import PlanBuffers
 from cupy_paged.runtime.scheduler import Scheduler
 from cupy_paged.serving import scheduler as serving
 from cupy_paged.serving.kv_cache import PagedAttentionCache
-from cupy_paged.serving.scheduler import Request, RequestStatus, SchedulerConfig
+from cupy_paged.serving.scheduler import Request, RequestStatus, SamplingParams, SchedulerConfig
 
 
 def make_scheduler(num_blocks=32, block_size=8, dtype="float32", kind=Scheduler, **config):
@@ -355,6 +355,321 @@ def test_bench_host_writes_its_schema(tmp_path):
     spec.loader.exec_module(bench)
     cases = bench.measure(64, repeats=3, rng=np.random.default_rng(0))
     assert {c["name"] for c in cases} == {f"{n}_64" for n in ("plan", "plan_decode", "plan_new_arrays",
-                                                                "schedule", "update")}
+                                                                "schedule", "update", "step")}
     assert all(c["metric"] == "median_us" and c["value"] > 0 and c["peers"] == {} for c in cases)
     json.dumps(cases)
+
+
+# --------------------------------------------------------------------------- abort
+
+def no_block_held(cache):
+    """Every block free (cached free ones count as free): nothing leaked."""
+    return len(cache) == 0 and cache.num_free_blocks == cache.num_blocks and (cache.pool.ref_counts == 0).all()
+
+
+def test_abort_in_every_state_leaks_no_block():
+    scheduler = make_scheduler(num_blocks=12, max_batch_tokens=16, max_num_seqs=3, max_prefill_chunk=8,
+                               admission_margin=0.0)
+    for name, n in (("dec", 9), ("chunked", 40), ("waits", 5), ("later", 3)):
+        scheduler.add_request(Request(name, list(range(100 * len(name), 100 * len(name) + n)), 30))
+    batch = scheduler.schedule()  # dec: 8 of 9; chunked: 8 of 40; waits: none (budget)
+    scheduler.update(batch, [])
+    batch = scheduler.schedule()
+    scheduler.update(batch, [1] * len(batch.sample_requests))  # dec samples: it decodes from now on
+    states = {r.request_id: (r.status, r.num_computed, r.num_tokens) for r in scheduler._live.values()}
+    assert states["dec"][0] is RequestStatus.RUNNING and states["dec"][2] - states["dec"][1] == 1
+    assert states["chunked"][0] is RequestStatus.RUNNING and 0 < states["chunked"][1] < 40
+    assert scheduler.waiting and scheduler.waiting[-1].request_id == "later"
+    cached_before = scheduler.cache.pool.num_cached
+    # A decoding request, a request mid-prompt, a waiting one, an unknown id and a finished one.
+    aborted = scheduler.abort(["dec", "chunked", "later", "nobody"])
+    assert [r.request_id for r in aborted] == ["dec", "chunked", "later"]
+    assert all(r.status is RequestStatus.ABORTED and r.finish_reason == "abort" for r in aborted)
+    assert scheduler.abort(["dec"]) == []  # twice: nothing more to do
+    assert scheduler.cache.pool.num_cached >= cached_before >= 1  # the full computed blocks stay cached
+    assert [r.request_id for r in scheduler.running + scheduler.waiting] == ["waits"]
+    finished = run_to_completion(scheduler, lambda b: [2] * len(b.sample_requests))
+    assert [r.request_id for r in finished] == ["waits"] and no_block_held(scheduler.cache)
+    assert scheduler.stats().num_aborted == 3 and scheduler.stats().num_finished == 1
+
+
+def test_abort_a_preempted_request():
+    scheduler = make_scheduler(num_blocks=6, max_batch_tokens=64, max_num_seqs=4, admission_margin=0.0)
+    scheduler.add_request(Request("old", list(range(15)), 12))
+    scheduler.add_request(Request("new", list(range(100, 115)), 12))
+    while scheduler.num_preemptions == 0:
+        batch = scheduler.schedule()
+        scheduler.update(batch, [3] * len(batch.sample_requests))
+    victim = scheduler.waiting[0]
+    assert victim.request_id == "new" and victim.num_preemptions == 1 and scheduler.stats().num_preempted == 1
+    assert scheduler.abort(["new"]) == [victim] and scheduler.stats().num_preempted == 0
+    finished = run_to_completion(scheduler, lambda b: [3] * len(b.sample_requests))
+    assert [r.request_id for r in finished] == ["old"] and no_block_held(scheduler.cache)
+
+
+@pytest.mark.parametrize("kind", [serving.Scheduler, Scheduler])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_abort_between_schedule_and_update_drops_the_rows(kind, decode_only):
+    scheduler = make_scheduler(kind=kind, max_batch_tokens=32, max_num_seqs=4)
+    for name in "abc":
+        scheduler.add_request(Request(name, [1, 2, 3], 5))
+    step = scheduler.schedule()
+    scheduler.update(step, [4, 5, 6])
+    if not decode_only:
+        scheduler.add_request(Request("d", list(range(10)), 5))
+    step = scheduler.schedule()
+    assert step.seq_ids[:3] == ["a", "b", "c"] and len(step.seq_ids) == (3 if decode_only else 4)
+    scheduler.abort(["b"])
+    samples = len(step.sample_requests)
+    assert samples == (3 if decode_only else 4)  # the step keeps its rows: the model runs them
+    scheduler.update(step, [7, 8, 9, 10][:samples])
+    outputs = {r.request_id: r.output_token_ids for r in scheduler._live.values()}
+    assert outputs["a"] == [4, 7] and outputs["c"] == [6, 9] and "b" not in outputs
+    finished = run_to_completion(scheduler, lambda b: [0] * len(b.sample_requests))
+    assert sorted(r.request_id for r in finished) == (["a", "c"] if decode_only else ["a", "c", "d"])
+    assert no_block_held(scheduler.cache)
+
+
+# --------------------------------------------------------------------------- stops, limits, priorities
+
+def test_several_eos_ids_and_stop_ids_per_request():
+    scheduler = make_scheduler(max_batch_tokens=32, max_num_seqs=8)
+    scheduler.add_request(Request("eos7", [1, 2], 10, eos_token_id=[26, 7]))
+    scheduler.add_request(Request("eos26", [1, 2], 10, eos_token_id=[26, 7]))
+    scheduler.add_request(Request("stop5", [1, 2], 10, eos_token_id=26, sampling=SamplingParams(stop_token_ids={5, 6})))
+    scheduler.add_request(Request("ignore", [1, 2], 4, eos_token_id=[26, 7], sampling=SamplingParams(ignore_eos=True)))
+    script = {"eos7": [3, 7], "eos26": [26], "stop5": [3, 4, 6], "ignore": [7, 26, 7, 26]}
+    finished = run_to_completion(scheduler, lambda b: [script[r.request_id][len(r.output_token_ids)]
+                                                       for r in b.sample_requests])
+    got = {r.request_id: (r.output_token_ids, r.finish_reason) for r in finished}
+    assert got == {"eos7": ([3, 7], "stop"), "eos26": ([26], "stop"), "stop5": ([3, 4, 6], "stop"),
+                   "ignore": ([7, 26, 7, 26], "length")}
+    assert Request("x", [1], 2, eos_token_id=np.int64(3)).stop_token_ids == {3}
+
+
+def test_max_new_tokens_from_the_sampling_params():
+    assert Request("a", [1], sampling=SamplingParams(max_new_tokens=3)).max_new_tokens == 3
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        Request("a", [1])
+    with pytest.raises(ValueError, match="differs from sampling.max_new_tokens"):
+        Request("a", [1], 2, sampling=SamplingParams(max_new_tokens=3))
+
+
+def test_max_model_len_names_the_request():
+    scheduler = make_scheduler(num_blocks=64, max_model_len=20)
+    with pytest.raises(ValueError, match=r"request 'long' may grow to 21 tokens.*\(20: max_model_len\)"):
+        scheduler.add_request(Request("long", list(range(17)), 4))
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=64, device="cpu", max_blocks_per_seq=2)
+    narrow = Scheduler(cache)  # the block table is 2 blocks wide: 16 tokens
+    assert narrow.max_model_len() == 16
+    with pytest.raises(ValueError, match="request 7 may grow to 17 tokens"):
+        narrow.add_request(Request(7, list(range(15)), 2))
+    with pytest.raises(ValueError, match="buffers' block tables have 4 columns"):
+        Scheduler(cache, buffers=PlanBuffers(4, 16, 4))
+
+
+def test_priorities_order_admission_and_preemption():
+    scheduler = make_scheduler(num_blocks=32, max_batch_tokens=64, max_num_seqs=1)
+    scheduler.add_request(Request("low", [1, 2], 1, priority=5))
+    scheduler.add_request(Request("high", [3, 4], 1, priority=-1))
+    scheduler.add_request(Request("mid", [5, 6], 1))
+    order = []
+    run_to_completion(scheduler, lambda b: [0] * len(b.sample_requests), on_plan=lambda b: order.extend(b.seq_ids))
+    assert order == ["high", "mid", "low"]
+    # Preemption takes the least urgent request even when it is the older one.
+    scheduler = make_scheduler(num_blocks=6, max_batch_tokens=64, max_num_seqs=4, admission_margin=0.0)
+    scheduler.add_request(Request("old-low", list(range(15)), 12, priority=1))
+    scheduler.add_request(Request("new-high", list(range(100, 115)), 12, priority=0))
+    finished = run_to_completion(scheduler, lambda b: [3] * len(b.sample_requests))
+    preempted = {r.request_id: r.num_preemptions for r in finished}
+    assert preempted["old-low"] >= 1 and preempted["new-high"] == 0
+    assert no_block_held(scheduler.cache)
+
+
+# --------------------------------------------------------------------------- stats
+
+def test_stats_agree_with_counts_made_here():
+    scheduler = make_scheduler(num_blocks=16, max_batch_tokens=16, max_num_seqs=3, max_prefill_chunk=8,
+                               kind=serving.Scheduler)
+    prompt = list(range(30))
+    requests = [Request("a", prompt, 3), Request("b", prompt + [7], 2), Request("c", list(range(50, 60)), 4)]
+    scheduler.add_request(requests[0])
+    added = requests[:1]
+    prefill = decode = 0
+    for step in range(1000):
+        if step == 6:  # a is done: its full blocks are cached
+            for r in requests[1:]:
+                scheduler.add_request(r)
+            added = requests
+        if not scheduler.has_unfinished():
+            break
+        batch = scheduler.schedule()
+        prefill += int(batch.num_new_tokens[batch.num_decodes:].sum())
+        decode += batch.num_decodes
+        stats = scheduler.stats()
+        assert stats.num_running == sum(r.status is RequestStatus.RUNNING for r in added)
+        assert stats.num_waiting == sum(r.status is RequestStatus.WAITING for r in added)
+        assert stats.blocks_used == int((scheduler.cache.pool.ref_counts > 0).sum()) and stats.blocks_total == 16
+        assert stats.cache_usage == stats.blocks_used / 16
+        assert (stats.decode_tokens, stats.prefill_tokens) == (decode, prefill)
+        if "b" in stats.cached_prompt_tokens_by_request:
+            assert stats.cached_prompt_tokens_by_request["b"] == 24  # three full blocks of a's prompt
+        scheduler.update(batch, [1] * len(batch.sample_requests))
+    stats = scheduler.stats()
+    assert stats.prompt_tokens == 30 + 31 + 10 and stats.cached_prompt_tokens == 24
+    assert stats.prefix_hit_rate == pytest.approx(24 / 71) and requests[1].num_cached_prompt_tokens == 24
+    assert decode == 2 + 1 + 3 and prefill == 30 + 7 + 10
+    assert stats.num_finished == 3 and stats.num_running == stats.num_waiting == stats.blocks_used == 0
+    assert dict(stats.cached_prompt_tokens_by_request) == {}
+
+
+# --------------------------------------------------------------------------- rollback
+
+def snapshot(scheduler):
+    cache = scheduler.cache
+    return ([(r.request_id, r.status, r.num_computed, list(r.token_ids)) for r in scheduler.running],
+            [r.request_id for r in scheduler.waiting], cache.num_free_blocks,
+            {s: (cache.num_slots(s), cache.num_computed(s), cache.blocks(s).tolist()) for s in cache.seq_ids()},
+            {k: v for k, v in vars(scheduler.stats()).items() if k != "cached_prompt_tokens_by_request"})
+
+
+def plan_key(plan):
+    return (list(plan.seq_ids), plan.query_lens.tolist(), plan.input_ids.tolist(), plan.slot_mapping.tolist(),
+            plan.block_table.tolist(), plan.logits_indices.tolist())
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_rollback_leaves_everything_as_before_and_the_step_comes_again(decode_only):
+    scheduler = make_scheduler(num_blocks=32, max_batch_tokens=24, max_num_seqs=4, max_prefill_chunk=8)
+    for i in range(3):
+        scheduler.add_request(Request(i, list(range(10 * i, 10 * i + 8)), 6))
+    step = scheduler.schedule()
+    scheduler.update(step, [1, 2, 3])  # all three decode at block boundaries (8 tokens + 1)
+    if not decode_only:
+        scheduler.add_request(Request("new", list(range(100, 120)), 3))
+    before = snapshot(scheduler)
+    plan = scheduler.schedule()
+    first = plan_key(plan)
+    assert (plan.path == "decode") == decode_only
+    scheduler.rollback(plan)
+    assert snapshot(scheduler) == before
+    with pytest.raises(RuntimeError, match="needs a plan"):
+        scheduler.rollback(plan)
+    plan = scheduler.schedule()
+    assert plan_key(plan) == first
+    scheduler.update(plan, [5] * len(plan.sample_requests))
+    run_to_completion(scheduler, lambda b: [0] * len(b.sample_requests))
+    assert no_block_held(scheduler.cache)
+
+
+def test_rollback_after_a_preemption_keeps_the_victim_preempted():
+    scheduler = make_scheduler(num_blocks=6, max_batch_tokens=64, max_num_seqs=4, admission_margin=0.0)
+    scheduler.add_request(Request("old", list(range(15)), 12))
+    scheduler.add_request(Request("new", list(range(100, 115)), 12))
+    while True:
+        preemptions = scheduler.num_preemptions
+        plan = scheduler.schedule()
+        if scheduler.num_preemptions > preemptions:
+            break
+        scheduler.update(plan, [3] * len(plan.sample_requests))
+    scheduler.rollback(plan)
+    assert [r.request_id for r in scheduler.waiting] == ["new"] and scheduler.waiting[0].num_computed == 0
+    finished = run_to_completion(scheduler, lambda b: [3] * len(b.sample_requests))
+    assert all(r.output_token_ids == [3] * 12 for r in finished) and no_block_held(scheduler.cache)
+
+
+# --------------------------------------------------------------------------- parallel samples
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def dense_logits(model, tokens):
+    """Logits at every position of ``tokens``, recomputed densely (no cache) by the CPU reference."""
+    heads, kv_heads, head_dim = model.shape
+    x = model.embed[tokens] + model.position[:len(tokens)]
+    q, k, v = ((x @ w).reshape(len(tokens), h, head_dim) for w, h in ((model.wq, heads), (model.wk, kv_heads),
+                                                                      (model.wv, kv_heads)))
+    cu = np.array([0, len(tokens)], np.int32)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, len(tokens), len(tokens), causal=True)
+    return out.reshape(len(tokens), -1) @ model.wo
+
+
+@pytest.mark.parametrize("seats", [8, 2])
+def test_four_parallel_samples_share_the_prompt_and_match_a_dense_recomputation(seats):
+    """n = 4: the prompt is computed once and forked; each branch samples with its own seed, and
+    every logits row sampled matches a dense recomputation of that branch's tokens.  With 2 seats
+    the branches that find none wait and are recomputed (the prefix cache gives the prompt back)."""
+    model = TinyModel(seed=7)
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=40, dtype="float64", device="cpu")
+    scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=seats, max_prefill_chunk=8))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 64, 21).tolist()
+    scheduler.add_request(Request("p", prompt, 6, sampling=SamplingParams(n=4, seed=11)))
+    scheduler.add_request(Request("q", rng.integers(0, 64, 5).tolist(), 6))
+    fed = {}  # (family, position) -> times its K/V was computed
+    seen = {}  # (branch id, position) -> the logits the paged step sampled from
+    shared = []
+
+    def step(plan):
+        q, k, v = model.qkv(plan)
+        out = plan.attention(q, k, v, *cache.layer(0))
+        logits = out.reshape(plan.num_tokens, -1)[plan.logits_indices] @ model.wo
+        for b, seq in enumerate(plan.seq_ids):
+            family = seq[0] if isinstance(seq, tuple) else seq
+            for position in plan.positions[plan.cu_seqlens_q[b]:plan.cu_seqlens_q[b + 1]].tolist():
+                fed[family, position] = fed.get((family, position), 0) + 1
+        if seats == 8 and ("p", 1) in plan.seq_ids and not shared:
+            shared.append(cache.pool.ref_counts[cache.blocks("p")[:2]].tolist())
+        rows = np.arange(len(plan.sample_requests)) if plan.sample_rows is None else plan.sample_rows
+        tokens = []
+        for request, row in zip(plan.sample_requests, rows.tolist()):
+            position = int(plan.positions[plan.logits_indices[row]])
+            seen[request.request_id, position] = logits[row]
+            seed = [request.sampling.seed or 0, request.sample_index, position]
+            tokens.append(int(np.random.default_rng(seed).choice(logits.shape[1], p=softmax(logits[row]))))
+        return tokens
+
+    finished = run_to_completion(scheduler, step)
+    branches = {r.request_id: r for r in finished}
+    assert sorted(branches, key=str) == sorted(["p", ("p", 1), ("p", 2), ("p", 3), "q"], key=str)
+    assert {r.sample_index for r in branches["p"].branches} == {0, 1, 2, 3}
+    assert len({tuple(r.output_token_ids) for r in branches["p"].branches}) > 1  # they sample apart
+    for request in finished:
+        dense = dense_logits(model, request.token_ids)
+        positions = [p for (rid, p) in seen if rid == request.request_id]
+        assert len(positions) == len(request.output_token_ids)
+        for position in positions:
+            np.testing.assert_allclose(seen[request.request_id, position], dense[position], rtol=1e-9, atol=1e-9)
+    if seats == 8:
+        assert all(fed["p", position] == 1 for position in range(len(prompt)))  # the prompt once
+        assert all(fed["p", position] == 4 for position in range(len(prompt), len(prompt) + 5))
+        assert shared == [[4, 4]]  # the full prompt blocks are shared by the four branches
+    else:
+        assert any(fed["p", position] > 1 for position in range(16, 21))  # a waiting branch recomputed
+    assert no_block_held(cache)
+
+
+def test_abort_a_request_of_parallel_samples_aborts_every_branch():
+    scheduler = make_scheduler(num_blocks=32, max_batch_tokens=32, max_num_seqs=8, kind=serving.Scheduler)
+    scheduler.add_request(Request("p", list(range(12)), 5, sampling=SamplingParams(n=3)))
+    with pytest.raises(ValueError, match="already queued"):
+        scheduler.add_request(Request(("p", 1), [1], 2))
+    batch = scheduler.schedule()
+    assert batch.num_sampled == 1 and batch.num_samples == 3 and batch.sample_rows.tolist() == [0, 0, 0]
+    scheduler.update(batch, [1, 2, 3])
+    assert sorted(map(str, scheduler.cache.seq_ids())) == sorted(map(str, ["p", ("p", 1), ("p", 2)]))
+    assert [r.request_id for r in scheduler.abort([("p", 2)])] == [("p", 2)]
+    assert sorted(r.sample_index for r in scheduler.abort(["p"])) == [0, 1]
+    assert not scheduler.has_unfinished() and no_block_held(scheduler.cache)
+
+
+# --------------------------------------------------------------------------- the README's serving example
+
+def test_readme_serving_example_runs():
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "abort" in code and "eos_token_id=[26, 7]" in code and "n=4" in code and "stats()" in code
+    exec(compile(code, "README.md (Serving)", "exec"), {"__name__": "readme_serving"})

@@ -83,6 +83,12 @@ class Scheduler(serving.Scheduler):
         self._planned = (plan, batch)
         return plan
 
+    def _detach(self) -> None:
+        super()._detach()
+        if self._planned is not None:  # the plan lists the batch's own requests, not the running batch's
+            plan, batch = self._planned
+            plan.sample_requests = batch.sample_requests
+
     def _batch_of(self, plan: StepPlan, verb: str) -> serving.ScheduledBatch:
         if self._planned is None:
             raise RuntimeError(f"{verb}() needs a plan from schedule()")

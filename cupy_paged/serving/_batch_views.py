@@ -37,11 +37,32 @@ class BatchViews:
         return len(self._row_of)
 
     def seq_ids(self) -> list:
-        """The live sequences' ids."""
+        """The live sequences' ids.
+
+        Returns
+        -------
+        list
+            In the order they were added (a copy).
+        """
         return list(self._row_of)
 
     def rows(self, seq_ids) -> np.ndarray:
         """``[batch]`` int64 rows of ``tables`` of the given sequences.
+
+        Parameters
+        ----------
+        seq_ids : iterable
+            Live sequence ids.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[batch]`` int64; a row stays with its sequence until it is freed.
+
+        Raises
+        ------
+        KeyError
+            For a sequence not in the cache.
 
         Examples
         --------
@@ -58,22 +79,63 @@ class BatchViews:
             raise KeyError(f"sequence {error.args[0]!r} is not in the cache") from None
 
     def blocks(self, seq_id) -> np.ndarray:
-        """The block ids of one sequence, in order."""
+        """The block ids of one sequence, in order.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            A live sequence id.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[num_blocks]`` int32, a copy.
+        """
         row = self.rows([seq_id])[0]
         return self.tables[row, :self._num_blocks[row]].copy()
 
     def num_slots(self, seq_id) -> int:
-        """Positions of ``seq_id`` with a reserved slot."""
+        """Positions of ``seq_id`` with a reserved slot.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            A live sequence id.
+
+        Returns
+        -------
+        int
+        """
         return int(self._num_slots[self.rows([seq_id])[0]])
 
     def num_computed(self, seq_id) -> int:
-        """Positions of ``seq_id`` whose K/V is written (``mark_computed``)."""
+        """Positions of ``seq_id`` whose K/V is written (``mark_computed``).
+
+        Parameters
+        ----------
+        seq_id : hashable
+            A live sequence id.
+
+        Returns
+        -------
+        int
+        """
         return int(self._num_computed[self.rows([seq_id])[0]])
 
     def num_cached_tokens(self, token_ids) -> int:
         """How many leading tokens of ``token_ids`` the prefix cache already holds.
 
         Whole blocks only, and never the last token: its logits must be computed.
+
+        Parameters
+        ----------
+        token_ids : list of int
+            A sequence's tokens.
+
+        Returns
+        -------
+        int
+            A multiple of ``block_size``.
 
         Examples
         --------
@@ -97,6 +159,11 @@ class BatchViews:
         width : int, optional
             Columns; default the most blocks any of them holds.
 
+        Returns
+        -------
+        numpy.ndarray
+            ``[batch, width]`` int32, a copy.
+
         Examples
         --------
         >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
@@ -115,11 +182,27 @@ class BatchViews:
         return self.tables[rows, :width]  # indexing by an array copies: later changes do not show
 
     def num_computed_batch(self, seq_ids) -> np.ndarray:
-        """``[batch]`` int32 ``num_computed`` of each sequence (e.g. a decode call's ``cache_seqlens``)."""
+        """``[batch]`` int32 ``num_computed`` of each sequence (e.g. a decode call's ``cache_seqlens``).
+
+        Parameters
+        ----------
+        seq_ids : sequence
+            Live sequence ids.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[batch]`` int32.
+        """
         return self._num_computed[self.rows(seq_ids)].astype(np.int32)
 
     def slot_mapping(self, seq_ids) -> np.ndarray:
         """Slots of the reserved, not yet computed positions, concatenated in batch order.
+
+        Parameters
+        ----------
+        seq_ids : sequence
+            Live sequence ids.
 
         Returns
         -------
@@ -144,6 +227,17 @@ class BatchViews:
 
     def plan_view(self, rows: np.ndarray) -> PlanView:
         """What a step plan reads from the cache for the sequences in ``rows`` (``rows(seq_ids)``).
+
+        Parameters
+        ----------
+        rows : numpy.ndarray
+            ``[batch]`` int64 rows of live sequences.
+
+        Returns
+        -------
+        PlanView
+            The cache's own ``tables`` and ``table_versions`` (valid until it next changes) and
+            the rows' lengths.
 
         Examples
         --------

@@ -54,7 +54,8 @@ class Growth:
             cow[np.flatnonzero(cow)[first[keeps]]] = False
         return need + cow, cow, new
 
-    def grow(self, seq_ids, num_new_tokens, reserve: int = 0, rows: np.ndarray | None = None) -> None:
+    def grow(self, seq_ids, num_new_tokens, reserve: int = 0, rows: np.ndarray | None = None,
+             cow_log: list | None = None) -> None:
         """Reserve slots for ``num_new_tokens`` more tokens of each sequence.
 
         A sequence about to write into a last block it shares (after ``fork``) first gets
@@ -70,6 +71,8 @@ class Growth:
             Blocks that must stay free afterwards.
         rows : numpy.ndarray, optional
             ``rows(seq_ids)`` when the caller already has them.
+        cow_log : list, optional
+            Gets the call's copies-on-write, for a :meth:`shrink` that undoes them.
 
         Raises
         ------
@@ -105,6 +108,8 @@ class Growth:
             self.copy_blocks(shared, fresh[:num_cow])
             self.tables[cow_rows, columns] = fresh[:num_cow]
             self.pool.release(shared)
+            if cow_log is not None:
+                cow_log.append((cow_rows, columns, shared.copy(), fresh[:num_cow].copy()))
         append_blocks(self.tables, rows, self._num_blocks, need - cow, fresh[num_cow:])
         self._num_slots[rows] += new
         self.table_versions[rows[need > 0]] += 1
@@ -124,10 +129,10 @@ class Growth:
                      self.block_size)
         return True
 
-    def shrink(self, seq_ids, num_tokens, rows: np.ndarray | None = None) -> None:
+    def shrink(self, seq_ids, num_tokens, rows: np.ndarray | None = None, cow_log=()) -> None:
         """Give back the last ``num_tokens`` reserved, not yet computed slots of each sequence: the
         inverse of :meth:`grow` (blocks no longer needed are freed, so a later ``grow`` of the same
-        counts takes the same blocks again; a copy-on-write copy is kept).
+        counts takes the same blocks again).
 
         Parameters
         ----------
@@ -137,6 +142,9 @@ class Growth:
             ``[batch]`` (or one for all) slots to give back, at most each one's uncomputed slots.
         rows : numpy.ndarray, optional
             ``rows(seq_ids)`` when the caller already has them.
+        cow_log : list, optional
+            The ``cow_log`` of the ``grow`` undone: its copies go back to the blocks they copied
+            (where those are still owned or cached; else the copy stays).
 
         Raises
         ------
@@ -173,6 +181,21 @@ class Growth:
         self._num_slots[rows] = slots
         if freed:
             self.pool.release(np.concatenate(freed))
+        for cow_rows, columns, shared, copies in reversed(cow_log):
+            self._undo_copies(cow_rows, columns, shared, copies)
+
+    def _undo_copies(self, cow_rows, columns, shared, copies) -> None:
+        """Rows ``cow_rows`` take back the blocks ``shared`` their ``copies`` were made of."""
+        back = []
+        for row, column, block, copy in zip(cow_rows.tolist(), columns.tolist(), shared.tolist(), copies.tolist()):
+            if self._num_blocks[row] > column and self.tables[row, column] == copy and (
+                    self.pool.ref_counts[block] > 0 or self.prefix_cache.holds(block)):
+                self.pool.share([block])
+                self.tables[row, column] = block
+                self.table_versions[row] += 1
+                back.append(copy)
+        if back:
+            self.pool.release(back[::-1])
 
     def fork(self, parent_id, child_id, token_ids=None) -> None:
         """Start ``child_id`` sharing all of ``parent_id``'s blocks (no copy, no allocation).

@@ -23,8 +23,8 @@ WAITING, RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
 
 
 def queue_key(request) -> tuple:
-    """Where a request waits: by priority (lower first), then arrival."""
-    return request.priority, request._arrival
+    """Where a request waits: by priority (lower first), then arrival (a parallel branch by its index)."""
+    return request.priority, request._arrival, request.sample_index
 
 
 class GeneralStep:
@@ -93,8 +93,9 @@ class GeneralStep:
         Returns them and their cache rows."""
         while decodes:
             try:
-                self.cache.grow(None, 1, rows=rows)
-                self._undo.append(("grow", decodes, rows, 1, np.array([r.num_preemptions for r in decodes])))
+                cow: list = []
+                self.cache.grow(None, 1, rows=rows, cow_log=cow)
+                self._undo.append(("grow", decodes, rows, 1, np.array([r.num_preemptions for r in decodes]), cow))
                 return decodes, rows
             except CacheFull:
                 victim = self._running.victim()
@@ -118,7 +119,7 @@ class GeneralStep:
             if count:
                 scheduled[request] = count
                 self._undo.append(("grow", [request], self.cache.rows([request.request_id]), count,
-                                   np.array([request.num_preemptions])))
+                                   np.array([request.num_preemptions]), self._cow))
             budget += released - count  # a preempted victim's scheduled tokens are back
         return budget
 
@@ -129,7 +130,9 @@ class GeneralStep:
         released = 0
         while True:
             try:
-                cache.grow([request.request_id], count)
+                cow: list = []
+                cache.grow([request.request_id], count, cow_log=cow)
+                self._cow = cow
                 return count, released
             except CacheFull:
                 pass
@@ -197,12 +200,12 @@ class GeneralStep:
         counters = self._counters
         for entry in reversed(self._undo):
             if entry[0] == "grow":
-                _, requests, rows, count, preemptions = entry
+                _, requests, rows, count, preemptions, cow = entry
                 # Still holding this step's reservation: not aborted since, nor preempted later in the step.
                 live = np.array([r._cache is not None for r in requests], bool)
                 if preemptions is not None:
                     live &= np.array([r.num_preemptions for r in requests]) == preemptions
-                self.cache.shrink(None, count, rows=rows if live.all() else rows[live])
+                self.cache.shrink(None, count, rows=rows if live.all() else rows[live], cow_log=cow)
                 continue
             _, request, first = entry
             if request._cache is None:
@@ -275,7 +278,9 @@ class GeneralStep:
         self._counters.num_finished += 1
 
     def _all_decoding(self) -> bool:
-        """Whether every running request has exactly one token left to compute."""
+        """Whether every running request has exactly one token left to compute, and none is a
+        prompt whose parallel branches wait for its first sample (the decode-only path's premise)."""
         run = self._running
         n = len(run)
-        return bool((run.num_tokens[:n] - self.cache.plan_view(run.rows[:n]).num_computed == 1).all())
+        return bool((run.num_tokens[:n] - self.cache.plan_view(run.rows[:n]).num_computed == 1).all()) \
+            and not any(r._unforked for r in run.requests)

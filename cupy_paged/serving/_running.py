@@ -84,7 +84,10 @@ class RunningBatch:
         for name, array in fresh.items():
             if old is not None:
                 current = getattr(self, name)
-                array[:n, ...] = current[:n, ...] if name != "stops" else current[:n, :array.shape[1]]
+                if array.ndim == 1:
+                    array[:n] = current[:n]
+                else:
+                    array[:n, :current.shape[1]] = current[:n]
             setattr(self, name, array)
 
     def __len__(self) -> int:

@@ -93,6 +93,11 @@ class LayerAccess:
     def to_dlpack(self, layer_idx: int):
         """DLPack capsules of one layer's K and V caches, for zero-copy use elsewhere.
 
+        Parameters
+        ----------
+        layer_idx : int
+            In ``[0, num_layers)``.
+
         Returns
         -------
         tuple

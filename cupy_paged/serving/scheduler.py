@@ -231,12 +231,7 @@ class Scheduler(GeneralStep):
         self._counters.num_aborted += 1
 
     def has_unfinished(self) -> bool:
-        """True while any request (or branch) waits or runs.
-
-        Returns
-        -------
-        bool
-        """
+        """True while any request (or branch) waits or runs (Returns: bool)."""
         return bool(self._live)
 
     def stats(self) -> SchedulerStats:
@@ -301,11 +296,12 @@ class Scheduler(GeneralStep):
         """Every running request decodes: one numba pass reserves the slots; no per-request Python.
         The batch's lists and input ids are the running batch's own (``abort`` copies them first)."""
         rows = run.rows[:n].copy()
+        cow: list = []  # forked sequences writing into a shared block: the cache's general growth
         try:
-            self.cache.grow(None, 1, rows=rows)
+            self.cache.grow(None, 1, rows=rows, cow_log=cow)
         except CacheFull:
             return None  # the general step preempts
-        self._undo.append(("grow", run.requests, rows, 1, None))  # nothing preempts after it
+        self._undo.append(("grow", run.requests, rows, 1, None, cow))  # nothing preempts after it
         self._counters.decode_tokens += n
         if self._ones.size < n:
             self._ones = np.ones(2 * n, np.int64)
@@ -378,8 +374,10 @@ class Scheduler(GeneralStep):
     def rollback(self, batch: ScheduledBatch) -> None:
         """Undo the pending step (its forward pass failed): the slots it reserved are given back and
         the requests it admitted wait again where they were, so the next ``schedule()`` makes the
-        same step.  Requests it preempted stay preempted (their blocks may hold the failed step's
-        writes), and requests aborted since stay aborted.
+        same step.  What the failed step may have written over is not trusted again: requests
+        it preempted stay preempted and cached free blocks it evicted from the prefix cache stay
+        evicted (the forward pass may have written into either); requests aborted since stay
+        aborted.
 
         Parameters
         ----------
