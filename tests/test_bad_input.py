@@ -485,9 +485,6 @@ def on_scheduler(call, scheduled: bool = False):
     return setup
 
 
-COERCES = "serving casts with int()/bool() instead of checking: a float or string is truncated or taken"
-NO_NAME = "serving raises an error that does not name the argument"
-
 SERVING_CASES = {
     # PagedAttentionCache(...)
     "cache_num_layers_zero": (constructor(num_layers=0), ValueError, "num_layers", None),
@@ -501,11 +498,11 @@ SERVING_CASES = {
     "cache_device_unknown": (constructor(device="tpu"), ValueError, "device", None),
     "cache_max_seqs_zero": (constructor(max_seqs=0), ValueError, "max_seqs", None),
     "cache_max_blocks_per_seq_zero": (constructor(max_blocks_per_seq=0), ValueError, "max_blocks_per_seq", None),
-    "cache_head_dim_float": (constructor(head_dim=32.5), TypeError, "head_dim", COERCES),
-    "cache_block_size_float": (constructor(block_size=8.0), TypeError, "block_size", COERCES),
-    "cache_num_blocks_float": (constructor(num_blocks=7.9), TypeError, "num_blocks", COERCES),
+    "cache_head_dim_float": (constructor(head_dim=32.5), TypeError, "head_dim", None),
+    "cache_block_size_float": (constructor(block_size=8.0), TypeError, "block_size", None),
+    "cache_num_blocks_float": (constructor(num_blocks=7.9), TypeError, "num_blocks", None),
     "cache_prefix_caching_string": (constructor(enable_prefix_caching="no"), TypeError, "enable_prefix_caching",
-                                    COERCES),
+                                    None),
     # allocate
     "allocate_existing_id": (on_cache(lambda c: c.allocate("s0", [1, 2]), 3), ValueError, "'s0'", None),
     "allocate_too_long": (on_cache(lambda c: c.allocate("x", list(range(33))), 3), ValueError, "max_seq_len", None),
@@ -516,9 +513,9 @@ SERVING_CASES = {
     "allocate_both_counts": (on_cache(lambda c: c.allocate("x", [1, 2, 3], num_new_tokens=1, max_num_new_tokens=2), 3),
                              ValueError, "max_num_new_tokens", None),
     "allocate_new_tokens_float": (on_cache(lambda c: c.allocate("x", [1, 2, 3], num_new_tokens=2.5), 3),
-                                  TypeError, "num_new_tokens", COERCES),
+                                  TypeError, "num_new_tokens", None),
     "allocate_reserve_negative": (on_cache(lambda c: c.allocate("x", [1, 2, 3], reserve=-1), 3),
-                                  ValueError, "reserve", "serving accepts a negative reserve (it lowers the bar)"),
+                                  ValueError, "reserve", None),
     "allocate_token_float": (on_cache(lambda c: c.allocate("x", [1, 2.5, 3]), 3), TypeError, "token_ids",
                              "serving takes any token values: a float token is hashed and kept"),
     # grow
@@ -528,7 +525,7 @@ SERVING_CASES = {
     "grow_past_max_seq_len": (on_cache(lambda c: c.grow(["s0"], 30), 3), ValueError, "max_seq_len", None),
     "grow_cache_full": (on_cache(lambda c: c.grow(["s0", "s1"], 9), 16, 16, 16), cupy_paged.CacheFull,
                         "free blocks", None),
-    "grow_float": (on_cache(lambda c: c.grow(["s0"], 1.5), 3), TypeError, "num_new_tokens", COERCES),
+    "grow_float": (on_cache(lambda c: c.grow(["s0"], 1.5), 3), TypeError, "num_new_tokens", None),
     # fork
     "fork_unknown_parent": (on_cache(lambda c: c.fork("zz", "c"), 3), KeyError, "'zz'", None),
     "fork_existing_child": (on_cache(lambda c: c.fork("s0", "s1"), 3, 4), ValueError, "'s1'", None),
@@ -562,36 +559,36 @@ SERVING_CASES = {
     "update_key_states_dtype": (on_cache(lambda c: c.update(np.zeros((2, 2, 32), np.float16),
                                                             np.zeros((2, 2, 32), np.float16), 0,
                                                             np.array([0]), np.array([0, 1])), 3),
-                                TypeError, "key_states", "serving casts key_states to the cache's dtype silently"),
+                                TypeError, "key_states", None),
     # block_table, slot_mapping, layer
     "block_table_width_short": (on_cache(lambda c: c.block_table(["s0", "s1"], width=1), 3, 12), ValueError,
                                 "width", None),
     "block_table_unknown_id": (on_cache(lambda c: c.block_table(["zz"]), 3), KeyError, "'zz'", None),
     "block_table_width_float": (on_cache(lambda c: c.block_table(["s0"], width=2.5), 3), TypeError, "width",
-                                COERCES),
+                                None),
     "slot_mapping_unknown_id": (on_cache(lambda c: c.slot_mapping(["s0", "zz"]), 3), KeyError, "'zz'", None),
-    "layer_float": (on_cache(lambda c: c.layer(0.5), 3), TypeError, "layer_idx", COERCES),
+    "layer_float": (on_cache(lambda c: c.layer(0.5), 3), TypeError, "layer_idx", None),
     # SchedulerConfig, Request
     "config_max_num_seqs_zero": (config(max_num_seqs=0), ValueError, "max_num_seqs", None),
     "config_budget_below_seqs": (config(max_batch_tokens=8, max_num_seqs=16), ValueError, "max_batch_tokens", None),
     "config_prefill_chunk_zero": (config(max_prefill_chunk=0), ValueError, "max_prefill_chunk", None),
     "config_margin_past_one": (config(admission_margin=1.5), ValueError, "admission_margin", None),
-    "config_budget_float": (config(max_batch_tokens=512.5), TypeError, "max_batch_tokens", COERCES),
-    "config_margin_string": (config(admission_margin="0.1"), TypeError, "admission_margin", NO_NAME),
+    "config_budget_float": (config(max_batch_tokens=512.5), TypeError, "max_batch_tokens", None),
+    "config_margin_string": (config(admission_margin="0.1"), TypeError, "admission_margin", None),
     "request_empty_prompt": (request("a", [], max_new_tokens=2), ValueError, "prompt_token_ids", None),
     "request_max_new_tokens_zero": (request("a", [1], max_new_tokens=0), ValueError, "max_new_tokens", None),
-    "request_token_float": (request("a", [1, 2.5], max_new_tokens=2), TypeError, "prompt_token_ids", COERCES),
-    "request_max_new_tokens_float": (request("a", [1], max_new_tokens=2.5), TypeError, "max_new_tokens", COERCES),
-    "request_prompt_not_a_list": (request("a", 5, max_new_tokens=2), TypeError, "prompt_token_ids", NO_NAME),
+    "request_token_float": (request("a", [1, 2.5], max_new_tokens=2), TypeError, "prompt_token_ids", None),
+    "request_max_new_tokens_float": (request("a", [1], max_new_tokens=2.5), TypeError, "max_new_tokens", None),
+    "request_prompt_not_a_list": (request("a", 5, max_new_tokens=2), TypeError, "prompt_token_ids", None),
     "request_eos_string": (request("a", [1], max_new_tokens=2, eos_token_id="2"), TypeError, "eos_token_id",
-                           "serving takes any eos_token_id"),
+                           None),
     # Scheduler.add_request, update
     "add_request_duplicate": (on_scheduler(lambda s, _: s.add_request(Request("r0", [1], max_new_tokens=1))),
                               ValueError, "'r0'", None),
     "add_request_too_long": (on_scheduler(lambda s, _: s.add_request(Request("x", list(range(30)), max_new_tokens=5))),
                              ValueError, "'x'", None),
     "add_request_not_a_request": (on_scheduler(lambda s, _: s.add_request(("x", [1]))), TypeError, "request",
-                                  NO_NAME + " (an AttributeError on request_id)"),
+                                  None),
     "update_too_few_tokens": (on_scheduler(lambda s, plan: s.update(plan, [7]), scheduled=True), ValueError,
                               "sampled_token_ids", None),
     "update_too_many_tokens": (on_scheduler(lambda s, plan: s.update(plan, [7, 8, 9]), scheduled=True), ValueError,
@@ -600,7 +597,7 @@ SERVING_CASES = {
                           "plan", None),
     "update_before_schedule": (on_scheduler(lambda s, plan: s.update(plan, [7, 8])), RuntimeError, "schedule", None),
     "update_float_tokens": (on_scheduler(lambda s, plan: s.update(plan, [7.5, 8.0]), scheduled=True), TypeError,
-                            "sampled_token_ids", "serving appends float tokens as they are"),
+                            "sampled_token_ids", None),
 }
 
 

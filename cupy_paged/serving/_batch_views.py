@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._core.paging import gather_slots
+from .._core.types import check_int
 
 
 class PlanView(NamedTuple):
@@ -175,7 +176,7 @@ class BatchViews:
         """
         rows = self.rows(seq_ids)
         longest = int(self._num_blocks[rows].max(initial=0))
-        width = longest if width is None else int(width)
+        width = longest if width is None else check_int(width, "width")
         if not longest <= width <= self.max_blocks_per_seq:
             raise ValueError(f"width must be in [{longest}, {self.max_blocks_per_seq}]: at least the most "
                              "blocks a sequence holds, at most max_blocks_per_seq")

@@ -39,7 +39,10 @@ class Growth:
 
     def _growth(self, rows, num_new_tokens):
         """(new blocks per row, rows needing copy-on-write of their last block, new counts)."""
-        new = np.broadcast_to(np.asarray(num_new_tokens, np.int64), rows.shape)
+        counts = np.asarray(num_new_tokens)
+        if counts.dtype.kind not in "iu":  # checked before the cast: 1.5 is not 1
+            raise TypeError(f"num_new_tokens must be ints; got {num_new_tokens!r}")
+        new = np.broadcast_to(counts.astype(np.int64), rows.shape)
         if (new < 0).any():
             raise ValueError(f"num_new_tokens must be >= 0; got {new[new < 0][0]}")
         slots = self._num_slots[rows]

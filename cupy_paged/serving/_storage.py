@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from .._core.arrays import CPU, CUDA, as_array, gpu_available, xp_of
-from .._core.types import KERNEL_DTYPES, REFERENCE_DTYPES, dtype_name
+from .._core.types import KERNEL_DTYPES, REFERENCE_DTYPES, check_int, check_real, dtype_name
 
 
 def free_memory_bytes(device: str) -> int:
@@ -39,8 +39,7 @@ def check_storage(device: str, dtype: np.dtype, **sizes) -> None:
         raise TypeError(f"dtype must be one of {', '.join(dtype_name(d) for d in allowed)} "
                         f"on {device}; got {dtype_name(dtype)}")
     for name, value in sizes.items():
-        if int(value) < 1:
-            raise ValueError(f"{name} must be >= 1; got {value}")
+        check_int(value, name, 1)
 
 
 def count_blocks(num_blocks, memory_fraction, device: str, bytes_per_block: int) -> int:
@@ -48,10 +47,10 @@ def count_blocks(num_blocks, memory_fraction, device: str, bytes_per_block: int)
     if (num_blocks is None) == (memory_fraction is None):
         raise ValueError("give exactly one of num_blocks and memory_fraction")
     if memory_fraction is not None:
-        if not 0.0 < float(memory_fraction) <= 1.0:
+        if not 0.0 < check_real(memory_fraction, "memory_fraction") <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1]; got {memory_fraction}")
         num_blocks = int(free_memory_bytes(device) * float(memory_fraction)) // bytes_per_block
-    num_blocks = int(num_blocks)
+    num_blocks = check_int(num_blocks, "num_blocks", None)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1 (memory_fraction too small?); got {num_blocks}")
     return num_blocks
@@ -85,7 +84,7 @@ class LayerAccess:
         >>> [a.shape for a in cache.layer(0)]
         [(3, 8, 2, 64), (3, 8, 2, 64)]
         """
-        layer_idx = int(layer_idx)
+        layer_idx = check_int(layer_idx, "layer_idx", None)
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer_idx must be in [0, {self.num_layers}); got {layer_idx}")
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
@@ -178,6 +177,9 @@ class LayerAccess:
             if states.ndim != 3 or tuple(states.shape[1:]) != row:
                 raise ValueError(f"{name} must have shape [num_new, num_kv_heads = {row[0]}, "
                                  f"head_dim = {row[1]}] (or with a leading 1); got {tuple(states.shape)}")
+            if states.dtype != self.dtype:
+                raise TypeError(f"{name} must have the cache's dtype {dtype_name(self.dtype)}; "
+                                f"got {dtype_name(states.dtype)}")
         if key_states.shape != value_states.shape:
             raise ValueError(f"value_states must have the shape of key_states {tuple(key_states.shape)}; "
                              f"got {tuple(value_states.shape)}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core.arrays import CPU, CUDA, gpu_available, xp_of
-from .._core.types import check_block_size
+from .._core.types import check_block_size, check_bool, check_int
 from ._batch_views import BatchViews
 from ._storage import LayerAccess, check_storage, count_blocks
 from ._growth import Growth
@@ -87,7 +87,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         device = (CUDA if gpu_available() else CPU) if device is None else device
         dtype = np.dtype(dtype)
         check_storage(device, dtype, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       max_seqs=max_seqs)
+                       max_seqs=max_seqs, block_size=block_size)
         check_block_size(int(block_size), "block_size")
         self.num_layers, self.num_kv_heads = int(num_layers), int(num_kv_heads)
         self.head_dim, self.block_size = int(head_dim), int(block_size)
@@ -95,10 +95,9 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         self.bytes_per_block = (2 * self.num_layers * self.block_size * self.num_kv_heads
                                 * self.head_dim * dtype.itemsize)
         self.num_blocks = num_blocks = count_blocks(num_blocks, memory_fraction, device, self.bytes_per_block)
-        self.max_blocks_per_seq = min(num_blocks, 2048) if max_blocks_per_seq is None else int(max_blocks_per_seq)
-        if self.max_blocks_per_seq < 1:
-            raise ValueError(f"max_blocks_per_seq must be >= 1; got {max_blocks_per_seq}")
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.max_blocks_per_seq = (min(num_blocks, 2048) if max_blocks_per_seq is None
+                                   else check_int(max_blocks_per_seq, "max_blocks_per_seq", 1))
+        self.enable_prefix_caching = check_bool(enable_prefix_caching, "enable_prefix_caching")
 
         xp = np
         if device == CUDA:
@@ -310,7 +309,8 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
     # ------------------------------------------------------------------ internals
 
     def _check_room(self, blocks: int, reserve: int) -> None:
-        if blocks + int(reserve) > self.pool.num_free:
+        reserve = check_int(reserve, "reserve")
+        if blocks + reserve > self.pool.num_free:
             raise CacheFull(f"need {blocks} free blocks (+{int(reserve)} kept in reserve) but "
                             f"{self.pool.num_free} of {self.num_blocks} are free")
 
@@ -348,10 +348,8 @@ def _chunk_length(num_tokens: int, cached: int, num_new_tokens, max_num_new_toke
     if max_num_new_tokens is not None:
         if num_new_tokens is not None:
             raise ValueError("give num_new_tokens or max_num_new_tokens, not both")
-        if int(max_num_new_tokens) < 0:
-            raise ValueError(f"max_num_new_tokens must be >= 0; got {max_num_new_tokens}")
-        return min(num_tokens - cached, int(max_num_new_tokens))
-    new = num_tokens - cached if num_new_tokens is None else int(num_new_tokens)
+        return min(num_tokens - cached, check_int(max_num_new_tokens, "max_num_new_tokens"))
+    new = num_tokens - cached if num_new_tokens is None else check_int(num_new_tokens, "num_new_tokens", None)
     if new < 0 or cached + new > num_tokens:
         raise ValueError(f"num_new_tokens must be in [0, {num_tokens - cached}] "
                          f"({num_tokens} tokens, {cached} cached); got {num_new_tokens}")

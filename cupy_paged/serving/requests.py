@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
+
+import numpy as np
+
+from .._core.types import check_int, check_real
 
 __all__ = ["Request", "RequestStatus", "SamplingParams", "SchedulerConfig"]
 
@@ -21,9 +26,19 @@ def _token_set(ids) -> frozenset:
     """One token id, several, or None as a frozenset of ints."""
     if ids is None:
         return frozenset()
-    if isinstance(ids, (int,)) or hasattr(ids, "__index__"):
-        return frozenset((int(ids),))
-    return frozenset(int(t) for t in ids)
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"eos_token_id / stop_token_ids must be token ids (ints); got {ids!r}")
+    if isinstance(ids, numbers.Integral):
+        return frozenset((check_int(ids, "eos_token_id"),))
+    return frozenset(check_int(t, "eos_token_id / stop_token_ids") for t in ids)
+
+
+def token_array(tokens, name: str):
+    """``tokens`` as a flat int64 NumPy array, checked before the cast (7.5 is no token id)."""
+    array = np.asarray(tokens)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be token ids (ints); got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +161,11 @@ class Request:
     finish_reason: str | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__iter__"):
+            raise TypeError(f"request {self.request_id!r}: prompt_token_ids must be a sequence of token ids; "
+                            f"got {self.prompt_token_ids!r}")
+        self.prompt_token_ids = [check_int(t, f"request {self.request_id!r}: prompt_token_ids")
+                                 for t in self.prompt_token_ids]
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids must hold at least one token")
         if not isinstance(self.sampling, SamplingParams):
@@ -157,10 +176,10 @@ class Request:
         elif wanted is not None and int(wanted) != int(self.max_new_tokens):
             raise ValueError(f"request {self.request_id!r}: max_new_tokens {self.max_new_tokens} differs from "
                              f"sampling.max_new_tokens {wanted}")
-        if self.max_new_tokens is None or int(self.max_new_tokens) < 1:
-            raise ValueError(f"request {self.request_id!r}: max_new_tokens must be >= 1; got {self.max_new_tokens}")
-        self.max_new_tokens = int(self.max_new_tokens)
-        self.priority = int(self.priority)
+        if self.max_new_tokens is None:
+            raise ValueError(f"request {self.request_id!r}: max_new_tokens must be >= 1; got None")
+        self.max_new_tokens = check_int(self.max_new_tokens, f"request {self.request_id!r}: max_new_tokens", 1)
+        self.priority = check_int(self.priority, f"request {self.request_id!r}: priority", None)
         eos = frozenset() if self.sampling.ignore_eos else _token_set(self.eos_token_id)
         self.stop_token_ids = self.sampling.stop_token_ids | eos
         self._token_ids = list(self.prompt_token_ids)
@@ -255,6 +274,10 @@ class SchedulerConfig:
     max_model_len: int | None = None
 
     def __post_init__(self):
+        for name in ("max_batch_tokens", "max_num_seqs", "max_prefill_chunk", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, None)
+        check_real(self.admission_margin, "admission_margin")
         if self.max_num_seqs < 1 or self.max_batch_tokens < self.max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_batch_tokens "
                              f"({self.max_batch_tokens}): every running decode must fit one step")

@@ -19,7 +19,7 @@ from ._policy import GeneralStep
 from ._running import RunningBatch
 from ._stats import Counters, SchedulerStats
 from .block_pool import CacheFull
-from .requests import Request, RequestStatus, SamplingParams, SchedulerConfig
+from .requests import Request, RequestStatus, SamplingParams, SchedulerConfig, token_array
 
 __all__ = ["Request", "RequestStatus", "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig",
            "SchedulerStats"]
@@ -168,6 +168,8 @@ class Scheduler(GeneralStep):
             (:meth:`max_model_len`: the cache's block table width, all its blocks, or
             ``config.max_model_len``).
         """
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a cupy_paged.Request; got {type(request).__name__}")
         if request.request_id in self._live:
             raise ValueError(f"request {request.request_id!r} is already queued or running")
         limit = self.max_model_len()
@@ -350,7 +352,7 @@ class Scheduler(GeneralStep):
             raise RuntimeError("update() needs a batch from schedule()")
         if batch is not self._step:
             raise ValueError("batch is not the one the last schedule() returned")
-        sampled = np.asarray(sampled_token_ids, np.int64).reshape(-1)
+        sampled = token_array(sampled_token_ids, "sampled_token_ids")
         if sampled.size != len(batch.sample_requests):
             raise ValueError(f"sampled_token_ids must hold {len(batch.sample_requests)} tokens, one per sampling "
                              f"request; got {sampled.size}")
