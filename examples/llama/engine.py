@@ -143,8 +143,7 @@ class Engine:
         self.timer = Timer(gpu=self.gpu)
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
         self._live: dict = {}        # request id -> (scheduler Request, GenerationRequest, generator)
-        self._admissions: dict = {}  # request id -> its num_preemptions when last admitted
-        self._preemptions_before = 0  # the scheduler's count when the statistics were last reset
+        self._stats_before = self.scheduler.stats()  # the scheduler's totals when the statistics were reset
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue one request (``ValueError`` when it could never fit the cache or the model)."""
@@ -179,7 +178,7 @@ class Engine:
             live = [self._live[i] for i in plan.seq_ids]
             decodes = [len(r.token_ids) - r.num_computed == 1 and r.num_computed >= len(r.prompt_token_ids)
                        for r, _, _ in live]
-            self._count_step(plan, live, decodes)
+            self._count_step(plan, decodes)
             sampling = live if len(plan.logits_indices) == len(live) else [
                 entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
             params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
@@ -199,7 +198,6 @@ class Engine:
         self.timer.seconds["host"] += time.perf_counter() - start - model_seconds
         for request in finished:
             del self._live[request.request_id]
-            self._admissions.pop(request.request_id, None)
             self.stats.requests += 1
             self.stats.prompt_tokens += len(request.prompt_token_ids)
             self.stats.generated_tokens += len(request.output_token_ids)
@@ -217,23 +215,19 @@ class Engine:
                 self.graphs.capture_all()
             self.graphs.replays = 0
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
-        self._preemptions_before = self.scheduler.num_preemptions
+        self._stats_before = self.scheduler.stats()
 
-    def _count_step(self, plan, live, decodes) -> None:
-        """Step kind, kernel path, prefix-cache admissions and cache use of the step just scheduled."""
+    def _count_step(self, plan, decodes) -> None:
+        """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled."""
         stats = self.stats
         stats.steps["decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"] += 1
         stats.kernel_paths[plan.path] += 1
         stats.computed_prompt_tokens += plan.num_tokens - sum(decodes)
-        for request, _, _ in live:
-            # Newly admitted (first time, or again after a preemption): allocate() found
-            # num_computed leading tokens in the prefix cache.
-            if self._admissions.get(request.request_id) != request.num_preemptions:
-                self._admissions[request.request_id] = request.num_preemptions
-                stats.prefix_queried_tokens += request.num_tokens
-                stats.prefix_hit_tokens += request.num_computed
-        stats.peak_blocks = max(stats.peak_blocks, self.cache.num_blocks - self.cache.num_free_blocks)
-        stats.preemptions = self.scheduler.num_preemptions - self._preemptions_before
+        now, before = self.scheduler.stats(), self._stats_before  # O(1): the scheduler keeps the totals
+        stats.prefix_queried_tokens = now.prompt_tokens - before.prompt_tokens
+        stats.prefix_hit_tokens = now.cached_prompt_tokens - before.cached_prompt_tokens
+        stats.peak_blocks = max(stats.peak_blocks, now.blocks_used)
+        stats.preemptions = now.num_preemptions - before.num_preemptions
 
     def run(self, requests, on_finish=None) -> dict:
         """Serve ``requests`` to the end.
