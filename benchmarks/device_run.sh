@@ -8,7 +8,8 @@
 #   per-step limits in seconds: T_WARM T_TESTS T_BENCH (T_BENCH_DECODE, T_BENCH_CALLS for those
 #   benchmarks alone) T_SANITIZE; extra arguments: TEST_ARGS,
 #   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10),
-#   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step
+#   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
+#   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k)
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ collect_results() {  # one file for every results/*.json, since the device retur
   python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
 found = {p.name: json.loads(p.read_text()) for p in sorted(pathlib.Path("benchmarks/results").glob("*.json"))
-         if p.name in ("decode.json", "varlen.json", "calls.json")}
+         if p.name in ("decode.json", "varlen.json", "calls.json", "mixed.json")}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
 PY
 }
@@ -55,6 +56,16 @@ for step in $steps; do
       rm -f benchmarks/results/calls.json
       run_step bench_calls bench_calls "${T_BENCH_CALLS:-${T_BENCH:-150}}" python3 benchmarks/bench_calls.py ${BENCH_CALLS_ARGS:-}
       collect_results ;;
+    bench_mixed)
+      rm -f benchmarks/results/mixed.json benchmarks/results/mixed.png
+      run_step bench_mixed bench_mixed "${T_BENCH_MIXED:-${T_BENCH:-200}}" python3 benchmarks/bench_mixed.py ${BENCH_MIXED_ARGS:-}
+      cp benchmarks/results/mixed.png "$OUT/" 2>/dev/null
+      collect_results ;;
+    sanitize_ragged)  # the ragged step's kernels under memcheck and racecheck
+      run_step memcheck_ragged sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ragged.py -k "${SANITIZE_RAGGED_K:-mixes and 4-2 or softcap}"
+      run_step racecheck_ragged sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ragged.py -k "${SANITIZE_RAGGED_K:-mixes and 4-2 or softcap}" ;;
     sanitize)
       run_step memcheck sanitize "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
         python3 -m pytest -m gpu -q -p no:cacheprovider -k "sanitize and not heuristic" ${SANITIZE_ARGS:-}
@@ -65,7 +76,7 @@ for step in $steps; do
       run_step serve_graphs engine "${T_ENGINE:-150}" python3 examples/serve_llama.py --no-progress --cuda-graphs ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls sanitize engine kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

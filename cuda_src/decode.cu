@@ -12,6 +12,7 @@
 //               stays out of the ROTARY=0 kernel entirely, its K/V loop included.
 //   TRACE       0 or 1: whether paged_decode takes a trace buffer and records each CTA's start,
 //               end and SM in it (default 0; only the decode benchmark's keys set it)
+//   RAGGED      0 or 1: the work-list kernel of a continuous-batching step (default 0), below
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q, rotary layout)
 // is a run-time argument, so two dtypes x five head dims (x rotary or not) are the whole family.
 //
@@ -57,6 +58,18 @@
 // checks by split 0 / row group 0 / kv head 0, the block ids by the row group 0 / kv head 0 CTA of
 // each split over its own key range (split 0 also over the columns before it), so that no CTA reads
 // a long table row alone.  A rotary position past seqlen_ro leaves that row unrotated (reported).
+//
+// RAGGED=1: one launch for a whole step whose sequences have different query lengths (prefill
+// chunks, decodes, speculative rows), q / k_new / v_new / out packed as [T, H(kv), D] tokens.  The
+// CTA of (blockIdx.x, kv head blockIdx.y) takes work item blockIdx.x, which the step plan built on
+// the host (runtime/_work.py): sequence b, row group, split of its keys, its split count, its first
+// token in the packed arrays, its query length, its cached keys, and the first workspace slot of its
+// splits.  Rows are (group head, query token) as above, per sequence; a row group whose rows see
+// none of a split's keys loads none.  Query token i of b sits at key cached + i (its own key, read
+// from k_new), and the CTAs of split 0 append b's new tokens, each row group its share.  A sequence
+// of one split writes out directly; the splits of a longer one write partial rows to workspace slot
+// (slot + split) and combine_ragged merges them.  An item of query length 0 is padding (a graph
+// replayed with fewer items) and does nothing.  ROTARY and a contiguous cache are not offered here.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -66,6 +79,12 @@
 #endif
 #ifndef TRACE
 #define TRACE 0
+#endif
+#ifndef RAGGED
+#define RAGGED 0
+#endif
+#if RAGGED && (ROTARY || TRACE)
+#error "RAGGED takes neither ROTARY nor TRACE"
 #endif
 
 namespace decode {
@@ -296,8 +315,62 @@ struct Cta {
   int g, t;   // fragment row and column pair (mma.cuh)
   int group;  // query heads per kv head
   int batch, seqlen_q, num_heads, num_rows, num_splits;
+#if RAGGED
+  int q_start, cached, slot, row_groups, total_q;  // the work item's (see WorkItem), T
+#endif
 };
 
+#if RAGGED
+// One entry of the work list (8 ints, 32 bytes): built by the step plan (runtime/_work.py).
+struct WorkItem {
+  int b, row_group, split, num_splits;
+  int q_start, q_len, cached, slot;
+};
+
+__device__ __forceinline__ WorkItem load_item(const int* work, int index) {
+  const int4* at = reinterpret_cast<const int4*>(work) + 2 * (long long)index;
+  const int4 a = __ldg(at), c = __ldg(at + 1);
+  return WorkItem{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+}
+#endif
+
+// The query length, the rows and the split count of this CTA's sequence: the launch's, or with
+// RAGGED the work item's.
+__device__ __forceinline__ int seq_len_q(const DecodeParams& params, const Cta& cta) {
+  return RAGGED ? cta.seqlen_q : params.seqlen_q;
+}
+__device__ __forceinline__ int seq_rows(const DecodeParams& params, const Cta& cta) {
+  return RAGGED ? cta.num_rows : params.num_rows;
+}
+__device__ __forceinline__ int seq_splits(const DecodeParams& params, const Cta& cta) {
+  return RAGGED ? cta.num_splits : params.num_splits;
+}
+
+#if RAGGED
+__device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem& item) {
+  Cta cta;
+  cta.row_group = item.row_group;
+  cta.split = item.split;
+  cta.kv_head = blockIdx.y;
+  cta.b = item.b;
+  cta.warp = threadIdx.x / 32;
+  cta.lane = threadIdx.x % 32;
+  cta.g = cta.lane / 4;
+  cta.t = cta.lane % 4;
+  cta.group = params.num_heads / params.num_kv_heads;
+  cta.batch = 0;
+  cta.seqlen_q = item.q_len;
+  cta.num_heads = params.num_heads;
+  cta.num_rows = cta.group * item.q_len;
+  cta.num_splits = item.num_splits;
+  cta.q_start = item.q_start;
+  cta.cached = item.cached;
+  cta.slot = item.slot;
+  cta.row_groups = (cta.num_rows + kRows - 1) / kRows;
+  cta.total_q = params.seqlen_q;
+  return cta;
+}
+#else
 __device__ __forceinline__ Cta locate(const DecodeParams& params) {
   Cta cta;
   cta.row_group = blockIdx.x % params.row_groups;
@@ -316,6 +389,7 @@ __device__ __forceinline__ Cta locate(const DecodeParams& params) {
   cta.num_splits = params.num_splits;
   return cta;
 }
+#endif
 
 // Prologue, first round trip: the sequence's entries (Seq) and the Q tile [16 rows][D] (padding
 // rows zero) -> shared memory by cp.async, all in flight together; waited for.
@@ -323,21 +397,33 @@ __device__ __forceinline__ void load_sequence_and_q(const DecodeParams& params, 
                                                     const T* q, const int* cache_seqlens, const int* cache_batch_idx,
                                                     const int* cache_leftpad) {
   if (threadIdx.x == 0) {
+#if RAGGED
+    buf.seq[kSeqLength] = cta.cached;  // the work item's: cache_seqlens, cache_batch_idx, cache_leftpad unused
+    buf.seq[kSeqRow] = cta.b;
+    buf.seq[kSeqLeftpad] = 0;
+#else
     if (cache_seqlens) cp::cp_async_4(buf.ks + Smem::kSeqlen + 4 * kSeqLength, cache_seqlens + cta.b, true);
     else buf.seq[kSeqLength] = params.cached_all;
     if (cache_batch_idx) cp::cp_async_4(buf.ks + Smem::kSeqlen + 4 * kSeqRow, cache_batch_idx + cta.b, true);
     else buf.seq[kSeqRow] = cta.b;
     if (cache_leftpad) cp::cp_async_4(buf.ks + Smem::kSeqlen + 4 * kSeqLeftpad, cache_leftpad + cta.b, true);
     else buf.seq[kSeqLeftpad] = 0;
+#endif
     buf.seq[kSeqBadColumn] = kNoColumn;
   }
+  const int seqlen_q = seq_len_q(params, cta);
   for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
     const int r = index / kChunks, c = index % kChunks;
     const int row = cta.row_group * kRows + r;
-    const bool real = row < params.num_rows;
+    const bool real = row < seq_rows(params, cta);
     const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
-    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + cta.b * params.q_batch + (row % params.seqlen_q) * params.q_token +
-                                                      (cta.kv_head * cta.group + row / params.seqlen_q) * params.q_head) + c;
+#if RAGGED
+    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + (cta.q_start + row % seqlen_q) * params.q_token +
+                                                      (cta.kv_head * cta.group + row / seqlen_q) * params.q_head) + c;
+#else
+    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + cta.b * params.q_batch + (row % seqlen_q) * params.q_token +
+                                                      (cta.kv_head * cta.group + row / seqlen_q) * params.q_head) + c;
+#endif
     cp::cp_async_16(buf.qs + Tile::offset(r, c), qp, real);
   }
   cp::cp_async_commit();
@@ -351,8 +437,13 @@ __device__ __forceinline__ KeySource key_source(const DecodeParams& params, cons
   KeySource src;
   src.k_cache = k_cache;
   src.v_cache = v_cache;
+#if RAGGED
+  src.k_new = k_new ? k_new + cta.q_start * params.kn_token + cta.kv_head * params.kn_head : nullptr;
+  src.v_new = v_new ? v_new + cta.q_start * params.vn_token + cta.kv_head * params.vn_head : nullptr;
+#else
   src.k_new = k_new ? k_new + cta.b * params.kn_batch + cta.kv_head * params.kn_head : nullptr;
   src.v_new = v_new ? v_new + cta.b * params.vn_batch + cta.kv_head * params.vn_head : nullptr;
+#endif
   src.kn_token = params.kn_token;
   src.vn_token = params.vn_token;
   src.num_blocks = params.num_blocks;
@@ -398,7 +489,11 @@ __device__ __forceinline__ Sequence resolve_sequence(KeySource& src, const Decod
   src.max_blocks = width;
   // A cache row outside the cache: no key at all (cached or new), nothing appended.
   src.cached = sq.row_ok ? sq.cached_end - sq.first_pos : 0;
+#if RAGGED
+  sq.new_keys = params.seqlen_new > 0 ? cta.seqlen_q : 0;  // the query tokens are the new keys, or already cached
+#else
   sq.new_keys = sq.row_ok ? params.seqlen_new : 0;
+#endif
   sq.num_keys = src.cached + sq.new_keys;
   return sq;
 }
@@ -409,6 +504,9 @@ __device__ __forceinline__ Sequence resolve_sequence(KeySource& src, const Decod
 struct Rows {
   int lo_all, hi_all;        // keys [lo_all, hi_all] are visible to every real row
   int lo[2], hi[2], pos[2];  // rows g and g + 8: visible keys [lo, hi] (none for a padding row), position
+#if RAGGED
+  int hi_any;                // the last key any real row sees
+#endif
   float slope[2];            // their ALiBi slopes, in the log2 domain of the scores (0: none)
 };
 
@@ -417,16 +515,23 @@ __device__ __forceinline__ Rows row_bounds(const DecodeParams& params, const Cta
   Rows rows;
   rows.lo_all = 0;
   rows.hi_all = num_keys - 1;
+  const int seqlen_q = seq_len_q(params, cta), num_rows = seq_rows(params, cta);
+#if RAGGED
+  rows.hi_any = -1;
+#endif
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = cta.row_group * kRows + r;
-    const bool real = row < params.num_rows;
-    const int pos = row % params.seqlen_q + num_keys - params.seqlen_q;
+    const bool real = row < num_rows;
+    const int pos = row % seqlen_q + num_keys - seqlen_q;
     const int lo = params.win_left >= 0 ? max(pos - params.win_left, 0) : 0;
     const int hi = params.win_right >= 0 ? min(pos + params.win_right, num_keys - 1) : num_keys - 1;
     if (real) {
       rows.lo_all = max(rows.lo_all, lo);
       rows.hi_all = min(rows.hi_all, hi);
+#if RAGGED
+      rows.hi_any = max(rows.hi_any, hi);
+#endif
     }
     if (r % 8 == cta.g) {
       const int hr = r / 8;
@@ -435,7 +540,7 @@ __device__ __forceinline__ Rows row_bounds(const DecodeParams& params, const Cta
       rows.pos[hr] = pos;
       rows.slope[hr] = (real && alibi_slopes)
                            ? alibi_slopes[(long long)cta.b * params.alibi_batch_stride + cta.kv_head * cta.group +
-                                          row / params.seqlen_q] * kLog2e
+                                          row / seqlen_q] * kLog2e
                            : 0.f;
     }
   }
@@ -465,17 +570,28 @@ struct KeyRange {
   int start, end, num_tiles;
 };
 
-__device__ __forceinline__ KeyRange split_range(const DecodeParams& params, int split, int num_keys) {
-  const int first_key = params.win_left >= 0 ? max(num_keys - params.seqlen_q - params.win_left, 0) : 0;
+__device__ __forceinline__ KeyRange split_range(const DecodeParams& params, const Cta& cta, int num_keys) {
+  const int num_splits = seq_splits(params, cta);
+  const int first_key = params.win_left >= 0 ? max(num_keys - seq_len_q(params, cta) - params.win_left, 0) : 0;
   const int span = max(num_keys - first_key, 0);
-  const int per_split =
-      ((span + params.num_splits - 1) / params.num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
+  const int per_split = ((span + num_splits - 1) / num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
   KeyRange range;
-  range.start = min(first_key + split * per_split, num_keys);
+  range.start = min(first_key + cta.split * per_split, num_keys);
   range.end = min(range.start + per_split, num_keys);
   range.num_tiles = (range.end - range.start + kTileKeys - 1) / kTileKeys;
   return range;
 }
+
+#if RAGGED
+// The split's keys that some row of the CTA sees (a causal row group early in a prefill chunk stops
+// before the chunk's last keys): the tiles loaded.  The index checks keep the whole split range.
+__device__ __forceinline__ KeyRange seen_range(const KeyRange& range, const Rows& rows) {
+  KeyRange seen = range;
+  seen.end = max(min(range.end, rows.hi_any + 1), range.start);
+  seen.num_tiles = (seen.end - seen.start + kTileKeys - 1) / kTileKeys;
+  return seen;
+}
+#endif
 
 // ---------------------------------------------------------------------------- the pipeline's loads
 
@@ -568,11 +684,21 @@ __device__ __forceinline__ void rotate_q(const Rotary&, const DecodeParams&, con
 // The fused append, once the first tiles are in flight: split 0 / row group 0 writes this kv
 // head's new tokens into the cache (slots no CTA of this launch reads), k rotated like the keys
 // attended.  A token whose slot is a hole is not written.
+// With RAGGED, the row groups of split 0 share the tokens out, so that a prefill chunk's append
+// is not one CTA's.
 __device__ __forceinline__ void append_new_tokens(const KeySource& src, const Sequence& sq, const Cta& cta,
                                                   const Rotary& ro, cp::Vec8* k_cache_w, cp::Vec8* v_cache_w) {
+#if RAGGED
+  if (sq.new_keys <= 0 || cta.split != 0) return;
+  const int share = (sq.new_keys + cta.row_groups - 1) / cta.row_groups;
+  const int first = cta.row_group * share, count = min(share, sq.new_keys - first);
+#else
   if (sq.new_keys <= 0 || cta.split != 0 || cta.row_group != 0) return;
-  for (int index = threadIdx.x; index < sq.new_keys * kChunks; index += kThreads) {
-    const int tok = index / kChunks, v = index % kChunks;
+  constexpr int first = 0;
+  const int count = sq.new_keys;
+#endif
+  for (int index = threadIdx.x; index < count * kChunks; index += kThreads) {
+    const int tok = first + index / kChunks, v = index % kChunks;
     const int j = src.cached + tok;
     const int col = src.blocks.column(j);
     if (col >= src.max_blocks) continue;
@@ -907,6 +1033,19 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
     }
     const float value = l_all > 0.f ? o_all / l_all : 0.f;
     const float row_lse = l_all > 0.f ? (m_all + __log2f(l_all)) * kLn2 : -inf();
+#if RAGGED
+    // out [T, H, D], lse [H, T] (FlashAttention-2's varlen layout), the slots [slot][Hkv][16][D].
+    const long long token = (long long)cta.q_start + i;
+    if (cta.num_splits == 1) {
+      out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(value);
+      if (lse && d == 0) lse[(long long)head * cta.total_q + token] = row_lse;
+    } else {
+      const long long slot_row = ((long long)(cta.slot + cta.split) * gridDim.y + cta.kv_head) * kRows + r;
+      part_out[slot_row * kHeadDim + d] = value;
+      if (d == 0) part_lse[slot_row] = row_lse;
+    }
+    (void)rows_total;
+#else
     const long long out_row = ((long long)cta.b * seqlen_q + i) * num_heads + head;
     if (cta.num_splits == 1) {
       out[out_row * kHeadDim + d] = cp::from_float<T>(value);
@@ -915,6 +1054,7 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
       part_out[(cta.split * rows_total + out_row) * kHeadDim + d] = value;
       if (d == 0) part_lse[cta.split * rows_total + out_row] = row_lse;
     }
+#endif
   }
 }
 
@@ -947,6 +1087,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     float* __restrict__ part_out,         // [num_splits, B*Sq*H, D] when num_splits > 1
     float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
     int* errors                           // the device error word (cp::report_error) or null
+#if RAGGED
+    , const int* __restrict__ work        // [gridDim.x][8]: the WorkItem of each CTA column
+#endif
 #if TRACE
     , unsigned long long* __restrict__ trace  // [CTAs][3]: start ns, end ns, SM
 #endif
@@ -958,16 +1101,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // The steps of the header, in order: setup, the block-id prologue and the first tiles, what runs
   // while they fly (Q rotation, fused append, index checks), the K/V loop, the warp merge, the store.
   extern __shared__ __align__(128) unsigned char smem_raw[];
+#if RAGGED
+  const WorkItem item = load_item(work, blockIdx.x);
+  if (item.q_len <= 0) return;  // padding: the whole CTA leaves before any barrier
+  const Cta cta = locate(params, item);
+#else
   const Cta cta = locate(params);
+#endif
   const Buffers buf = buffers(smem_raw);
   load_sequence_and_q(params, cta, buf, q, cache_seqlens, cache_batch_idx, cache_leftpad);
   KeySource src = key_source(params, cta, k_cache, v_cache, k_new, v_new);
   const Sequence sq = resolve_sequence(src, params, cta, buf.seq, block_table);
   const Rows rows = row_bounds(params, cta, sq.num_keys, alibi_slopes);
   const ScoreMods mods = score_mods(params, alibi_slopes);
-  const KeyRange range = split_range(params, cta.split, sq.num_keys);
+  const KeyRange range = split_range(params, cta, sq.num_keys);
 
+#if RAGGED
+  const Loader loader = make_loader(src, buf, seen_range(range, rows), k_new != nullptr);
+#else
   const Loader loader = make_loader(src, buf, range, k_new != nullptr);
+#endif
   bool issued_ok[kStages - 1];
   loader.prologue(issued_ok);
   const Rotary ro = make_rotary(params, rotary_cos, rotary_sin);
@@ -1069,3 +1222,58 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
     lse[(b * num_heads + h) * seqlen_q + i] = total > 0.f ? m_all + __logf(total) : -inf();
   }
 }
+
+#if RAGGED
+// ---------------------------------------------------------------------------- combine_ragged
+
+// combine_ragged: the splits of a RAGGED launch merged, one CTA of kCombineThreads per (entry,
+// kv head); an entry is the work item of split 0 of a (sequence, row group) with num_splits > 1
+// (one of fewer splits, or of query length 0, is padding and does nothing).  Warp w finds the
+// weights exp(lse_s - lse) of rows w, w + 4, ... (lanes over splits), then every thread sums
+// its (row, dim) outputs over the splits of weight > 0.
+extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_ragged(
+    const int* __restrict__ entries, const float* __restrict__ part_out, const float* __restrict__ part_lse,
+    int num_heads, int total_q, T* __restrict__ out, float* __restrict__ lse) {
+  __shared__ float weights[kRows][kCombineThreads];
+  __shared__ float row_scale[kRows], row_lse[kRows];
+  const WorkItem e = load_item(entries, blockIdx.x);
+  const int num_splits = min(e.num_splits, kCombineThreads);
+  if (e.q_len <= 0 || num_splits <= 1) return;
+  const int num_kv_heads = gridDim.y, kv_head = blockIdx.y;
+  const int group = num_heads / num_kv_heads, num_rows = group * e.q_len;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long first_slot = (long long)e.slot * num_kv_heads + kv_head;  // split s: + s * num_kv_heads
+  for (int r = warp; r < kRows; r += kCombineWarps) {
+    float m = -inf();
+    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, part_lse[(first_slot + (long long)s * num_kv_heads) * kRows + r]);
+    m = cp::warp_max(m);
+    const float m_use = m == -inf() ? 0.f : m;
+    float sum = 0.f;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float w = __expf(part_lse[(first_slot + (long long)s * num_kv_heads) * kRows + r] - m_use);
+      weights[r][s] = w;
+      sum += w;
+    }
+    sum = cp::warp_sum(sum);
+    if (lane == 0) {
+      row_scale[r] = sum > 0.f ? 1.f / sum : 0.f;
+      row_lse[r] = sum > 0.f ? m_use + __logf(sum) : -inf();
+    }
+  }
+  __syncthreads();
+  for (int index = threadIdx.x; index < kRows * kHeadDim; index += kCombineThreads) {
+    const int r = index / kHeadDim, d = index % kHeadDim;
+    const int row = e.row_group * kRows + r;
+    if (row >= num_rows) continue;
+    float acc = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = weights[r][s];
+      if (w > 0.f) acc = fmaf(w, part_out[((first_slot + (long long)s * num_kv_heads) * kRows + r) * kHeadDim + d], acc);
+    }
+    const int head = kv_head * group + row / e.q_len;
+    const long long token = (long long)e.q_start + row % e.q_len;
+    out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(acc * row_scale[r]);
+    if (lse && d == 0) lse[(long long)head * total_q + token] = row_lse[r];
+  }
+}
+#endif

@@ -99,18 +99,21 @@ TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False,
-               trace: bool = False) -> KernelKey:
+               trace: bool = False, ragged: bool = False) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``;
     ``rotary``: the variant that rotates q and the new keys (its own code, so that the plain
-    kernel's loop carries none of it); ``trace``: the benchmark's variant with a trace buffer."""
+    kernel's loop carries none of it); ``trace``: the benchmark's variant with a trace buffer;
+    ``ragged``: the work-list kernel of a whole step (``kernels/ragged.py``)."""
     tiles = tiles or TILES[head_dim]
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("TILE_KEYS", tiles.keys),
               ("STAGES", tiles.stages), ("WARPS", tiles.warps), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
-    return KernelKey(SOURCE, params + ((("ROTARY", 1),) if rotary else ()) + ((("TRACE", 1),) if trace else ()))
+    flags = (("ROTARY", rotary), ("TRACE", trace), ("RAGGED", ragged))
+    return KernelKey(SOURCE, params + tuple((name, 1) for name, on in flags if on))
 
 
 def all_keys():
-    return [kernel_key(dtype, d, rotary=r) for r in (False, True) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
+    return [kernel_key(dtype, d, rotary=r, ragged=g) for r, g in ((False, False), (True, False), (False, True))
+            for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
 
 
 # --------------------------------------------------------------------------- split heuristic

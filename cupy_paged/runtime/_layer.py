@@ -5,9 +5,9 @@ from .._core.arrays import Array, data_ptr, empty, read
 from .._core.streams import handle
 from ..api.decode import prepare_decode
 from ..api.varlen import prepare_varlen
-
-# StepPlan.path values: the decode kernel (flash_attn_with_kvcache) or the paged varlen one.
-DECODE, VARLEN = "decode", "varlen"
+# StepPlan.path values: the decode kernel (flash_attn_with_kvcache),
+# the paged varlen one, or the ragged work-list kernel (kernels/ragged.py) for a whole step.
+from ._work import DECODE, RAGGED
 
 
 def with_token_axis(array: Array) -> Array:
@@ -19,7 +19,7 @@ def with_token_axis(array: Array) -> Array:
 class LayerLaunch:
     """The launches of one layer shape of a step: built on the first layer, replayed by the rest."""
 
-    def __init__(self, plan, q, k, v, k_cache, v_cache, softmax_scale, out):
+    def __init__(self, plan, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs):
         from .. import kernels
 
         aq, ak, av = read(q, "q"), read(k, "k"), read(v, "v")
@@ -27,7 +27,10 @@ class LayerLaunch:
         aout = None if out is None else read(out, "out")
         self.device = aq.device
         self.decode = plan.path == DECODE
-        if self.decode:
+        self.ragged = plan.path == RAGGED
+        if self.ragged:
+            self._ragged(plan, aq, ak, av, ak_cache, av_cache, softmax_scale, aout, kwargs)
+        elif self.decode:
             p = prepare_decode(with_token_axis(aq), ak_cache, av_cache, with_token_axis(ak), with_token_axis(av),
                                cache_seqlens=read(plan.cache_seqlens, "cache_seqlens"),
                                block_table=read(plan.block_table, "block_table"), softmax_scale=softmax_scale,
@@ -55,6 +58,29 @@ class LayerLaunch:
             self.max_seqlen_q = plan.max_seqlen_q
         self.out_shape = tuple(aq.shape)
 
+    def _ragged(self, plan, aq, ak, av, ak_cache, av_cache, softmax_scale, aout, kwargs):
+        from ..kernels.ragged import RaggedLaunch
+
+        p = prepare_varlen(aq, ak_cache, av_cache, read(plan.cu_seqlens_q, "cu_seqlens_q"),
+                           read(plan.cu_seqlens_k, "cu_seqlens_k"), plan.max_seqlen_q, plan.max_seqlen_k,
+                           softmax_scale, True, kwargs.pop("window_size", (-1, -1)), kwargs.pop("softcap", 0.0),
+                           kwargs.pop("alibi_slopes", None), read(plan.block_table, "block_table"), False, aout,
+                           False)
+        if kwargs:
+            raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(kwargs)}")
+        for name, array in (("q", p.q), ("k", ak), ("v", av)):
+            if not array.vectorised():
+                raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
+        if aout is not None and not aout.c_contiguous():
+            raise ValueError("out of a ragged step must be contiguous")
+        self.launch = RaggedLaunch(p.q, p.k, ak, av, int(p.block_table.shape[1]), p.softmax_scale, p.window,
+                                   p.softcap, p.alibi_slopes)
+        self.alibi_ptr = 0 if p.alibi_slopes is None else p.alibi_slopes.ptr
+        self.work = (read(plan.work, "work").ptr, plan.num_items, read(plan.entries, "entries").ptr,
+                     plan.num_entries, plan.num_slots)
+        self.index_ptrs = (p.block_table.ptr,)
+        self.out_shape = tuple(aq.shape)
+
     def run(self, kind, q, k, v, k_cache, v_cache, out, stream):
         stream = handle(stream, kind, self.device)
         q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
@@ -64,7 +90,10 @@ class LayerLaunch:
         if out is None:
             out = empty(kind, q, self.out_shape, self.launch.dtype)
         out_arg = (out, data_ptr(out))
-        if self.decode:
+        if self.ragged:
+            self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], self.alibi_ptr), self.work,
+                            out_arg[1], 0, stream)
+        elif self.decode:
             seqlens, table = self.index_ptrs
             self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, seqlens, table, 0, 0, 0, 0, 0), 0,
                             out_arg, None, stream)

@@ -15,13 +15,16 @@ from ._fill import UNKNOWN_ROW
 __all__ = ["PlanBuffers", "layout", "views"]
 
 
-def layout(batch: int, tokens: int, width: int) -> tuple[dict, int]:
+def layout(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0) -> tuple[dict, int]:
     """Where the plan's int32 index arrays lie in one flat buffer, name -> (start, stop, shape), and
-    the buffer's length (so that a plan moves to the device in one transfer).
+    the buffer's length (so that a plan moves to the device in one transfer).  ``items`` and
+    ``entries``: the rows of a ragged plan's work list and combine entries (8 ints each, first so
+    that their 32-byte rows stay 16-byte aligned); none without them.
 
     Built every step: ``math.prod`` here, as ``np.prod`` costs microseconds on a small tuple.
     """
-    shapes = dict(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
+    shapes = dict(work=(items, 8), entries=(entries, 8)) if items else {}
+    shapes.update(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
                   cu_seqlens_q=(batch + 1,), cu_seqlens_k=(batch + 1,), query_lens=(batch,),
                   cache_seqlens=(batch,), seqlens_k=(batch,), logits_indices=(batch,),
                   block_table=(batch, width))  # last, so an upload of fewer rows stops early

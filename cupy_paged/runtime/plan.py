@@ -18,10 +18,11 @@ from ..api.decode import flash_attn_with_kvcache, serves_step
 from ..api.kv_write import write_kv_cache
 from ..api.varlen import flash_attn_varlen_func
 from ._fill import UNKNOWN_ROW, fill_plan
-from ._layer import DECODE, VARLEN, LayerLaunch
+from ._layer import LayerLaunch
+from ._work import DECODE, RAGGED, VARLEN, choose_path, count_work, fill_work
 from .buffers import PlanBuffers, layout, views
 
-__all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN"]
+__all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN", "RAGGED"]
 
 
 @dataclasses.dataclass
@@ -57,9 +58,11 @@ class StepPlan:
     sample_mask : numpy.ndarray
         ``[batch]`` bool, which sequences sample.
     path : str
-        ``"decode"`` when ``cupy_paged.api.decode.serves_step`` says the decode kernel
-        (``flash_attn_with_kvcache``) takes the step: one new token per row, as many tokens as
-        rows, padding counted; ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
+        ``"ragged"``: one launch of the work-list kernel for the whole step, whatever its mix
+        (the plan was built with ``num_heads`` and the step is not prefill-heavy, see
+        ``build_plan``); ``"decode"`` when ``cupy_paged.api.decode.serves_step`` says the decode
+        kernel (``flash_attn_with_kvcache``) takes the step: one new token per row, as many tokens
+        as rows, padding counted; ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
     block_size : int
     sample_requests : list or None
         Set by ``cupy_paged.Scheduler``: ``[num_samples]`` the request each sampled token is for
@@ -87,6 +90,11 @@ class StepPlan:
     block_size: int
     sample_requests: list | None = None
     sample_rows: np.ndarray | None = None
+    work: object = None
+    entries: object = None
+    num_items: int = 0
+    num_entries: int = 0
+    num_slots: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -168,7 +176,10 @@ class StepPlan:
             if layer is not None:
                 return layer.run(kind, q, k, v, k_cache, v_cache, out, stream)
         # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
-        # check nothing on the host.
+        # check nothing on the host.  On the CPU a ragged plan runs the varlen reference.
+        if self.path == RAGGED and (kind is TORCH or kind is CUPY):  # with kwargs: resolved per call
+            return LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs).run(
+                kind, q, k, v, k_cache, v_cache, out, stream)
         if self.path == DECODE:
             out4 = None if out is None else out[:, None]
             result = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
@@ -189,7 +200,7 @@ class StepPlan:
 
 def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None,
                buffers: "PlanBuffers | None" = None, batch_size: int | None = None,
-               num_tokens: int | None = None) -> StepPlan:
+               num_tokens: int | None = None, num_heads: int | None = None, path: str | None = None) -> StepPlan:
     """Build the step plan for sequences whose new tokens already have reserved slots.
 
     Each sequence ``s`` contributes ``query_lens[i]`` tokens at positions
@@ -216,6 +227,14 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         With ``buffers``: pad the plan to this many sequences and tokens (CUDA-graph
         replay at a captured size).  Padding sequences have no tokens and no blocks;
         padding tokens have slot -1, which cache writes skip.
+    num_heads : int, optional
+        Query heads of the model.  Given, the plan lists the work of one ragged launch
+        (``runtime/_work.py``) and takes the ``"ragged"`` path for every step whose prefill
+        work hides behind its K/V reads (decode-only, mixed with short chunks); prefill-heavy
+        steps keep ``"varlen"``.  Not with ``buffers``.
+    path : {"ragged", "decode", "varlen"}, optional
+        Take this path whatever the step (``"ragged"`` needs ``num_heads``; ``"decode"`` a
+        step the decode kernel serves).
 
     Returns
     -------
@@ -249,12 +268,16 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     _check_reserved(seq_ids, view, query)
     tokens = int(query.sum())
     packed = places = None
+    path, ragged = choose_path(cache, query, view.num_computed, num_heads, path, buffers)
+    counts = (0, 0, 0)
+    if ragged is not None:
+        counts = count_work(query, view.num_computed, *ragged)
     if buffers is None:
         if batch_size is not None or num_tokens is not None:
             raise ValueError("batch_size and num_tokens pad a plan into buffers; pass buffers too")
         batch_size, num_tokens = batch, tokens
         width = -(-int((view.num_computed + query).max(initial=0)) // view.block_size)
-        packed, places, out, memo_rows, memo_versions = _new_arrays(batch, tokens, width)
+        packed, places, out, memo_rows, memo_versions = _new_arrays(batch, tokens, width, *counts[:2])
     else:
         batch_size = batch if batch_size is None else int(batch_size)
         num_tokens = tokens if num_tokens is None else int(num_tokens)
@@ -265,6 +288,8 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         out["positions"], out["slot_mapping"], out["cu_seqlens_q"], out["cu_seqlens_k"],
         out["query_lens"], out["cache_seqlens"], out["seqlens_k"], out["block_table"],
         memo_rows, memo_versions)
+    if ragged is not None:
+        fill_work(query, view.num_computed, *ragged, out["work"], out["entries"])
     _write_input_ids(out["input_ids"], input_ids, tokens)
     sample_mask, num_sampled = _write_logits_indices(out["logits_indices"], out["cu_seqlens_q"], sample_mask, batch)
     out = _device_side(out, packed, places, buffers, view.device, batch_size, num_tokens)
@@ -274,9 +299,14 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     if batch_size > batch:  # padding sequences: no id, no sample
         sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
         seq_ids = seq_ids + [None] * (batch_size - batch)
-    path = DECODE if serves_step(batch_size, num_tokens, int(max_q)) else VARLEN
+    if path is None:
+        path = DECODE if serves_step(batch_size, num_tokens, int(max_q)) else VARLEN
+    elif path == DECODE and not serves_step(batch_size, num_tokens, int(max_q)):
+        raise ValueError("path='decode' takes steps of one new token per sequence")
+    work, entries = out.pop("work", None), out.pop("entries", None)
     return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), sample_mask=sample_mask,
-                    path=path, block_size=view.block_size, **out)
+                    path=path, block_size=view.block_size, work=work, entries=entries, num_items=counts[0],
+                    num_entries=counts[1], num_slots=counts[2], **out)
 
 
 def _query_lens(query_lens, batch: int) -> np.ndarray:
@@ -299,10 +329,10 @@ def _check_reserved(seq_ids: list, view, query: np.ndarray) -> None:
                          f"the {int(computed[bad])} cached tokens of {seq_ids[bad]!r}")
 
 
-def _new_arrays(batch: int, tokens: int, width: int):
+def _new_arrays(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0):
     """An unpadded plan's host arrays, views of one flat buffer, and a row memo that knows no row:
     ``(buffer, places, arrays, memo_rows, memo_versions)``."""
-    places, total = layout(batch, tokens, width)
+    places, total = layout(batch, tokens, width, items, entries)
     packed = np.empty(total, np.int32)
     return packed, places, views(packed, places), np.full(batch, UNKNOWN_ROW, np.int64), np.zeros(batch, np.int64)
 

@@ -1,0 +1,179 @@
+"""The work list of a step's one ragged launch (``decode.cu`` with ``RAGGED=1``), built on the host.
+
+The plan knows every sequence's query length and cached keys on the host, so it lists the
+kernel's CTAs itself: one item per (sequence, row group, split of its keys), 8 int32 each (the
+kernel's ``WorkItem``: b, row group, split, splits, first token, query length, cached keys, first
+workspace slot).  A row group is 16 (query head of a kv head's group, query token) rows, so a
+decode's whole GQA group shares one read of its K/V.
+
+Balancing: every item should read about the same bytes.  The keys of all row groups together,
+shared out over one wave of CTA slots per kv head, give the longest range an item may cover
+(at least four tiles); a sequence with more keys is split into ranges of that size, its partial
+rows merged by LSE (``combine_ragged``).  Items go longest first, so the long ones start early
+and the short ones fill in behind them.
+"""
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+
+from .._core.arrays import CUDA
+
+# StepPlan.path values (runtime/_layer.py spells them too).
+DECODE, VARLEN, RAGGED = "decode", "varlen", "ragged"
+PATHS = (DECODE, VARLEN, RAGGED)
+ROWS = 16          # decode.cu kRows: rows of a row group
+WORK_INTS = 8      # decode.cu WorkItem
+MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 32
+MIN_SPLIT_TILES = 4
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_groups(query_lens, group):
+    out = np.empty(query_lens.shape[0], np.int64)
+    for b in range(query_lens.shape[0]):
+        out[b] = (group * query_lens[b] + ROWS - 1) // ROWS
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items):
+    """Each sequence's split count: ranges of one common size, fewer splits when the items would
+    not fit ``max_items``."""
+    batch = query_lens.shape[0]
+    total = 0
+    base_items = 0
+    for b in range(batch):
+        total += row_groups[b] * (cached[b] + query_lens[b])
+        base_items += row_groups[b]
+    chunk = max(MIN_SPLIT_TILES * tile_keys, -(-total // max(slots_per_head, 1)))
+    splits = np.ones(batch, np.int64)
+    while True:
+        chunk = -(-chunk // tile_keys) * tile_keys
+        items = 0
+        for b in range(batch):
+            keys = cached[b] + query_lens[b]
+            n = 1
+            if keys > chunk:
+                n = min(-(-keys // chunk), MAX_SPLITS)
+            splits[b] = n
+            items += row_groups[b] * n
+        if items <= max_items or items == base_items:
+            return splits
+        chunk *= 2
+
+
+@numba.njit(cache=True, nogil=True)
+def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items):
+    """``(items, entries, slots)`` of the step's work list."""
+    row_groups = _row_groups(query_lens, group)
+    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items)
+    items = entries = slots = 0
+    for b in range(query_lens.shape[0]):
+        items += row_groups[b] * splits[b]
+        if splits[b] > 1:
+            entries += row_groups[b]
+            slots += row_groups[b] * splits[b]
+    return items, entries, slots
+
+
+@numba.njit(cache=True, nogil=True)
+def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, work, entries):
+    """Write the work list (longest first) and the combine entries; rows past them are padding
+    (query length 0).  Returns ``(items, entries, slots)``."""
+    batch = query_lens.shape[0]
+    cu_seqlens_q = np.zeros(batch + 1, np.int64)
+    for b in range(batch):
+        cu_seqlens_q[b + 1] = cu_seqlens_q[b] + query_lens[b]
+    row_groups = _row_groups(query_lens, group)
+    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items)
+    items = 0
+    for b in range(batch):
+        items += row_groups[b] * splits[b]
+    span = np.empty(items, np.int64)     # keys an item covers, to order them
+    staged = np.empty((items, WORK_INTS), np.int32)
+    n = slot = num_entries = 0
+    for b in range(batch):
+        keys = cached[b] + query_lens[b]
+        for rg in range(row_groups[b]):
+            first_slot = slot if splits[b] > 1 else 0
+            for s in range(splits[b]):
+                row = staged[n]
+                row[0] = b
+                row[1] = rg
+                row[2] = s
+                row[3] = splits[b]
+                row[4] = cu_seqlens_q[b]
+                row[5] = query_lens[b]
+                row[6] = cached[b]
+                row[7] = first_slot
+                span[n] = -(-keys // splits[b])
+                n += 1
+            if splits[b] > 1:
+                entries[num_entries, :] = staged[n - splits[b]]
+                num_entries += 1
+                slot += splits[b]
+    order = np.argsort(-span, kind="mergesort")
+    for i in range(items):
+        work[i, :] = staged[order[i]]
+    work[items:, :] = 0
+    entries[num_entries:, :] = 0
+    return items, num_entries, slot
+
+
+# What the ragged launch reaches on the H200 (benchmarks/NOTES_mixed.md): K/V streamed at about
+# 4 TB/s, the tensor-core work of 16-row tiles at about 150 TFLOP/s.
+_READ_RATE, _TILE_FLOPS = 4.0e12, 150e12
+
+
+def prefers_ragged(query_lens: np.ndarray, cached: np.ndarray, group: int, num_kv_heads: int,
+                   head_dim: int) -> bool:
+    """Whether the ragged launch should take a step: when its 16-row tiles' work on the long rows
+    (prefill chunks) hides behind the K/V reads of the whole step.  A prefill-heavy step goes to
+    the prefill kernels, whose 64- and 128-row tiles do that work three times as fast."""
+    keys = cached + query_lens
+    kv_bytes = float(keys.sum()) * num_kv_heads * 4 * head_dim
+    long_rows = query_lens * group > ROWS
+    flops = 4.0 * float((query_lens[long_rows] * keys[long_rows]).sum()) * group * num_kv_heads * head_dim
+    return flops / _TILE_FLOPS <= max(kv_bytes / _READ_RATE, 20e-6)
+
+
+def choose_path(cache, query: np.ndarray, cached: np.ndarray, num_heads, path, buffers):
+    """``(path, work-list arguments)`` of a plan: ``path`` None leaves the choice between
+    ``"decode"`` and ``"varlen"`` to the plan; the arguments (group, tile keys, CTA slots per kv
+    head, most items) are None unless the path is ``"ragged"``."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}; got {path!r}")
+    if num_heads is None:
+        if path == RAGGED:
+            raise ValueError("path='ragged' needs num_heads")
+        return path, None
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1 \
+            or num_heads % cache.num_kv_heads:
+        raise ValueError(f"num_heads must be a positive multiple of the cache's {cache.num_kv_heads} kv heads; "
+                         f"got {num_heads!r}")
+    if buffers is not None:
+        raise ValueError("num_heads (the ragged work list) does not take buffers yet")
+    group = int(num_heads) // cache.num_kv_heads
+    if path is None:
+        path = RAGGED if prefers_ragged(query, cached, group, cache.num_kv_heads, cache.head_dim) else None
+    if path != RAGGED:
+        return path, None
+    tile, slots = _work_shape(cache.device, cache.dtype, cache.head_dim, cache.num_kv_heads)
+    return RAGGED, (group, tile, slots, 1 << 20)
+
+
+@functools.lru_cache(maxsize=64)
+def _work_shape(device: str, dtype, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
+    """(keys per tile, CTA slots per kv head) of the ragged kernel on this device; on the CPU the
+    H200's (132 SMs, two CTAs each), so a CPU plan lists what the GPU would run."""
+    from ..kernels import ragged
+
+    if device == CUDA:
+        import cupy
+
+        device_id = cupy.cuda.runtime.getDevice()
+        return ragged.tile_keys(head_dim), ragged.slots_per_head(device_id, np.dtype(dtype), head_dim, num_kv_heads)
+    return ragged.tile_keys(head_dim), max(1, 264 // num_kv_heads)

@@ -1,0 +1,203 @@
+"""The ragged step: one launch for any mix of prefill chunks, decodes and short rows.
+
+On the CPU: the work list the plan builds covers every visible (row, key) pair exactly once, with
+one combine entry and its own workspace slots per split row group, longest items first; the
+plan's path rule; a ragged plan's attention equals the varlen plan's.  On a GPU: the one launch
+against the CPU reference over a grid of mixes, block sizes, GQA ratios and head dims, with
+window, softcap and ALiBi, the cache writes included.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupy_paged.kernels.ragged import tile_keys
+from cupy_paged.runtime.plan import build_plan
+from cupy_paged.serving.kv_cache import PagedAttentionCache
+
+from _util import DTYPES, assert_close, randn
+
+ROWS = 16
+
+
+def make_cache(cached, new, kv_heads=2, head_dim=64, block_size=16, dtype="float32", device="cpu",
+               layers=1, spare=3):
+    """A cache holding sequences 0.. with ``cached[b]`` computed tokens and ``new[b]`` reserved."""
+    totals = [c + n for c, n in zip(cached, new)]
+    blocks = [-(-t // block_size) for t in totals]
+    cache = PagedAttentionCache(layers, kv_heads, head_dim, block_size=block_size,
+                                num_blocks=sum(blocks) + spare, dtype=dtype, device=device,
+                                max_seqs=len(totals), max_blocks_per_seq=max(blocks) + 1,
+                                enable_prefix_caching=False)
+    ids = list(range(len(totals)))
+    for seq, total in zip(ids, totals):
+        cache.allocate(seq, list(range(total)))
+    cache.mark_computed(ids, list(cached))
+    return cache, ids
+
+
+def split_range(keys: int, q_len: int, split: int, splits: int, tile: int):
+    """decode.cu split_range, no window."""
+    per = -(-(-(-keys // splits)) // tile) * tile
+    start = min(split * per, keys)
+    return start, min(start + per, keys)
+
+
+def covered(plan, group: int, tile: int) -> dict:
+    """(b, row, key) -> how many items cover it, as the kernel reads the work list."""
+    seen: dict = {}
+    for b, rg, split, splits, q0, q_len, cached, slot in np.asarray(plan.work)[:plan.num_items].tolist():
+        keys = cached + q_len
+        start, end = split_range(keys, q_len, split, splits, tile)
+        rows = range(rg * ROWS, min(rg * ROWS + ROWS, group * q_len))
+        hi_any = max(row % q_len + keys - q_len for row in rows)
+        for row in rows:
+            hi = row % q_len + keys - q_len
+            for key in range(start, min(end, hi_any + 1)):
+                if key <= hi:
+                    seen[b, row, key] = seen.get((b, row, key), 0) + 1
+    return seen
+
+
+MIXES = [
+    ([1536] + [200] * 5, [512] + [1] * 5),         # a chunk after a prefix, decodes
+    ([0, 0, 40], [37, 1, 3]),                       # new prompts, a speculative row
+    ([3000] + [20] * 7, [1] * 8),                   # one long decode among short ones: split
+    ([9000, 1, 0], [4, 1, 1]),                      # a split multi-token row; lengths 0 and 1
+]
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_work_list_covers_every_visible_pair_once(mix, group):
+    cached, new = mix
+    cache, ids = make_cache(cached, new)
+    plan = build_plan(cache, ids, new, num_heads=group * cache.num_kv_heads, path="ragged")
+    tile = tile_keys(cache.head_dim)
+    seen = covered(plan, group, tile)
+    want = {(b, row, key) for b, (c, n) in enumerate(zip(cached, new)) for row in range(group * n)
+            for key in range(c + row % n + 1)}
+    assert set(seen) == want
+    assert set(seen.values()) == {1}
+    work = np.asarray(plan.work)
+    assert plan.work.shape == (plan.num_items, 8)
+    spans = [-(-(c + q) // n) for _, _, _, n, _, q, c, _ in work.tolist()]
+    assert spans == sorted(spans, reverse=True)  # longest first
+    entries = np.asarray(plan.entries)[:plan.num_entries]
+    split_groups = {(b, rg) for b, rg, _, n, *_ in work.tolist() if n > 1}
+    assert {(b, rg) for b, rg, *_ in entries.tolist()} == split_groups
+    slots = sorted((slot, n) for _, _, _, n, _, _, _, slot in entries.tolist())
+    assert [s for s, _ in slots] == list(np.cumsum([0] + [n for _, n in slots])[:-1])
+    assert plan.num_slots == sum(n for _, n in slots)
+
+
+def test_long_contexts_split_and_short_rows_do_not():
+    cache, ids = make_cache([32768] + [512] * 63, [1] * 64, kv_heads=8, head_dim=128)
+    plan = build_plan(cache, ids, [1] * 64, num_heads=32)
+    assert plan.path == "ragged"
+    work = np.asarray(plan.work)
+    splits = {b: n for b, _, _, n, *_ in work.tolist()}
+    assert splits[0] > 8 and all(splits[b] == 1 for b in range(1, 64))
+    assert plan.num_entries == 1
+
+
+def test_path_rule_and_arguments():
+    cache, ids = make_cache([2000] * 8, [1] * 8)
+    assert build_plan(cache, ids, [1] * 8).path == "decode"                 # no num_heads: as before
+    assert build_plan(cache, ids, [1] * 8, num_heads=8).path == "ragged"    # decodes: one ragged launch
+    prefill, pids = make_cache([0, 0], [4096, 4096], kv_heads=2, head_dim=64)
+    assert build_plan(prefill, pids, [4096, 4096], num_heads=8).path == "varlen"  # prefill-heavy
+    assert build_plan(prefill, pids, [4096, 4096], num_heads=8, path="ragged").path == "ragged"
+    with pytest.raises(ValueError, match="needs num_heads"):
+        build_plan(cache, ids, [1] * 8, path="ragged")
+    with pytest.raises(ValueError, match="num_heads must be a positive multiple"):
+        build_plan(cache, ids, [1] * 8, num_heads=3)
+    with pytest.raises(ValueError, match="path must be one of"):
+        build_plan(cache, ids, [1] * 8, path="fast")
+    with pytest.raises(ValueError, match="one new token per sequence"):
+        build_plan(prefill, pids, [4096, 4096], path="decode")
+
+
+def test_cpu_ragged_plan_attention_equals_varlen():
+    rng = np.random.default_rng(3)
+    cached, new = [30, 0, 17], [5, 9, 1]
+    results = []
+    for path in ("ragged", "varlen"):
+        cache, ids = make_cache(cached, new, dtype="float64")
+        for array in cache.layer(0):
+            array[...] = np.random.default_rng(1).standard_normal(array.shape)
+        plan = build_plan(cache, ids, new, num_heads=4, path=path)
+        q, k, v = (randn(rng, (sum(new), h, 64), np.float64) for h in (4, 2, 2))
+        rng = np.random.default_rng(3)
+        results.append((plan.attention(q, k, v, *cache.layer(0)), cache.layer(0)[0].copy()))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+GPU_MIXES = MIXES + [
+    ([0], [300]),                                    # prefill only
+    ([100] * 6, [4] * 6),                            # short rows only (speculative verification)
+    ([5000, 300, 0, 1], [1, 1, 1, 1]),               # decode only, ragged
+]
+
+
+def _paired(cached, new, kv_heads, head_dim, block_size, dtype, layers=1):
+    """A CUDA cache and a float32 host cache with the same blocks and the same random contents."""
+    import cupy
+
+    gpu, ids = make_cache(cached, new, kv_heads, head_dim, block_size, dtype, "cuda", layers)
+    host, _ = make_cache(cached, new, kv_heads, head_dim, block_size, "float32", "cpu", layers)
+    rng = np.random.default_rng(11)
+    for layer in range(layers):
+        for g, h in zip(gpu.layer(layer), host.layer(layer)):
+            values = randn(rng, h.shape, DTYPES[dtype])
+            g[...] = cupy.asarray(values)
+            h[...] = values.astype(np.float32)
+    return gpu, host, ids
+
+
+def _run_both(cached, new, group, kv_heads, head_dim, block_size, dtype, **kwargs):
+    import cupy
+
+    gpu, host, ids = _paired(cached, new, kv_heads, head_dim, block_size, dtype)
+    heads = group * kv_heads
+    plan = build_plan(gpu, ids, new, num_heads=heads, path="ragged")
+    host_plan = build_plan(host, ids, new)
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (sum(new), h, head_dim), DTYPES[dtype]) for h in (heads, kv_heads, kv_heads))
+    host_kwargs = {name: (value.get() if hasattr(value, "get") else value) for name, value in kwargs.items()}
+    want = host_plan.attention(*(a.astype(np.float32) for a in (q, k, v)), *host.layer(0), **host_kwargs)
+    out = cupy.full((sum(new), heads, head_dim), np.nan, DTYPES[dtype])  # poisoned
+    got = plan.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *gpu.layer(0), out=out, **kwargs)
+    assert got is out
+    assert_close(got.get(), want, DTYPES[dtype])
+    for g, h in zip(gpu.layer(0), host.layer(0)):  # the same appends
+        np.testing.assert_array_equal(g.get().astype(np.float32), h)
+    return plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", GPU_MIXES)
+@pytest.mark.parametrize("group,kv_heads", [(1, 2), (4, 2), (8, 1), (6, 2)])
+def test_gpu_ragged_mixes(mix, group, kv_heads):
+    _run_both(*mix, group, kv_heads, 128, 16, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_ragged_head_dims_block_sizes(head_dim, block_size, dtype):
+    _run_both([700, 0, 33, 4000], [130, 5, 1, 1], 4, 2, head_dim, block_size, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(window_size=(100, 0)), dict(softcap=20.0), dict(alibi=True)])
+def test_gpu_ragged_window_softcap_alibi(kwargs):
+    import cupy
+
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = cupy.asarray(np.linspace(0.05, 0.4, 8, dtype=np.float32))
+    _run_both([700, 0, 33, 4000], [130, 5, 1, 1], 4, 2, 128, 16, "bfloat16", **kwargs)
