@@ -187,7 +187,7 @@ def test_gpu_ragged_mixes(mix, group, kv_heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 64, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_ragged_head_dims_block_sizes(head_dim, block_size, dtype):
     _run_both([700, 0, 33, 4000], [130, 5, 1, 1], 4, 2, head_dim, block_size, dtype)
