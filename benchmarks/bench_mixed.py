@@ -101,47 +101,54 @@ class Step:
     def split(self):
         """write_kv_cache + flash_attn_varlen_func for the multi-token rows, flash_attn_with_kvcache
         (appending) for the one-token rows: eager public calls, torch tensors, defaults."""
-        import torch
-
         plan = cupy_paged.build_plan(self.cache, self.ids, self.new)
         new = np.asarray(self.new)
         starts = np.concatenate([[0], np.cumsum(new)[:-1]])
         long_rows, short_rows = np.flatnonzero(new > 1), np.flatnonzero(new == 1)
-        t = torch.from_dlpack
-        table = t(plan.block_table)
         calls = []
         if long_rows.size:
-            tokens = np.concatenate([np.arange(starts[b], starts[b] + new[b]) for b in long_rows])
-            assert (np.diff(tokens) == 1).all(), "multi-token rows come first here"
-            sl = slice(int(tokens[0]), int(tokens[-1]) + 1)
-            slots = t(plan.slot_mapping)[sl]
-            lens_q = new[long_rows]
-            lens_k = lens_q + np.asarray(self.cached)[long_rows]
-            cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
-            cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
-            rows = torch.tensor(long_rows, device="cuda")
-            sub_table = table[rows]
-            kc, vc = t(self.k_cache), t(self.v_cache)
-            q, k, v = self.tq[sl], self.tk[sl], self.tv[sl]
-            max_q, max_k = int(lens_q.max()), int(lens_k.max())
-
-            def chunks():
-                cupy_paged.write_kv_cache(kc, vc, k, v, slots)
-                return cupy_paged.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max_q, max_k, causal=True,
-                                                         block_table=sub_table)
-            calls.append(chunks)
+            calls.append(self._chunk_call(plan, long_rows, starts))
         if short_rows.size:
-            first = int(starts[short_rows[0]])
-            assert (starts[short_rows] == first + np.arange(short_rows.size)).all(), "decodes last here"
-            dq = self.tq[first:first + short_rows.size, None]
-            dk, dv = self.tk[first:first + short_rows.size, None], self.tv[first:first + short_rows.size, None]
-            rows = torch.tensor(short_rows, device="cuda")
-            seqlens = torch.tensor(np.asarray(self.cached)[short_rows], dtype=torch.int32, device="cuda")
-            sub_table = table[rows]
-            kc, vc = t(self.k_cache), t(self.v_cache)
-            calls.append(lambda: cupy_paged.flash_attn_with_kvcache(dq, kc, vc, k=dk, v=dv, cache_seqlens=seqlens,
-                                                                    block_table=sub_table, causal=True))
+            calls.append(self._decode_call(plan, short_rows, starts))
         return lambda: [call() for call in calls]
+
+    def _chunk_call(self, plan, rows, starts):
+        import torch
+
+        t = torch.from_dlpack
+        new = np.asarray(self.new)
+        tokens = np.concatenate([np.arange(starts[b], starts[b] + new[b]) for b in rows])
+        assert (np.diff(tokens) == 1).all(), "multi-token rows come first here"
+        sl = slice(int(tokens[0]), int(tokens[-1]) + 1)
+        slots = t(plan.slot_mapping)[sl]
+        lens_q = new[rows]
+        lens_k = lens_q + np.asarray(self.cached)[rows]
+        cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+        table = t(plan.block_table)[torch.tensor(rows, device="cuda")]
+        kc, vc = t(self.k_cache), t(self.v_cache)
+        q, k, v = self.tq[sl], self.tk[sl], self.tv[sl]
+        max_q, max_k = int(lens_q.max()), int(lens_k.max())
+
+        def chunks():
+            cupy_paged.write_kv_cache(kc, vc, k, v, slots)
+            return cupy_paged.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max_q, max_k, causal=True,
+                                                     block_table=table)
+        return chunks
+
+    def _decode_call(self, plan, rows, starts):
+        import torch
+
+        t = torch.from_dlpack
+        first = int(starts[rows[0]])
+        assert (starts[rows] == first + np.arange(rows.size)).all(), "decodes last here"
+        sl = slice(first, first + rows.size)
+        q, k, v = self.tq[sl, None], self.tk[sl, None], self.tv[sl, None]
+        seqlens = torch.tensor(np.asarray(self.cached)[rows], dtype=torch.int32, device="cuda")
+        table = t(plan.block_table)[torch.tensor(rows, device="cuda")]
+        kc, vc = t(self.k_cache), t(self.v_cache)
+        return lambda: cupy_paged.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
+                                                          block_table=table, causal=True)
 
     def fa2(self):
         """torch FA2 varlen over contiguous copies of each sequence's keys (the new ones included)."""

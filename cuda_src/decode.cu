@@ -1227,53 +1227,58 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
 // ---------------------------------------------------------------------------- combine_ragged
 
 // combine_ragged: the splits of a RAGGED launch merged, one CTA of kCombineThreads per (entry,
-// kv head); an entry is the work item of split 0 of a (sequence, row group) with num_splits > 1
-// (one of fewer splits, or of query length 0, is padding and does nothing).  Warp w finds the
-// weights exp(lse_s - lse) of rows w, w + 4, ... (lanes over splits), then every thread sums
-// its (row, dim) outputs over the splits of weight > 0.
+// kv head, row of the row group); an entry is the work item of split 0 of a (sequence, row group)
+// with num_splits > 1 (one of fewer splits, or of query length 0, is padding and does nothing).
+// Warp 0 finds the row's weights exp(lse_s - lse) (lanes over splits) and LSE; then each thread
+// sums its dims over the splits, kUnroll loads in flight.  A split that saw no key has weight 0 and
+// a partial row of zeros (store_rows), so every term is finite.
 extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_ragged(
     const int* __restrict__ entries, const float* __restrict__ part_out, const float* __restrict__ part_lse,
     int num_heads, int total_q, T* __restrict__ out, float* __restrict__ lse) {
-  __shared__ float weights[kRows][kCombineThreads];
-  __shared__ float row_scale[kRows], row_lse[kRows];
+  constexpr int kUnroll = 8;
+  __shared__ float weights[kCombineThreads];
+  __shared__ float row_scale, row_lse;
   const WorkItem e = load_item(entries, blockIdx.x);
   const int num_splits = min(e.num_splits, kCombineThreads);
-  if (e.q_len <= 0 || num_splits <= 1) return;
-  const int num_kv_heads = gridDim.y, kv_head = blockIdx.y;
-  const int group = num_heads / num_kv_heads, num_rows = group * e.q_len;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long first_slot = (long long)e.slot * num_kv_heads + kv_head;  // split s: + s * num_kv_heads
-  for (int r = warp; r < kRows; r += kCombineWarps) {
+  const int num_kv_heads = gridDim.y, kv_head = blockIdx.y, r = blockIdx.z;
+  const int group = num_heads / num_kv_heads, row = e.row_group * kRows + r;
+  if (e.q_len <= 0 || num_splits <= 1 || row >= group * e.q_len) return;  // CTA-uniform
+  // Split s's partial row: slot (e.slot + s), [Hkv][16] rows of kHeadDim.
+  const long long first = ((long long)e.slot * num_kv_heads + kv_head) * kRows + r;
+  const long long split_stride = (long long)num_kv_heads * kRows;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
     float m = -inf();
-    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, part_lse[(first_slot + (long long)s * num_kv_heads) * kRows + r]);
+    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, part_lse[first + s * split_stride]);
     m = cp::warp_max(m);
     const float m_use = m == -inf() ? 0.f : m;
     float sum = 0.f;
     for (int s = lane; s < num_splits; s += 32) {
-      const float w = __expf(part_lse[(first_slot + (long long)s * num_kv_heads) * kRows + r] - m_use);
-      weights[r][s] = w;
+      const float w = __expf(part_lse[first + s * split_stride] - m_use);
+      weights[s] = w;
       sum += w;
     }
     sum = cp::warp_sum(sum);
     if (lane == 0) {
-      row_scale[r] = sum > 0.f ? 1.f / sum : 0.f;
-      row_lse[r] = sum > 0.f ? m_use + __logf(sum) : -inf();
+      row_scale = sum > 0.f ? 1.f / sum : 0.f;
+      row_lse = sum > 0.f ? m_use + __logf(sum) : -inf();
     }
   }
   __syncthreads();
-  for (int index = threadIdx.x; index < kRows * kHeadDim; index += kCombineThreads) {
-    const int r = index / kHeadDim, d = index % kHeadDim;
-    const int row = e.row_group * kRows + r;
-    if (row >= num_rows) continue;
+  const int head = kv_head * group + row / e.q_len;
+  const long long token = (long long)e.q_start + row % e.q_len;
+  const float* rows = part_out + first * kHeadDim;
+  for (int d = threadIdx.x; d < kHeadDim; d += kCombineThreads) {
     float acc = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-      const float w = weights[r][s];
-      if (w > 0.f) acc = fmaf(w, part_out[((first_slot + (long long)s * num_kv_heads) * kRows + r) * kHeadDim + d], acc);
+    for (int s0 = 0; s0 < num_splits; s0 += kUnroll) {
+      float x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) x[u] = s0 + u < num_splits ? rows[(s0 + u) * split_stride * kHeadDim + d] : 0.f;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) acc = fmaf(s0 + u < num_splits ? weights[s0 + u] : 0.f, x[u], acc);
     }
-    const int head = kv_head * group + row / e.q_len;
-    const long long token = (long long)e.q_start + row % e.q_len;
-    out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(acc * row_scale[r]);
-    if (lse && d == 0) lse[(long long)head * total_q + token] = row_lse[r];
+    out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(acc * row_scale);
   }
+  if (lse && threadIdx.x == 0) lse[(long long)head * total_q + token] = row_lse;
 }
 #endif

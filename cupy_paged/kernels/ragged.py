@@ -108,5 +108,5 @@ class RaggedLaunch:
                                           0, 0, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors,
                                           work_ptr)))
         if entries:
-            self.combine((entries, self.num_kv_heads, 1), COMBINE_THREADS, 0, stream, entries_ptr, part_out,
+            self.combine((entries, self.num_kv_heads, ROWS_PER_CTA), COMBINE_THREADS, 0, stream, entries_ptr, part_out,
                          part_lse, self.num_heads, self.total, out_ptr, lse_ptr)

@@ -128,15 +128,20 @@ def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, w
 _READ_RATE, _TILE_FLOPS = 4.0e12, 150e12
 
 
-def prefers_ragged(query_lens: np.ndarray, cached: np.ndarray, group: int, num_kv_heads: int,
-                   head_dim: int) -> bool:
+@numba.njit(cache=True, nogil=True)
+def prefers_ragged(query_lens, cached, group, num_kv_heads, head_dim) -> bool:
     """Whether the ragged launch should take a step: when its 16-row tiles' work on the long rows
     (prefill chunks) hides behind the K/V reads of the whole step.  A prefill-heavy step goes to
     the prefill kernels, whose 64- and 128-row tiles do that work three times as fast."""
-    keys = cached + query_lens
-    kv_bytes = float(keys.sum()) * num_kv_heads * 4 * head_dim
-    long_rows = query_lens * group > ROWS
-    flops = 4.0 * float((query_lens[long_rows] * keys[long_rows]).sum()) * group * num_kv_heads * head_dim
+    keys = 0.0
+    long_work = 0.0
+    for b in range(query_lens.shape[0]):
+        total = cached[b] + query_lens[b]
+        keys += total
+        if query_lens[b] * group > ROWS:
+            long_work += float(query_lens[b]) * total
+    kv_bytes = keys * num_kv_heads * 4 * head_dim
+    flops = 4.0 * long_work * group * num_kv_heads * head_dim
     return flops / _TILE_FLOPS <= max(kv_bytes / _READ_RATE, 20e-6)
 
 
