@@ -114,6 +114,10 @@ def test_path_rule_and_arguments():
         build_plan(cache, ids, [1] * 8, num_heads=3)
     with pytest.raises(ValueError, match="path must be one of"):
         build_plan(cache, ids, [1] * 8, path="fast")
+    from cupy_paged.runtime.buffers import PlanBuffers
+
+    with pytest.raises(ValueError, match="does not take buffers"):
+        build_plan(cache, ids, [1] * 8, num_heads=8, buffers=PlanBuffers(8, 8, cache.max_blocks_per_seq))
     with pytest.raises(ValueError, match="one new token per sequence"):
         build_plan(prefill, pids, [4096, 4096], path="decode")
 
