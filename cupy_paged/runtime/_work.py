@@ -7,8 +7,8 @@ workspace slot).  A row group is 16 (query head of a kv head's group, query toke
 decode's whole GQA group shares one read of its K/V.
 
 Balancing: every item should read about the same bytes.  The keys of all row groups together,
-shared out over one wave of CTA slots per kv head, give the longest range an item may cover
-(at least four tiles); a sequence with more keys is split into ranges of that size, its partial
+shared out over two waves of CTA slots per kv head, give the range an item covers (at least four
+tiles); a sequence with more than 1.5 such ranges is split into ranges of that size, its partial
 rows merged by LSE (``combine_ragged``).  Items go longest first, so the long ones start early
 and the short ones fill in behind them.
 """
@@ -28,6 +28,7 @@ ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
 MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 32
 MIN_SPLIT_TILES = 4
+WAVES = 2          # the keys are shared out over two waves of CTA slots (benchmarks/NOTES_mixed.md)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -48,7 +49,7 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
     for b in range(batch):
         total += row_groups[b] * (cached[b] + query_lens[b])
         base_items += row_groups[b]
-    chunk = max(MIN_SPLIT_TILES * tile_keys, -(-total // max(slots_per_head, 1)))
+    chunk = max(MIN_SPLIT_TILES * tile_keys, -(-total // max(WAVES * slots_per_head, 1)))
     splits = np.ones(batch, np.int64)
     while True:
         chunk = -(-chunk // tile_keys) * tile_keys
@@ -56,7 +57,7 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
         for b in range(batch):
             keys = cached[b] + query_lens[b]
             n = 1
-            if keys > chunk:
+            if 2 * keys > 3 * chunk:  # a range up to 1.5 chunks stays whole
                 n = min(-(-keys // chunk), MAX_SPLITS)
             splits[b] = n
             items += row_groups[b] * n
