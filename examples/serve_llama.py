@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-chunk", type=int, help="most tokens of one prompt in a step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    p.add_argument("--no-ragged", action="store_true",
+                   help="the decode / varlen kernels instead of one ragged launch for decode and mixed steps")
     p.add_argument("--greedy", action="store_true", help="every request greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
                     max_prefill_chunk=args.max_prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
-                    max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs,
+                    max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs, ragged=not args.no_ragged,
                     seed=args.seed)
     start = time.perf_counter()
     if not args.no_warm_up:

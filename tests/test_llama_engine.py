@@ -110,7 +110,7 @@ def test_prefill_step_logits_equal_a_dense_forward():
     """One prefill step of three prompts (varlen path): each last-token row equals the dense forward."""
     weights = random_weights(TINY, 5)
     model = LlamaModel(TINY, weights, np, np.float64)
-    engine = Engine(model, block_size=8, num_blocks=32, max_batch_tokens=128)
+    engine = Engine(model, block_size=8, num_blocks=32, max_batch_tokens=128, ragged=False)
     prompts = [[5, 17, 3], list(range(1, 40)), [int(t) for t in np.random.default_rng(2).integers(0, 96, 21)]]
     for i, prompt in enumerate(prompts):
         engine.add_request(GenerationRequest(i, prompt, 1))

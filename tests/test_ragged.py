@@ -47,6 +47,8 @@ def covered(plan, group: int, tile: int) -> dict:
     """(b, row, key) -> how many items cover it, as the kernel reads the work list."""
     seen: dict = {}
     for b, rg, split, splits, q0, q_len, cached, slot in np.asarray(plan.work)[:plan.num_items].tolist():
+        if q_len == 0:  # padding
+            continue
         keys = cached + q_len
         start, end = split_range(keys, q_len, split, splits, tile)
         rows = range(rg * ROWS, min(rg * ROWS + ROWS, group * q_len))
@@ -81,8 +83,13 @@ def test_work_list_covers_every_visible_pair_once(mix, group):
     assert set(seen.values()) == {1}
     work = np.asarray(plan.work)
     assert plan.work.shape == (plan.num_items, 8)
-    spans = [-(-(c + q) // n) for _, _, _, n, _, q, c, _ in work.tolist()]
-    assert spans == sorted(spans, reverse=True)  # longest first
+    for dense in (False, True):  # each kind longest first, the two merged in proportion
+        spans = [-(-(c + q) // n) for _, _, _, n, _, q, c, _ in work.tolist() if (group * q > ROWS) == dense]
+        assert spans == sorted(spans, reverse=True)
+    kinds = np.array([group * q > ROWS for q in work[:, 5]])
+    if 1 < kinds.sum() < kinds.size - 1:  # both kinds, more than one of each: mixed, not one kind first
+        dense_at, other_at = np.flatnonzero(kinds), np.flatnonzero(~kinds)
+        assert other_at[0] < dense_at[-1] and dense_at[0] < other_at[-1]
     entries = np.asarray(plan.entries)[:plan.num_entries]
     split_groups = {(b, rg) for b, rg, _, n, *_ in work.tolist() if n > 1}
     assert {(b, rg) for b, rg, *_ in entries.tolist()} == split_groups
@@ -116,10 +123,36 @@ def test_path_rule_and_arguments():
         build_plan(cache, ids, [1] * 8, path="fast")
     from cupy_paged.runtime.buffers import PlanBuffers
 
-    with pytest.raises(ValueError, match="does not take buffers"):
+    with pytest.raises(ValueError, match="work list for query_group = None"):
         build_plan(cache, ids, [1] * 8, num_heads=8, buffers=PlanBuffers(8, 8, cache.max_blocks_per_seq))
     with pytest.raises(ValueError, match="one new token per sequence"):
         build_plan(prefill, pids, [4096, 4096], path="decode")
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_buffered_work_list_is_padded_to_its_capacity(mix):
+    """Into PlanBuffers made with query_group: the list at full capacity, padding items of query
+    length 0 past the step's own, the same coverage, the grids the buffers' capacity."""
+    from cupy_paged.runtime.buffers import PlanBuffers
+
+    cached, new = mix
+    cache, ids = make_cache(cached, new)
+    buffers = PlanBuffers(8, 1024, cache.max_blocks_per_seq, query_group=4)
+    plan = build_plan(cache, ids, new, num_heads=8, path="ragged", buffers=buffers, batch_size=8,
+                      num_tokens=1024)
+    items, slots, entries = buffers.work_capacity
+    assert (plan.num_items, plan.num_entries, plan.num_slots) == (items, entries, slots)
+    assert plan.work.shape == (items, 8) and plan.entries.shape == (entries, 8)
+    own = build_plan(cache, ids, new, num_heads=8, path="ragged")
+    real = int((np.asarray(plan.work)[:, 5] > 0).sum())
+    assert (np.asarray(plan.work)[real:] == 0).all()  # the step's items first, then padding
+    if own.num_entries <= entries and own.num_slots <= slots:  # within capacity: the same list
+        np.testing.assert_array_equal(np.asarray(plan.work)[:real], own.work)
+    else:  # split less, to fit
+        assert int((np.asarray(plan.entries)[:, 5] > 0).sum()) <= entries
+    seen = covered(plan, 4, tile_keys(cache.head_dim))
+    assert set(seen.values()) == {1} and len(seen) == sum(4 * n * c + 4 * n * (n + 1) // 2
+                                                         for c, n in zip(cached, new))
 
 
 def test_cpu_ragged_plan_attention_equals_varlen():
@@ -205,3 +238,56 @@ def test_gpu_ragged_window_softcap_alibi(kwargs):
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = cupy.asarray(np.linspace(0.05, 0.4, 8, dtype=np.float32))
     _run_both([700, 0, 33, 4000], [130, 5, 1, 1], 4, 2, 128, 16, "bfloat16", **kwargs)
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_step_as_a_cuda_graph_replayed_with_other_mixes():
+    """A ragged step captured once over PlanBuffers and replayed with three other mixes of the same
+    maxima (8 sequences, 600 tokens): each replay equals an eager call of the step's own plan."""
+    import cupy
+
+    from cupy_paged.runtime.buffers import PlanBuffers
+
+    mixes = [([100, 0, 2000, 50], [200, 1, 1, 4]), ([3000, 10, 0], [1, 1, 300]),
+             ([500] * 8, [1] * 8), ([0, 7000, 20], [590, 1, 9])]
+    kv_heads, heads, dim, batch, tokens = 2, 8, 128, 8, 600
+    cache = PagedAttentionCache(1, kv_heads, dim, block_size=16, num_blocks=2048, dtype="bfloat16", device="cuda",
+                                max_seqs=64, max_blocks_per_seq=512, enable_prefix_caching=False)
+    ids = []
+    for m, (cached, new) in enumerate(mixes):
+        ids.append([(m, i) for i in range(len(new))])
+        for seq, c, n in zip(ids[-1], cached, new):
+            cache.allocate(seq, list(range(c + n)))
+        cache.mark_computed(ids[-1], cached)
+    rng = np.random.default_rng(23)
+    for array in cache.layer(0):
+        array[...] = cupy.asarray(randn(rng, array.shape, DTYPES["bfloat16"]))
+    buffers = PlanBuffers(batch, tokens, cache.max_blocks_per_seq, device="cuda", query_group=heads // kv_heads)
+    q, k, v = (cupy.asarray(randn(rng, (tokens, h, dim), DTYPES["bfloat16"])) for h in (heads, kv_heads, kv_heads))
+    out = cupy.full((tokens, heads, dim), np.nan, DTYPES["bfloat16"])
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan = build_plan(cache, ids[0], mixes[0][1], num_heads=heads, path="ragged", buffers=buffers,
+                          batch_size=batch, num_tokens=tokens)
+        plan.attention(q, k, v, *cache.layer(0), out=out)  # eager warm-up: the workspace grows here
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            plan.attention(q, k, v, *cache.layer(0), out=out)
+        finally:
+            graph = stream.end_capture()
+        for m, (cached, new) in enumerate(mixes[1:] + mixes[:1], start=1):
+            m %= len(mixes)
+            used = sum(new)
+            for array in (q, k, v):
+                array[...] = cupy.asarray(randn(rng, array.shape, DTYPES["bfloat16"]))
+            out.fill(np.nan)
+            build_plan(cache, ids[m], new, num_heads=heads, path="ragged", buffers=buffers, batch_size=batch,
+                       num_tokens=tokens)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            eager = build_plan(cache, ids[m], new, num_heads=heads, path="ragged")
+            want = eager.attention(q[:used], k[:used], v[:used], *cache.layer(0))
+            stream.synchronize()
+            assert_close(out[:used].get(), want.get().astype(np.float32), DTYPES["bfloat16"], f"mix {m}")

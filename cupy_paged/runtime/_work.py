@@ -40,9 +40,10 @@ def _row_groups(query_lens, group):
 
 
 @numba.njit(cache=True, nogil=True)
-def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items):
+def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries):
     """Each sequence's split count: ranges of one common size, fewer splits when the items would
-    not fit ``max_items``."""
+    not fit ``max_items``, the split rows ``max_slots`` workspace slots or ``max_entries`` combine
+    entries."""
     batch = query_lens.shape[0]
     total = 0
     base_items = 0
@@ -53,7 +54,7 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
     splits = np.ones(batch, np.int64)
     while True:
         chunk = -(-chunk // tile_keys) * tile_keys
-        items = 0
+        items = slots = entries = 0
         for b in range(batch):
             keys = cached[b] + query_lens[b]
             n = 1
@@ -61,16 +62,19 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
                 n = min(-(-keys // chunk), MAX_SPLITS)
             splits[b] = n
             items += row_groups[b] * n
-        if items <= max_items or items == base_items:
+            if n > 1:
+                slots += row_groups[b] * n
+                entries += row_groups[b]
+        if (items <= max_items and slots <= max_slots and entries <= max_entries) or items == base_items:
             return splits
         chunk *= 2
 
 
 @numba.njit(cache=True, nogil=True)
-def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items):
+def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries):
     """``(items, entries, slots)`` of the step's work list."""
     row_groups = _row_groups(query_lens, group)
-    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items)
+    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries)
     items = entries = slots = 0
     for b in range(query_lens.shape[0]):
         items += row_groups[b] * splits[b]
@@ -81,19 +85,25 @@ def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items):
 
 
 @numba.njit(cache=True, nogil=True)
-def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, work, entries):
-    """Write the work list (longest first) and the combine entries; rows past them are padding
-    (query length 0).  Returns ``(items, entries, slots)``."""
+def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries, work,
+              entries):
+    """Write the work list and the combine entries; rows past them are padding (query length 0).
+    Returns ``(items, entries, slots)``.
+
+    Order: the items of multi-row groups (prefill chunks: tensor-core work) and of the rest
+    (decodes: K/V streaming) each longest first, merged in proportion, so that the CTAs resident
+    on an SM mix both kinds instead of a wave of one kind then a wave of the other."""
     batch = query_lens.shape[0]
     cu_seqlens_q = np.zeros(batch + 1, np.int64)
     for b in range(batch):
         cu_seqlens_q[b + 1] = cu_seqlens_q[b] + query_lens[b]
     row_groups = _row_groups(query_lens, group)
-    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items)
+    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries)
     items = 0
     for b in range(batch):
         items += row_groups[b] * splits[b]
     span = np.empty(items, np.int64)     # keys an item covers, to order them
+    dense = np.empty(items, np.bool_)    # whether its row group holds more than one token's rows
     staged = np.empty((items, WORK_INTS), np.int32)
     n = slot = num_entries = 0
     for b in range(batch):
@@ -111,14 +121,32 @@ def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, w
                 row[6] = cached[b]
                 row[7] = first_slot
                 span[n] = -(-keys // splits[b])
+                dense[n] = group * query_lens[b] > ROWS
                 n += 1
             if splits[b] > 1:
                 entries[num_entries, :] = staged[n - splits[b]]
                 num_entries += 1
                 slot += splits[b]
     order = np.argsort(-span, kind="mergesort")
+    num_dense = 0
     for i in range(items):
-        work[i, :] = staged[order[i]]
+        num_dense += dense[i]
+    # Two cursors over `order`: the next dense and the next other item; take a dense one while the
+    # dense share taken so far is below its share of the whole.
+    next_dense = next_other = taken_dense = 0
+    for i in range(items):
+        while next_dense < items and not dense[order[next_dense]]:
+            next_dense += 1
+        while next_other < items and dense[order[next_other]]:
+            next_other += 1
+        take_dense = next_other >= items or (next_dense < items and taken_dense * items < num_dense * (i + 1))
+        if take_dense:
+            work[i, :] = staged[order[next_dense]]
+            next_dense += 1
+            taken_dense += 1
+        else:
+            work[i, :] = staged[order[next_other]]
+            next_other += 1
     work[items:, :] = 0
     entries[num_entries:, :] = 0
     return items, num_entries, slot
@@ -160,15 +188,18 @@ def choose_path(cache, query: np.ndarray, cached: np.ndarray, num_heads, path, b
             or num_heads % cache.num_kv_heads:
         raise ValueError(f"num_heads must be a positive multiple of the cache's {cache.num_kv_heads} kv heads; "
                          f"got {num_heads!r}")
-    if buffers is not None:
-        raise ValueError("num_heads (the ragged work list) does not take buffers yet")
     group = int(num_heads) // cache.num_kv_heads
+    if buffers is not None and buffers.query_group != group:
+        raise ValueError(f"num_heads = {num_heads} makes {group} query heads per kv head, but the buffers hold a "
+                         f"work list for query_group = {buffers.query_group}")
     if path is None:
         path = RAGGED if prefers_ragged(query, cached, group, cache.num_kv_heads, cache.head_dim) else None
     if path != RAGGED:
         return path, None
     tile, slots = _work_shape(cache.device, cache.dtype, cache.head_dim, cache.num_kv_heads)
-    return RAGGED, (group, tile, slots, 1 << 20)
+    if buffers is not None:
+        return RAGGED, (group, tile, slots, *buffers.work_capacity)
+    return RAGGED, (group, tile, slots, 1 << 20, 1 << 20, 1 << 20)
 
 
 @functools.lru_cache(maxsize=64)

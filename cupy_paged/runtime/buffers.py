@@ -14,6 +14,11 @@ from ._fill import UNKNOWN_ROW
 
 __all__ = ["PlanBuffers", "layout", "views"]
 
+# The ragged work list of fixed buffers: split row groups (combine entries) and their workspace
+# slots at most; a step that would split more splits less (runtime/_work.py).
+SPLIT_ENTRIES, SPLIT_SLOTS = 64, 512
+_WHOLE = ("work", "entries")  # kept at full capacity in every plan: a graph's grids are theirs
+
 
 def layout(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0) -> tuple[dict, int]:
     """Where the plan's int32 index arrays lie in one flat buffer, name -> (start, stop, shape), and
@@ -59,6 +64,12 @@ class PlanBuffers:
         Block table width (``PagedAttentionCache.max_blocks_per_seq``).
     device : {"cpu", "cuda"}
         Where the buffers live.  On the CPU the host buffer is the device buffer.
+    query_group : int, optional
+        Query heads per kv head.  Given, the buffers also hold a ragged work list of fixed
+        capacity (``build_plan(..., num_heads=...)`` fills it, padding with items that do
+        nothing), so that a ragged step is captured and replayed as a CUDA graph with any mix
+        of the same maxima: at most ``SPLIT_ENTRIES`` split row groups over ``SPLIT_SLOTS``
+        workspace slots.
 
     Examples
     --------
@@ -72,12 +83,21 @@ class PlanBuffers:
     ([0, 3, 3], [0, 1, 2, -1], (2, 8))
     """
 
-    def __init__(self, max_batch: int, max_tokens: int, max_blocks_per_seq: int, device: str = "cpu"):
+    def __init__(self, max_batch: int, max_tokens: int, max_blocks_per_seq: int, device: str = "cpu",
+                 query_group: int | None = None):
         self.max_batch, self.max_tokens = int(max_batch), int(max_tokens)
         self.max_blocks_per_seq = int(max_blocks_per_seq)
         self.device = device
+        self.query_group = None if query_group is None else int(query_group)
         self._done = None
-        places, total = layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq)
+        items = entries = 0
+        if self.query_group is not None:
+            # Every row group of the most tokens, one per sequence more, and the split items.
+            items = -(-self.query_group * self.max_tokens // 16) + self.max_batch + SPLIT_SLOTS
+            entries = SPLIT_ENTRIES
+        # (most items, slots, entries) the plan may use; the ragged launch's grids are these.
+        self.work_capacity = (items, SPLIT_SLOTS, entries)
+        places, total = layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq, items, entries)
         self._table_offset = places["block_table"][0]  # the last array: an upload stops early
         if device == CUDA:
             import cupy
@@ -129,5 +149,6 @@ class PlanBuffers:
             arrays = self._host_views if side == "host" else self._device_views
             lengths = dict(input_ids=num_tokens, positions=num_tokens, slot_mapping=num_tokens,
                            cu_seqlens_q=batch_size + 1, cu_seqlens_k=batch_size + 1)
-            self._slices[key] = {name: view[:lengths.get(name, batch_size)] for name, view in arrays.items()}
+            self._slices[key] = {name: view if name in _WHOLE else view[:lengths.get(name, batch_size)]
+                                 for name, view in arrays.items()}
         return self._slices[key]

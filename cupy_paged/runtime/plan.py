@@ -231,7 +231,8 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         Query heads of the model.  Given, the plan lists the work of one ragged launch
         (``runtime/_work.py``) and takes the ``"ragged"`` path for every step whose prefill
         work hides behind its K/V reads (decode-only, mixed with short chunks); prefill-heavy
-        steps keep ``"varlen"``.  Not with ``buffers``.
+        steps keep ``"varlen"``.  With ``buffers``, they must have been made with
+        ``query_group = num_heads // num_kv_heads``.
     path : {"ragged", "decode", "varlen"}, optional
         Take this path whatever the step (``"ragged"`` needs ``num_heads``; ``"decode"`` a
         step the decode kernel serves).
@@ -290,6 +291,9 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         memo_rows, memo_versions)
     if ragged is not None:
         fill_work(query, view.num_computed, *ragged, out["work"], out["entries"])
+        if buffers is not None:  # the launch covers the whole list: padding items do nothing
+            items, slots, entries = buffers.work_capacity
+            counts = (items, entries, slots)
     _write_input_ids(out["input_ids"], input_ids, tokens)
     sample_mask, num_sampled = _write_logits_indices(out["logits_indices"], out["cu_seqlens_q"], sample_mask, batch)
     out = _device_side(out, packed, places, buffers, view.device, batch_size, num_tokens)

@@ -23,6 +23,10 @@ class Scheduler(serving.Scheduler):
     buffers : PlanBuffers, optional
         Build every plan into these fixed (device) buffers: the addresses a captured
         CUDA graph needs.  Each plan is then valid until the next ``schedule()``.
+    num_heads : int, optional
+        The model's query heads: plans list the work of one ragged launch per layer and take
+        the ``"ragged"`` path for every step that is not prefill-heavy (``build_plan``'s
+        ``num_heads``; ``buffers`` then need ``query_group = num_heads // num_kv_heads``).
 
     Raises
     ------
@@ -52,8 +56,10 @@ class Scheduler(serving.Scheduler):
     [[7, 9]]
     """
 
-    def __init__(self, cache, config: serving.SchedulerConfig | None = None, buffers=None):
+    def __init__(self, cache, config: serving.SchedulerConfig | None = None, buffers=None,
+                 num_heads: int | None = None):
         super().__init__(cache, config)
+        self.num_heads = num_heads
         if buffers is not None and buffers.max_blocks_per_seq != cache.max_blocks_per_seq:
             raise ValueError(f"the buffers' block tables have {buffers.max_blocks_per_seq} columns but the "
                              f"cache's max_blocks_per_seq is {cache.max_blocks_per_seq}")
@@ -75,7 +81,7 @@ class Scheduler(serving.Scheduler):
             return None
         try:
             plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids, batch.sample_mask,
-                              rows=batch.rows, buffers=self.buffers)
+                              rows=batch.rows, buffers=self.buffers, num_heads=self.num_heads)
         except Exception:
             super().rollback(batch)
             raise

@@ -105,6 +105,9 @@ class Engine:
     enable_prefix_caching : bool
     cuda_graphs : bool
         Replay decode steps as CUDA graphs (CuPy only).
+    ragged : bool
+        Plans for the ragged launch (``cupy_paged.Scheduler(num_heads=...)``): one attention
+        launch per layer for decode and mixed steps; False keeps the decode / varlen kernels.
     graph_sizes : list of int, optional
         The padded decode batch sizes to capture (default ``llama.cuda_graphs.default_sizes``).
     seed : int
@@ -113,7 +116,7 @@ class Engine:
 
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
-                 cuda_graphs=False, graph_sizes=None, seed=0):
+                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
         max_model_len = min(max_model_len or model.max_positions, model.max_positions)
@@ -123,7 +126,8 @@ class Engine:
             max_blocks_per_seq=-(-max_model_len // block_size), enable_prefix_caching=enable_prefix_caching)
         config = cupy_paged.SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                                             max_prefill_chunk=max_prefill_chunk)
-        extra = {}
+        heads = c.num_attention_heads
+        extra = {"num_heads": heads} if ragged else {}
         self.stream = self.graphs = None
         if self.gpu:
             import cupy
@@ -132,7 +136,8 @@ class Engine:
             # Fixed plan buffers: one pinned upload a step, unchanged block-table rows not rewritten.
             extra["buffers"] = cupy_paged.PlanBuffers(max_batch=max_num_seqs, max_tokens=max_batch_tokens,
                                                       max_blocks_per_seq=self.cache.max_blocks_per_seq,
-                                                      device="cuda")
+                                                      device="cuda",
+                                                      query_group=heads // c.num_key_value_heads if ragged else None)
             if cuda_graphs:
                 from .cuda_graphs import DecodeGraphs
 
