@@ -516,8 +516,8 @@ SERVING_CASES = {
                                   TypeError, "num_new_tokens", None),
     "allocate_reserve_negative": (on_cache(lambda c: c.allocate("x", [1, 2, 3], reserve=-1), 3),
                                   ValueError, "reserve", None),
-    "allocate_token_float": (on_cache(lambda c: c.allocate("x", [1, 2.5, 3]), 3), TypeError, "token_ids",
-                             "serving takes any token values: a float token is hashed and kept"),
+    "allocate_token_float": (on_cache(lambda c: c.allocate("x", [1, 2.5, 3]), 3), TypeError, "token_ids", None),
+    "allocate_token_string": (on_cache(lambda c: c.allocate("x", [1, "2", 3]), 3), TypeError, "token_ids", None),
     # grow
     "grow_unknown_id": (on_cache(lambda c: c.grow(["zz"], 1), 3), KeyError, "'zz'", None),
     "grow_negative": (on_cache(lambda c: c.grow(["s0"], -1), 3), ValueError, "num_new_tokens", None),
