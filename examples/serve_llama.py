@@ -32,6 +32,7 @@ from cupy_paged._core.arrays import gpu_available  # noqa: E402
 from llama import (CPU_DEFAULT, GPU_DEFAULT, Engine, GenerationRequest, LlamaModel, SamplingParams,  # noqa: E402
                    load_checkpoint, random_weights)
 from llama.weights import BF16  # noqa: E402
+from llama.parallel import NcclGroup, SocketGroup, launch_local, ranks_from_environment, shard  # noqa: E402
 
 # Per device: requests, prompt lengths, new tokens, cache blocks, step budget, running requests.
 DEFAULTS = {
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-chunk", type=int, help="most tokens of one prompt in a step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks, one process each: under torchrun / mpirun, or started here")
     p.add_argument("--no-ragged", action="store_true",
                    help="the decode / varlen kernels instead of one ragged launch for decode and mixed steps")
     p.add_argument("--greedy", action="store_true", help="every request greedy")
@@ -95,8 +98,9 @@ def synthetic_requests(args, vocab: int) -> list[GenerationRequest]:
     return requests
 
 
-def build_model(args):
-    """The model on the chosen device: from ``--checkpoint`` or random from ``--seed``."""
+def build_model(args, rank: int = 0):
+    """The model on the chosen device: from ``--checkpoint`` or random from ``--seed``; with
+    ``--tp`` the shard of ``rank``."""
     if args.device == "gpu":
         import cupy as xp
     else:
@@ -109,6 +113,9 @@ def build_model(args):
         config = GPU_DEFAULT if args.device == "gpu" else CPU_DEFAULT
         weights = random_weights(config, args.seed, np.float32)
         source = f"random weights (seed {args.seed})"
+    if args.tp > 1:
+        config, weights = shard(config, weights, rank, args.tp)
+        source += f", tensor parallel: rank {rank} of {args.tp}"
     model = LlamaModel(config, weights, xp, args.dtype)
     return model, source, time.perf_counter() - start
 
@@ -150,13 +157,26 @@ def report(args, model, source, engine, load_seconds, warm_seconds) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model, source, load_seconds = build_model(args)
+    group = None
+    if args.tp > 1:
+        ranks = ranks_from_environment()
+        if ranks.world_size == 1:  # no launcher: start the ranks here
+            return launch_local(main, args.tp, sys.argv[1:] if argv is None else argv)
+        if ranks.world_size != args.tp:
+            raise SystemExit(f"--tp {args.tp} but the launcher started {ranks.world_size} processes")
+        if args.cuda_graphs:
+            raise SystemExit("--cuda-graphs with --tp is not offered yet")
+        group = NcclGroup(ranks) if args.device == "gpu" else SocketGroup(ranks)
+    model, source, load_seconds = build_model(args, 0 if group is None else group.rank)
     requests = synthetic_requests(args, model.config.vocab_size)
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
                     max_prefill_chunk=args.max_prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
-                    max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs, ragged=not args.no_ragged,
-                    seed=args.seed)
+                    max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs,
+                    ragged=not args.no_ragged, seed=args.seed, group=group)
+    if group is not None and group.rank > 0:
+        engine.follow()
+        return 0
     start = time.perf_counter()
     if not args.no_warm_up:
         engine.warm_up()
@@ -165,6 +185,7 @@ def main(argv=None) -> int:
 
     with tqdm(total=len(requests), unit="req", desc="requests", disable=args.no_progress) as bar:
         engine.run(requests, on_finish=lambda request: bar.update(1))
+    engine.stop_followers()
     report(args, model, source, engine, load_seconds, warm_seconds)
     return 0
 

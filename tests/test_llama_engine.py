@@ -305,7 +305,7 @@ def test_top_k_and_temperature():
 
 
 def test_llama_docstring_examples():
-    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine", "cublas"):
+    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine", "cublas", "parallel"):
         module = importlib.import_module(f"llama.{name}")
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
 

@@ -119,6 +119,10 @@ def test_path_rule_and_arguments():
         build_plan(cache, ids, [1] * 8, path="ragged")
     with pytest.raises(ValueError, match="num_heads must be a positive multiple"):
         build_plan(cache, ids, [1] * 8, num_heads=3)
+    odd, oids = make_cache([10], [1], head_dim=16)  # no kernel takes D = 16: the reference's paths only
+    assert build_plan(odd, oids, [1], num_heads=4).path == "decode"
+    with pytest.raises(ValueError, match="head dim the kernels take"):
+        build_plan(odd, oids, [1], num_heads=4, path="ragged")
     with pytest.raises(ValueError, match="path must be one of"):
         build_plan(cache, ids, [1] * 8, path="fast")
     from cupy_paged.runtime.buffers import PlanBuffers

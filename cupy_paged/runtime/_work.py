@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 from .._core.arrays import CUDA
+from .._core.types import HEAD_DIMS
 
 # StepPlan.path values (runtime/_layer.py spells them too).
 DECODE, VARLEN, RAGGED = "decode", "varlen", "ragged"
@@ -189,6 +190,11 @@ def choose_path(cache, query: np.ndarray, cached: np.ndarray, num_heads, path, b
         raise ValueError(f"num_heads must be a positive multiple of the cache's {cache.num_kv_heads} kv heads; "
                          f"got {num_heads!r}")
     group = int(num_heads) // cache.num_kv_heads
+    if cache.head_dim not in HEAD_DIMS:  # no kernel for it: the reference backend's paths only
+        if path == RAGGED:
+            raise ValueError(f"path='ragged' needs a head dim the kernels take ({HEAD_DIMS}); the cache's is "
+                             f"{cache.head_dim}")
+        return path, None
     if buffers is not None and buffers.query_group != group:
         raise ValueError(f"num_heads = {num_heads} makes {group} query heads per kv head, but the buffers hold a "
                          f"work list for query_group = {buffers.query_group}")

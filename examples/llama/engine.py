@@ -22,6 +22,7 @@ import numpy as np
 
 import cupy_paged
 
+from .parallel import plan_from_message, plan_message
 from .sampling import SamplingParams, sample
 from .timing import Timer
 
@@ -105,6 +106,10 @@ class Engine:
     enable_prefix_caching : bool
     cuda_graphs : bool
         Replay decode steps as CUDA graphs (CuPy only).
+    group : llama.parallel.SocketGroup or NcclGroup, optional
+        Tensor parallelism: ``model`` holds this rank's shard (``llama.parallel.shard``) and
+        all-reduces through ``group``; rank 0 schedules, samples and broadcasts each step's plan,
+        the other ranks run :meth:`follow`.
     ragged : bool
         Plans for the ragged launch (``cupy_paged.Scheduler(num_heads=...)``): one attention
         launch per layer for decode and mixed steps; False keeps the decode / varlen kernels.
@@ -116,14 +121,23 @@ class Engine:
 
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
-                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True):
+                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
+        self.group = group if group is not None and group.world_size > 1 else None
+        if self.group is not None:
+            if cuda_graphs:
+                raise ValueError("cuda_graphs with tensor parallelism is not offered yet")
+            model.all_reduce = self.group.all_reduce
+            if self.group.rank > 0:  # the same blocks as rank 0's cache
+                num_blocks, memory_fraction = self.group.broadcast(), None
         max_model_len = min(max_model_len or model.max_positions, model.max_positions)
         self.cache = cupy_paged.PagedAttentionCache(
             c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=block_size, num_blocks=num_blocks,
             memory_fraction=memory_fraction, dtype=model.dtype, device="cuda" if self.gpu else "cpu",
             max_blocks_per_seq=-(-max_model_len // block_size), enable_prefix_caching=enable_prefix_caching)
+        if self.group is not None and self.group.rank == 0:
+            self.group.broadcast(self.cache.num_blocks)
         config = cupy_paged.SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                                             max_prefill_chunk=max_prefill_chunk)
         heads = c.num_attention_heads
@@ -180,6 +194,8 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan is None:
                 raise RuntimeError("the scheduler could schedule nothing while requests are unfinished")
+            if self.group is not None:
+                self.group.broadcast(plan_message(plan))
             live = [self._live[i] for i in plan.seq_ids]
             decodes = [len(r.token_ids) - r.num_computed == 1 and r.num_computed >= len(r.prompt_token_ids)
                        for r, _, _ in live]
@@ -207,6 +223,22 @@ class Engine:
             self.stats.prompt_tokens += len(request.prompt_token_ids)
             self.stats.generated_tokens += len(request.output_token_ids)
         return finished
+
+    def follow(self) -> None:
+        """Rank > 0 of a tensor-parallel engine: run every step rank 0 broadcasts, until
+        :meth:`stop_followers`."""
+        if self.group is None or self.group.rank == 0:
+            raise RuntimeError("follow() is for the ranks after rank 0 of a tensor-parallel engine")
+        with self.stream if self.gpu else contextlib.nullcontext():
+            while (message := self.group.broadcast()) is not None:
+                self.model.forward(plan_from_message(message, self.model.xp), self.cache)
+                if self.gpu:  # the step's all-reduces ran; the next message may reuse nothing
+                    self.stream.synchronize()
+
+    def stop_followers(self) -> None:
+        """Rank 0: tell the other ranks that no step follows."""
+        if self.group is not None and self.group.rank == 0:
+            self.group.broadcast(None)
 
     def warm_up(self) -> None:
         """Compile every kernel a step uses (prefill, decode, sampling) and capture the decode

@@ -119,6 +119,9 @@ class LlamaModel:
         self.lm_head = matrix(head)  # [hidden, vocab]
         cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos.astype(self.acc)), xp.asarray(sin.astype(self.acc))
+        # Tensor parallelism (llama.parallel): the sum over ranks of the attention output and MLP
+        # projections' partial results; alone, nothing to add.
+        self.all_reduce = None
 
     @property
     def max_positions(self) -> int:
@@ -153,7 +156,7 @@ class LlamaModel:
         v = xp.ascontiguousarray(qkv[:, c.q_size + c.kv_size:]).reshape(tokens, c.num_key_value_heads, c.head_dim)
         with timer.span("attention"):
             attended = plan.attention(q, k, v, *cache.layer(index))
-        return x + self.matmul(attended.reshape(tokens, c.q_size), layer.out).astype(self.acc)
+        return x + self._reduced(self.matmul(attended.reshape(tokens, c.q_size), layer.out).astype(self.acc))
 
     def _mlp_block(self, layer, x):
         """Residual plus SwiGLU: ``down(silu(gate(h)) * up(h))``."""
@@ -161,7 +164,10 @@ class LlamaModel:
         gate_up = self.matmul(self.rms_norm(x, layer.post_norm).astype(self.dtype), layer.gate_up)
         gate, up = gate_up[:, :size].astype(self.acc), gate_up[:, size:].astype(self.acc)
         hidden = (gate / (1.0 + self.xp.exp(-gate)) * up).astype(self.dtype)
-        return x + self.matmul(hidden, layer.down).astype(self.acc)
+        return x + self._reduced(self.matmul(hidden, layer.down).astype(self.acc))
+
+    def _reduced(self, partial):
+        return partial if self.all_reduce is None else self.all_reduce(partial)
 
     def forward(self, plan, cache, timer=None, all_rows: bool = False):
         """Run every layer over the step's tokens; the logits of the rows that sample.
