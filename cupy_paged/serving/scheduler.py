@@ -266,7 +266,8 @@ class Scheduler(GeneralStep):
         Raises
         ------
         RuntimeError
-            When the previous step was neither updated nor rolled back.
+            When the previous step was neither updated nor rolled back.  Any exception raised
+            midway (a failing allocation) leaves the scheduler and the cache as before the call.
 
         Examples
         --------
@@ -287,10 +288,14 @@ class Scheduler(GeneralStep):
         run = self._running
         n = len(run)
         batch = None
-        if n and self._decoding_only and (not self.waiting or n >= self.config.max_num_seqs):
-            batch = self._schedule_decodes_only(run, n)
-        if batch is None:
-            batch = self._schedule_general()
+        try:
+            if n and self._decoding_only and (not self.waiting or n >= self.config.max_num_seqs):
+                batch = self._schedule_decodes_only(run, n)
+            if batch is None:
+                batch = self._schedule_general()
+        except BaseException:  # a failure midway (an allocation, an interrupt): nothing of the step stays
+            self._undo_step()
+            raise
         self._step = batch
         return batch
 

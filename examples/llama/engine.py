@@ -199,19 +199,23 @@ class Engine:
             live = [self._live[i] for i in plan.seq_ids]
             decodes = [len(r.token_ids) - r.num_computed == 1 and r.num_computed >= len(r.prompt_token_ids)
                        for r, _, _ in live]
-            self._count_step(plan, decodes)
             sampling = live if len(plan.logits_indices) == len(live) else [
                 entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
             params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
             model_start = time.perf_counter()
-            if self.graphs is not None and all(decodes) and self.graphs.size_for(len(live)) is not None:
-                with self.timer.span("graph"):
-                    logits = self.graphs.run(plan.seq_ids, [r.token_ids[-1] for r, _, _ in live])
-                    tokens = sample(logits, params, generators)
-            else:
-                with self.timer.span("model"):
-                    logits = self.model.forward(plan, self.cache, self.timer)
-                    tokens = sample(logits, params, generators)
+            try:
+                if self.graphs is not None and all(decodes) and self.graphs.size_for(len(live)) is not None:
+                    with self.timer.span("graph"):
+                        logits = self.graphs.run(plan.seq_ids, [r.token_ids[-1] for r, _, _ in live])
+                        tokens = sample(logits, params, generators)
+                else:
+                    with self.timer.span("model"):
+                        logits = self.model.forward(plan, self.cache, self.timer)
+                        tokens = sample(logits, params, generators)
+            except BaseException:  # the forward pass failed: the step is undone and comes again next time
+                self.scheduler.rollback(plan)
+                raise
+            self._count_step(plan, decodes)
             # Sampling ends with the tokens on the host, so on the GPU this waited for the step's work.
             model_seconds = time.perf_counter() - model_start
             finished = self.scheduler.update(plan, tokens)
