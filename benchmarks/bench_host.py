@@ -8,6 +8,8 @@ size 16, so ~256 blocks a request), measures the median microseconds of
   chunk, so the varlen path; one request in 16 has gained a block since the last
   step.  The targets are <= 50 us at 256 and <= 200 us at 1024;
 * ``plan_decode``: the same for an all-decode step (the decode kernel's path);
+* ``plan_ragged``, ``plan_ragged_decode``: the two steps again with ``num_heads=8`` (8 query heads
+  per kv head) into ``PlanBuffers(query_group=8)``: the plan also lists the ragged launch's work;
 * ``plan_new_arrays``: ``build_plan`` of the mixed step into freshly allocated
   arrays with every block table row copied (no buffers);
 * ``schedule``: a whole ``Scheduler.schedule()`` of an all-decode step (choosing
@@ -95,6 +97,7 @@ def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[d
         cache.table_versions[rows[step % BLOCK_SIZE::BLOCK_SIZE]] += 1
 
     buffers = PlanBuffers(num_requests + 1, num_requests + PREFILL_CHUNK, cache.max_blocks_per_seq)
+    ragged = PlanBuffers(num_requests + 1, num_requests + PREFILL_CHUNK, cache.max_blocks_per_seq, query_group=8)
     # One more request mid-prefill makes the mostly-decode step take the varlen path.
     prompt = rng.integers(0, 32000, CONTEXT).tolist()
     cache.allocate("prefill", prompt, PREFILL_CHUNK)
@@ -110,6 +113,11 @@ def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[d
                                              rows=mixed_rows, buffers=buffers), repeats, new_blocks),
         "plan_decode": median_us(lambda: build_plan(cache, ids, 1, decode_inputs, rows=rows, buffers=buffers),
                                  repeats, new_blocks),
+        "plan_ragged": median_us(lambda: build_plan(cache, mixed_ids, mixed_lens, mixed_inputs, mixed_sample,
+                                                    rows=mixed_rows, buffers=ragged, num_heads=8, path="ragged"),
+                                 repeats, new_blocks),
+        "plan_ragged_decode": median_us(lambda: build_plan(cache, ids, 1, decode_inputs, rows=rows, buffers=ragged,
+                                                           num_heads=8), repeats, new_blocks),
         "plan_new_arrays": median_us(lambda: build_plan(cache, mixed_ids, mixed_lens, mixed_inputs,
                                                         mixed_sample, rows=mixed_rows), repeats),
     }

@@ -271,7 +271,7 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     packed = places = None
     path, ragged = choose_path(cache, query, view.num_computed, num_heads, path, buffers)
     counts = (0, 0, 0)
-    if ragged is not None:
+    if ragged is not None and buffers is None:  # new arrays are sized by the list (buffers by capacity)
         counts = count_work(query, view.num_computed, *ragged)
     if buffers is None:
         if batch_size is not None or num_tokens is not None:
