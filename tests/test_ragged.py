@@ -295,3 +295,24 @@ def test_gpu_ragged_step_as_a_cuda_graph_replayed_with_other_mixes():
             want = eager.attention(q[:used], k[:used], v[:used], *cache.layer(0))
             stream.synchronize()
             assert_close(out[:used].get(), want.get().astype(np.float32), DTYPES["bfloat16"], f"mix {m}")
+
+
+def test_scheduler_with_num_heads_plans_ragged_steps_and_checks_its_buffers():
+    from cupy_paged import Scheduler
+    from cupy_paged.runtime.buffers import PlanBuffers
+    from cupy_paged.serving.scheduler import Request, SchedulerConfig
+
+    cache = PagedAttentionCache(1, 2, 64, block_size=16, num_blocks=32, device="cpu")
+    config = SchedulerConfig(max_batch_tokens=64, max_num_seqs=4)
+    with pytest.raises(ValueError, match="query_group=4"):
+        Scheduler(cache, config, buffers=PlanBuffers(4, 64, cache.max_blocks_per_seq), num_heads=8)
+    scheduler = Scheduler(cache, config, buffers=PlanBuffers(4, 64, cache.max_blocks_per_seq, query_group=4),
+                          num_heads=8)
+    scheduler.add_request(Request("a", list(range(20)), 3))
+    paths = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        paths.append(plan.path)
+        assert plan.num_items == scheduler.buffers.work_capacity[0]
+        scheduler.update(plan, [1] * len(plan.sample_requests))
+    assert paths == ["ragged"] * 3
