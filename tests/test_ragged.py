@@ -83,8 +83,8 @@ def test_work_list_covers_every_visible_pair_once(mix, group):
     assert set(seen.values()) == {1}
     work = np.asarray(plan.work)
     assert plan.work.shape == (plan.num_items, 8)
-    for dense in (False, True):  # each kind longest first, the two merged in proportion
-        spans = [-(-(c + q) // n) for _, _, _, n, _, q, c, _ in work.tolist() if (group * q > ROWS) == dense]
+    for dense in (False, True):  # each kind longest first (in whole tiles), the two merged in proportion
+        spans = [-(-(c + q) // n) // tile for _, _, _, n, _, q, c, _ in work.tolist() if (group * q > ROWS) == dense]
         assert spans == sorted(spans, reverse=True)
     kinds = np.array([group * q > ROWS for q in work[:, 5]])
     if 1 < kinds.sum() < kinds.size - 1:  # both kinds, more than one of each: mixed, not one kind first

@@ -72,6 +72,27 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
 
 
 @numba.njit(cache=True, nogil=True)
+def _longest_first(span, tile_keys):
+    """Item indices by tiles covered, most first, in list order among equals: a counting sort, O(n)
+    (a comparison sort of 1,024 items cost more than the rest of the list together)."""
+    n = span.shape[0]
+    top = 0
+    for i in range(n):
+        top = max(top, span[i] // tile_keys)
+    starts = np.zeros(top + 2, np.int64)
+    for i in range(n):
+        starts[top - span[i] // tile_keys + 1] += 1
+    for k in range(1, top + 2):
+        starts[k] += starts[k - 1]
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        k = top - span[i] // tile_keys
+        order[starts[k]] = i
+        starts[k] += 1
+    return order
+
+
+@numba.njit(cache=True, nogil=True)
 def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries):
     """``(items, entries, slots)`` of the step's work list."""
     row_groups = _row_groups(query_lens, group)
@@ -92,7 +113,7 @@ def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, m
     Returns ``(items, entries, slots)``.
 
     Order: the items of multi-row groups (prefill chunks: tensor-core work) and of the rest
-    (decodes: K/V streaming) each longest first, merged in proportion, so that the CTAs resident
+    (decodes: K/V streaming) each longest first (in whole tiles), merged in proportion, so that the CTAs resident
     on an SM mix both kinds instead of a wave of one kind then a wave of the other."""
     batch = query_lens.shape[0]
     cu_seqlens_q = np.zeros(batch + 1, np.int64)
@@ -128,7 +149,7 @@ def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, m
                 entries[num_entries, :] = staged[n - splits[b]]
                 num_entries += 1
                 slot += splits[b]
-    order = np.argsort(-span)  # numba's quicksort: deterministic, and faster than its mergesort here
+    order = _longest_first(span, tile_keys)
     num_dense = 0
     for i in range(items):
         num_dense += dense[i]
