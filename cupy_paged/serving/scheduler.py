@@ -116,8 +116,7 @@ class Scheduler(GeneralStep):
     """
 
     def __init__(self, cache, config: SchedulerConfig | None = None):
-        self.cache = cache
-        self.config = SchedulerConfig() if config is None else config
+        self.cache, self.config = cache, SchedulerConfig() if config is None else config
         self.waiting: list = []
         self._running = RunningBatch(min(self.config.max_num_seqs, 1024))
         self._live: dict = {}  # id -> request, every branch of every unfinished request
@@ -266,8 +265,8 @@ class Scheduler(GeneralStep):
         Raises
         ------
         RuntimeError
-            When the previous step was neither updated nor rolled back.  Any exception raised
-            midway (a failing allocation) leaves the scheduler and the cache as before the call.
+            When the previous step was neither updated nor rolled back.  (Any exception midway
+            leaves the scheduler and the cache as they were.)
 
         Examples
         --------
@@ -285,15 +284,12 @@ class Scheduler(GeneralStep):
         c = self._counters
         self._saved = (self._decoding_only, c.prompt_tokens, c.cached_prompt_tokens, c.prefill_tokens,
                        c.decode_tokens)
-        run = self._running
-        n = len(run)
-        batch = None
-        try:
-            if n and self._decoding_only and (not self.waiting or n >= self.config.max_num_seqs):
-                batch = self._schedule_decodes_only(run, n)
-            if batch is None:
-                batch = self._schedule_general()
-        except BaseException:  # a failure midway (an allocation, an interrupt): nothing of the step stays
+        run, batch = self._running, None
+        try:  # a failure midway (an allocation, an interrupt) leaves nothing of the step
+            if run and self._decoding_only and (not self.waiting or len(run) >= self.config.max_num_seqs):
+                batch = self._schedule_decodes_only(run, len(run))
+            batch = self._schedule_general() if batch is None else batch
+        except BaseException:
             self._undo_step()
             raise
         self._step = batch
