@@ -63,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-chunk", type=int, help="most tokens of one prompt in a step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    p.add_argument("--shape", help="random weights of this shape instead of the default model: "
+                                    "LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB] (head dim HIDDEN / HEADS)")
+    p.add_argument("--stats-json", type=pathlib.Path, help="also write the run's figures here (rank 0)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks, one process each: under torchrun / mpirun, or started here")
     p.add_argument("--no-ragged", action="store_true",
@@ -111,6 +114,8 @@ def build_model(args, rank: int = 0):
         source = str(args.checkpoint)
     else:
         config = GPU_DEFAULT if args.device == "gpu" else CPU_DEFAULT
+        if args.shape:
+            config = shaped(config, args.shape)
         weights = random_weights(config, args.seed, np.float32)
         source = f"random weights (seed {args.seed})"
     if args.tp > 1:
@@ -118,6 +123,30 @@ def build_model(args, rank: int = 0):
         source += f", tensor parallel: rank {rank} of {args.tp}"
     model = LlamaModel(config, weights, xp, args.dtype)
     return model, source, time.perf_counter() - start
+
+
+def shaped(config, text: str):
+    """``config`` with the layer count and widths of ``--shape``."""
+    import dataclasses
+
+    values = [int(v) for v in text.split(",")]
+    if len(values) not in (5, 6):
+        raise SystemExit(f"--shape takes LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB]; got {text!r}")
+    names = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size")
+    fields = dict(zip(names, values))
+    return dataclasses.replace(config, head_dim=fields["hidden_size"] // fields["num_attention_heads"], **fields)
+
+
+def write_stats(path: pathlib.Path, args, engine) -> None:
+    """The run's figures as JSON (for benchmarks/bench_tp.py)."""
+    import json
+
+    s = engine.stats
+    path.write_text(json.dumps(dict(tp=args.tp, device=args.device, requests=s.requests,
+                                    generated_tokens=s.generated_tokens, prompt_tokens=s.prompt_tokens,
+                                    wall_seconds=s.wall_seconds, tokens_per_second=s.tokens_per_second,
+                                    steps=dict(s.steps), seconds=dict(s.seconds)), indent=1))
 
 
 def print_table(rows: list[tuple[str, str]]) -> None:
@@ -187,6 +216,8 @@ def main(argv=None) -> int:
         engine.run(requests, on_finish=lambda request: bar.update(1))
     engine.stop_followers()
     report(args, model, source, engine, load_seconds, warm_seconds)
+    if args.stats_json:
+        write_stats(args.stats_json, args, engine)
     return 0
 
 

@@ -88,3 +88,19 @@ def test_ranks_from_torchrun_or_open_mpi_variables():
                                   "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
     assert (mpi.rank, mpi.world_size, mpi.local_rank) == (1, 2, 1)
     assert ranks_from_environment({}).world_size == 1
+
+
+def test_bench_tp_runs_each_tp_and_writes_its_schema(tmp_path):
+    """benchmarks/bench_tp.py on the CPU backend, a tiny shape: one case per tp, ratios to tp = 1."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "benchmarks" / "bench_tp.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tp.json"
+    assert bench.main(["--cpu", "--tp", "1", "2", "--shape", "2,128,4,2,256,512", "--requests", "4",
+                       "--max-new-tokens", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [c["name"] for c in report["cases"]] == ["tp 1", "tp 2"]
+    assert all(c["metric"] == "tok/s" and c["value"] > 0 for c in report["cases"])
+    assert report["cases"][1]["target"] == 1.8 and report["cases"][1]["detail"]["generated_tokens"] == 16
