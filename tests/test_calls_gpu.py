@@ -955,3 +955,19 @@ def test_sanitize_debug_mode_raises_at_the_call():
         case.fn(**case.args)
     cupy_paged.set_debug(False)
     assert cupy_paged.check_errors() is None
+
+
+@pytest.mark.parametrize("name", ["varlen", "varlen_paged", "decode"])
+@pytest.mark.parametrize("bad", [dict(causal=1), dict(window_size=(8.0, 0))])
+def test_a_memoised_call_still_refuses_a_wrongly_typed_equal_scalar(name, bad):
+    """After a valid call (memoised), ``causal=1`` or ``window_size=(8.0, 0)`` -- equal to the valid
+    ``True`` / ``(8, 0)`` -- is refused with a TypeError naming the argument, as on a first call."""
+    rng = _rng(name, "memo-types")
+    call = CALLS[name](rng)
+    args = device_args(call.args, "cupy")
+    good = dict(args, window_size=(8, 0)) if "window_size" in bad else args
+    call.fn(**good)
+    call.fn(**good)  # memoised now
+    argument = next(iter(bad))
+    with pytest.raises(TypeError, match=argument):
+        call.fn(**dict(good, **bad))

@@ -95,7 +95,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    None if cache_leftpad is None else s(cache_leftpad),
                    None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
                    rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
-                   return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out))
+                   return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out),
+                   # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+                   causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
+                   num_splits.__class__, *map(type, window_size))
             launch = MEMO.get(key)
         except TypeError:
             key = launch = None

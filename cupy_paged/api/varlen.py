@@ -87,7 +87,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
                    None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
                    None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
-                   softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse)
+                   softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse,
+                   # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+                   causal.__class__, deterministic.__class__, return_attn_probs.__class__,
+                   return_softmax_lse.__class__, *map(type, window_size))
             launch = MEMO.get(key)
         except TypeError:
             key = launch = None
