@@ -16,7 +16,9 @@ size 16, so ~256 blocks a request), measures the median microseconds of
   requests, reserving slots, gathering input ids, building the plan into buffers);
 * ``update``: ``Scheduler.update()`` taking the sampled tokens back;
 * ``step``: the median of ``schedule()`` + ``update()`` per step, the host gap between two
-  decode steps.  The targets are <= 100 us at 256 and <= 300 us at 1024.
+  decode steps.  The targets are <= 100 us at 256 and <= 300 us at 1024;
+* ``step_ragged``: the same with the scheduler planning for the ragged launch
+  (``num_heads=8``, ``PlanBuffers(query_group=8)``), what the example engine does by default.
 
 Writes ``benchmarks/results/host.json`` and prints a markdown table.
 Run: ``python benchmarks/bench_host.py [--repeats N]``.
@@ -138,6 +140,19 @@ def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[d
     results["schedule"] = float(np.median(schedule_times)) / 1e3
     results["update"] = float(np.median(update_times)) / 1e3
     results["step"] = float(np.median(np.add(schedule_times, update_times))) / 1e3
+    # The same steps planned for the ragged launch (the example engine's default).
+    scheduler.num_heads = 8
+    scheduler.buffers = PlanBuffers(num_requests + 1, 64 * 1024, cache.max_blocks_per_seq, query_group=8)
+    step_times = []
+    for step in range(max(repeats, 3) + 5):
+        start = time.perf_counter_ns()
+        plan = scheduler.schedule()
+        scheduler.update(plan, decode_inputs)
+        end = time.perf_counter_ns()
+        assert plan.path == "ragged" and plan.batch_size == num_requests
+        if step >= 5:
+            step_times.append(end - start)
+    results["step_ragged"] = float(np.median(step_times)) / 1e3
     return [{"name": f"{name}_{num_requests}", "metric": "median_us", "value": round(value, 2), "peers": {}}
             for name, value in results.items()]
 

@@ -355,7 +355,7 @@ def test_bench_host_writes_its_schema(tmp_path):
     spec.loader.exec_module(bench)
     cases = bench.measure(64, repeats=3, rng=np.random.default_rng(0))
     names = ("plan", "plan_decode", "plan_ragged", "plan_ragged_decode", "plan_new_arrays", "schedule", "update",
-             "step")
+             "step", "step_ragged")
     assert {c["name"] for c in cases} == {f"{n}_64" for n in names}
     assert all(c["metric"] == "median_us" and c["value"] > 0 and c["peers"] == {} for c in cases)
     json.dumps(cases)

@@ -108,9 +108,10 @@ def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, 
 
 @numba.njit(cache=True, nogil=True)
 def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries, work,
-              entries):
+              entries, stale=(1 << 62, 1 << 62)):
     """Write the work list and the combine entries; rows past them are padding (query length 0).
-    Returns ``(items, entries, slots)``.
+    ``stale``: how many rows of each may hold a previous list (fixed buffers: the last fill's
+    counts; zeros past them stay zeros), by default all.  Returns ``(items, entries, slots)``.
 
     Order: the items of multi-row groups (prefill chunks: tensor-core work) and of the rest
     (decodes: K/V streaming) each longest first (in whole tiles), merged in proportion, so that the CTAs resident
@@ -169,8 +170,8 @@ def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, m
         else:
             work[i, :] = staged[order[next_other]]
             next_other += 1
-    work[items:, :] = 0
-    entries[num_entries:, :] = 0
+    work[items:max(items, min(stale[0], work.shape[0])), :] = 0
+    entries[num_entries:max(num_entries, min(stale[1], entries.shape[0])), :] = 0
     return items, num_entries, slot
 
 

@@ -97,6 +97,7 @@ class PlanBuffers:
             entries = SPLIT_ENTRIES
         # (most items, slots, entries) the plan may use; the ragged launch's grids are these.
         self.work_capacity = (items, SPLIT_SLOTS, entries)
+        self.work_filled = (items, entries)  # rows of the work list and entries the last plan wrote
         places, total = layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq, items, entries)
         self._table_offset = places["block_table"][0]  # the last array: an upload stops early
         if device == CUDA:
@@ -105,9 +106,10 @@ class PlanBuffers:
             # Pinned host memory makes the upload an asynchronous DMA on the current stream.
             pinned = cupy.cuda.alloc_pinned_memory(4 * total)
             self._host = np.frombuffer(pinned, np.int32, total)
+            self._host[:] = 0  # the work list's padding rows are zeros from the start (work_filled)
             self._device = cupy.empty(total, np.int32)
         else:
-            self._host = self._device = np.empty(total, np.int32)
+            self._host = self._device = np.zeros(total, np.int32)
         self._host_views = views(self._host, places)
         self._device_views = views(self._device, places)
         self._memo_rows = np.full(self.max_batch, UNKNOWN_ROW, np.int64)

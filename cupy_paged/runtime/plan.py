@@ -290,8 +290,10 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         out["query_lens"], out["cache_seqlens"], out["seqlens_k"], out["block_table"],
         memo_rows, memo_versions)
     if ragged is not None:
-        fill_work(query, view.num_computed, *ragged, out["work"], out["entries"])
+        filled = fill_work(query, view.num_computed, *ragged, out["work"], out["entries"],
+                           (1 << 62, 1 << 62) if buffers is None else buffers.work_filled)
         if buffers is not None:  # the launch covers the whole list: padding items do nothing
+            buffers.work_filled = filled[:2]
             items, slots, entries = buffers.work_capacity
             counts = (items, entries, slots)
     _write_input_ids(out["input_ids"], input_ids, tokens)
