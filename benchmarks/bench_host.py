@@ -78,7 +78,7 @@ def running_scheduler(num_requests: int, rng: np.random.Generator) -> Scheduler:
     scheduler = Scheduler(cache, config, buffers=PlanBuffers(num_requests + 1, 64 * 1024, blocks_per_seq))
     for i in range(num_requests):
         prompt = rng.integers(0, 32000, int(rng.integers(CONTEXT - 512, CONTEXT - 64))).tolist()
-        scheduler.add_request(Request(i, prompt, max_new_tokens=512))
+        scheduler.add_request(Request(i, prompt, max_new_tokens=1024))  # two timed loops of decodes
     # Run the prompts through until every request has sampled its first token.
     while any(r.num_computed < len(r.prompt_token_ids) for r in scheduler._live.values()):
         plan = scheduler.schedule()
