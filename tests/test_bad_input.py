@@ -465,6 +465,11 @@ def on_cache(call, *lengths, computed=True):
     return setup
 
 
+def _update(keys=(2, 2, 32), values=(2, 2, 32), layer=0, read=(0,), write=(0, 1), dtype=np.float32):
+    """``cache.update`` (the manual gather/scatter path) with zero K/V of these shapes and indices."""
+    return lambda c: c.update(np.zeros(keys, dtype), np.zeros(values, dtype), layer, np.array(read), np.array(write))
+
+
 def request(*args, **kwargs):
     return lambda: ((lambda: Request(*args, **kwargs)), [])
 
@@ -531,35 +536,19 @@ SERVING_CASES = {
     "fork_existing_child": (on_cache(lambda c: c.fork("s0", "s1"), 3, 4), ValueError, "'s1'", None),
     "fork_uncomputed_parent": (on_cache(lambda c: c.fork("s0", "c"), 3, computed=False), ValueError, "'s0'", None),
     "fork_short_token_ids": (on_cache(lambda c: c.fork("s0", "c", token_ids=[1]), 3), ValueError, "token_ids", None),
+    "fork_token_float": (on_cache(lambda c: c.fork("s0", "c", token_ids=[1.5] * 9), 3), TypeError, "token_ids", None),
     # free, mark_computed
     "free_unknown_id": (on_cache(lambda c: c.free("zz"), 3), KeyError, "'zz'", None),
     "mark_computed_past_slots": (on_cache(lambda c: c.mark_computed(["s0"], [9]), 3, computed=False),
                                  ValueError, "num_computed", None),
     # update (the manual gather/scatter path)
-    "update_key_states_shape": (on_cache(lambda c: c.update(np.zeros((2, 3, 32), np.float32),
-                                                            np.zeros((2, 3, 32), np.float32), 0,
-                                                            np.array([0]), np.array([0, 1])), 3),
-                                ValueError, "key_states", None),
-    "update_value_states_shape": (on_cache(lambda c: c.update(np.zeros((2, 2, 32), np.float32),
-                                                              np.zeros((1, 2, 32), np.float32), 0,
-                                                              np.array([0]), np.array([0, 1])), 3),
-                                  ValueError, "value_states", None),
-    "update_write_index_past_cache": (on_cache(lambda c: c.update(np.zeros((2, 2, 32), np.float32),
-                                                                  np.zeros((2, 2, 32), np.float32), 0,
-                                                                  np.array([0]), np.array([0, 64])), 3),
-                                      ValueError, "write_index", None),
-    "update_read_index_float": (on_cache(lambda c: c.update(np.zeros((2, 2, 32), np.float32),
-                                                            np.zeros((2, 2, 32), np.float32), 0,
-                                                            np.array([0.0]), np.array([0, 1])), 3),
-                                ValueError, "read_index", None),
-    "update_layer_past": (on_cache(lambda c: c.update(np.zeros((2, 2, 32), np.float32),
-                                                      np.zeros((2, 2, 32), np.float32), 2,
-                                                      np.array([0]), np.array([0, 1])), 3),
-                          IndexError, "layer_idx", None),
-    "update_key_states_dtype": (on_cache(lambda c: c.update(np.zeros((2, 2, 32), np.float16),
-                                                            np.zeros((2, 2, 32), np.float16), 0,
-                                                            np.array([0]), np.array([0, 1])), 3),
-                                TypeError, "key_states", None),
+    "update_key_states_shape": (on_cache(_update(keys=(2, 3, 32), values=(2, 3, 32)), 3), ValueError, "key_states",
+                                None),
+    "update_value_states_shape": (on_cache(_update(values=(1, 2, 32)), 3), ValueError, "value_states", None),
+    "update_write_index_past_cache": (on_cache(_update(write=(0, 64)), 3), ValueError, "write_index", None),
+    "update_read_index_float": (on_cache(_update(read=(0.0,)), 3), ValueError, "read_index", None),
+    "update_layer_past": (on_cache(_update(layer=2), 3), IndexError, "layer_idx", None),
+    "update_key_states_dtype": (on_cache(_update(dtype=np.float16), 3), TypeError, "key_states", None),
     # block_table, slot_mapping, layer
     "block_table_width_short": (on_cache(lambda c: c.block_table(["s0", "s1"], width=1), 3, 12), ValueError,
                                 "width", None),

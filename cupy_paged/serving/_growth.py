@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._tables import append_blocks, count_decode_growth, grow_decodes
+from .requests import token_array
 
 _NO_BLOCKS = np.empty(0, np.int32)
 
@@ -229,6 +230,8 @@ class Growth:
         if self._num_computed[parent] != self._num_slots[parent]:
             raise ValueError(f"sequence {parent_id!r} has reserved slots not yet computed: "
                              "fork it after mark_computed")
+        if token_ids is not None:
+            token_array(token_ids, "token_ids")  # ints only, as allocate takes them
         tokens = list(self._tokens[parent]) if token_ids is None else token_ids
         if len(tokens) < self._num_slots[parent]:
             raise ValueError(f"token_ids must hold at least the parent's {self._num_slots[parent]} tokens")

@@ -34,6 +34,7 @@ from ._growth import Growth
 from ._tables import set_computed
 from .block_pool import BlockPool, CacheFull
 from .prefix_cache import PrefixCache
+from .requests import token_array
 
 __all__ = ["PagedAttentionCache", "CacheFull"]
 
@@ -205,7 +206,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         """
         if seq_id in self._row_of:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
-        _check_token_ids(token_ids)
+        token_array(token_ids, "token_ids")  # a float or a string is no token id: refused, not hashed and kept
         hits, last_hash = self.prefix_cache.match(token_ids)
         cached = len(hits) * self.block_size
         new = _chunk_length(len(token_ids), cached, num_new_tokens, max_num_new_tokens)
@@ -355,14 +356,3 @@ def _chunk_length(num_tokens: int, cached: int, num_new_tokens, max_num_new_toke
         raise ValueError(f"num_new_tokens must be in [0, {num_tokens - cached}] "
                          f"({num_tokens} tokens, {cached} cached); got {num_new_tokens}")
     return new
-
-
-def _check_token_ids(token_ids) -> None:
-    """``TypeError`` unless every token is an integer (a float or a string is no token id: it
-    would be hashed and kept).  One pass over the element types, at C speed."""
-    kinds = set(map(type, token_ids))
-    if kinds <= {int}:
-        return
-    bad = next((k for k in kinds if not issubclass(k, (int, np.integer))), None)
-    if bad is not None:
-        raise TypeError(f"token_ids must be token ids (ints); got an element of type {bad.__name__}")
