@@ -93,8 +93,9 @@ def _longest_first(span, tile_keys):
 
 
 @numba.njit(cache=True, nogil=True)
-def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries):
-    """``(items, entries, slots)`` of the step's work list."""
+def plan_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries):
+    """The step's list in outline: ``(row_groups, splits, items, entries, slots)``, each sequence's
+    row groups and split count, and the list's item, combine-entry and workspace-slot counts."""
     row_groups = _row_groups(query_lens, group)
     splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries)
     items = entries = slots = 0
@@ -103,28 +104,24 @@ def count_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, 
         if splits[b] > 1:
             entries += row_groups[b]
             slots += row_groups[b] * splits[b]
-    return items, entries, slots
+    return row_groups, splits, items, entries, slots
 
 
 @numba.njit(cache=True, nogil=True)
-def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries, work,
-              entries, stale=(1 << 62, 1 << 62)):
-    """Write the work list and the combine entries; rows past them are padding (query length 0).
-    ``stale``: how many rows of each may hold a previous list (fixed buffers: the last fill's
-    counts; zeros past them stay zeros), by default all.  Returns ``(items, entries, slots)``.
+def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, work, entries,
+              stale=(1 << 62, 1 << 62)):
+    """Write the work list of :func:`plan_work`'s outline and the combine entries; rows past them
+    are padding (query length 0).  ``stale``: how many rows of each may hold a previous list
+    (fixed buffers: the last fill's counts; zeros past them stay zeros), by default all.  Returns
+    ``(items, entries)``.
 
     Order: the items of multi-row groups (prefill chunks: tensor-core work) and of the rest
-    (decodes: K/V streaming) each longest first (in whole tiles), merged in proportion, so that the CTAs resident
-    on an SM mix both kinds instead of a wave of one kind then a wave of the other."""
+    (decodes: K/V streaming) each longest first (in whole tiles), merged in proportion, so that the
+    CTAs resident on an SM mix both kinds instead of a wave of one kind then a wave of the other."""
     batch = query_lens.shape[0]
     cu_seqlens_q = np.zeros(batch + 1, np.int64)
     for b in range(batch):
         cu_seqlens_q[b + 1] = cu_seqlens_q[b] + query_lens[b]
-    row_groups = _row_groups(query_lens, group)
-    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries)
-    items = 0
-    for b in range(batch):
-        items += row_groups[b] * splits[b]
     span = np.empty(items, np.int64)     # keys an item covers, to order them
     dense = np.empty(items, np.bool_)    # whether its row group holds more than one token's rows
     staged = np.empty((items, WORK_INTS), np.int32)
@@ -172,7 +169,7 @@ def fill_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, m
             next_other += 1
     work[items:max(items, min(stale[0], work.shape[0])), :] = 0
     entries[num_entries:max(num_entries, min(stale[1], entries.shape[0])), :] = 0
-    return items, num_entries, slot
+    return items, num_entries
 
 
 # What the ragged launch reaches on the H200 (benchmarks/NOTES_mixed.md): K/V streamed at about
@@ -197,6 +194,21 @@ def prefers_ragged(query_lens, cached, group, num_kv_heads, head_dim) -> bool:
     return flops / _TILE_FLOPS <= max(kv_bytes / _READ_RATE, 20e-6)
 
 
+def work_group(cache, num_heads, buffers=None) -> int:
+    """Query heads per kv head of ``num_heads`` over ``cache``; ``ValueError`` unless a positive
+    multiple of its kv heads, or when ``buffers`` hold the work list of another ratio."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1 \
+            or num_heads % cache.num_kv_heads:
+        raise ValueError(f"num_heads must be a positive multiple of the cache's {cache.num_kv_heads} kv heads; "
+                         f"got {num_heads!r}")
+    group = int(num_heads) // cache.num_kv_heads
+    if buffers is not None and buffers.query_group != group:
+        raise ValueError(f"num_heads = {num_heads} makes {group} query heads per kv head: the buffers need "
+                         f"PlanBuffers(..., query_group={group}); they hold a work list for query_group = "
+                         f"{buffers.query_group}")
+    return group
+
+
 def choose_path(cache, query: np.ndarray, cached: np.ndarray, num_heads, path, buffers):
     """``(path, work-list arguments)`` of a plan: ``path`` None leaves the choice between
     ``"decode"`` and ``"varlen"`` to the plan; the arguments (group, tile keys, CTA slots per kv
@@ -207,19 +219,12 @@ def choose_path(cache, query: np.ndarray, cached: np.ndarray, num_heads, path, b
         if path == RAGGED:
             raise ValueError("path='ragged' needs num_heads")
         return path, None
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1 \
-            or num_heads % cache.num_kv_heads:
-        raise ValueError(f"num_heads must be a positive multiple of the cache's {cache.num_kv_heads} kv heads; "
-                         f"got {num_heads!r}")
-    group = int(num_heads) // cache.num_kv_heads
+    group = work_group(cache, num_heads, buffers)
     if cache.head_dim not in HEAD_DIMS:  # no kernel for it: the reference backend's paths only
         if path == RAGGED:
             raise ValueError(f"path='ragged' needs a head dim the kernels take ({HEAD_DIMS}); the cache's is "
                              f"{cache.head_dim}")
         return path, None
-    if buffers is not None and buffers.query_group != group:
-        raise ValueError(f"num_heads = {num_heads} makes {group} query heads per kv head, but the buffers hold a "
-                         f"work list for query_group = {buffers.query_group}")
     if path is None:
         path = RAGGED if prefers_ragged(query, cached, group, cache.num_kv_heads, cache.head_dim) else None
     if path != RAGGED:

@@ -19,7 +19,7 @@ from ..api.kv_write import write_kv_cache
 from ..api.varlen import flash_attn_varlen_func
 from ._fill import UNKNOWN_ROW, fill_plan
 from ._layer import LayerLaunch
-from ._work import DECODE, RAGGED, VARLEN, choose_path, count_work, fill_work
+from ._work import DECODE, RAGGED, VARLEN, choose_path, fill_work, plan_work
 from .buffers import PlanBuffers, layout, views
 
 __all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN", "RAGGED"]
@@ -270,9 +270,10 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     tokens = int(query.sum())
     packed = places = None
     path, ragged = choose_path(cache, query, view.num_computed, num_heads, path, buffers)
-    counts = (0, 0, 0)
-    if ragged is not None and buffers is None:  # new arrays are sized by the list (buffers by capacity)
-        counts = count_work(query, view.num_computed, *ragged)
+    counts = (0, 0, 0)  # items, entries, slots of the work list
+    if ragged is not None:
+        outline = plan_work(query, view.num_computed, *ragged)
+        counts = outline[2:]
     if buffers is None:
         if batch_size is not None or num_tokens is not None:
             raise ValueError("batch_size and num_tokens pad a plan into buffers; pass buffers too")
@@ -290,10 +291,11 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         out["query_lens"], out["cache_seqlens"], out["seqlens_k"], out["block_table"],
         memo_rows, memo_versions)
     if ragged is not None:
-        filled = fill_work(query, view.num_computed, *ragged, out["work"], out["entries"],
+        group, tile = ragged[:2]
+        filled = fill_work(query, view.num_computed, group, tile, *outline[:3], out["work"], out["entries"],
                            (1 << 62, 1 << 62) if buffers is None else buffers.work_filled)
         if buffers is not None:  # the launch covers the whole list: padding items do nothing
-            buffers.work_filled = filled[:2]
+            buffers.work_filled = filled
             items, slots, entries = buffers.work_capacity
             counts = (items, entries, slots)
     _write_input_ids(out["input_ids"], input_ids, tokens)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..serving import scheduler as serving
+from ._work import work_group
 from .plan import StepPlan, build_plan
 
 __all__ = ["Scheduler"]
@@ -61,12 +62,8 @@ class Scheduler(serving.Scheduler):
                  num_heads: int | None = None):
         super().__init__(cache, config)
         self.num_heads = num_heads
-        if num_heads is not None and buffers is not None:
-            group = num_heads // cache.num_kv_heads if isinstance(num_heads, int) and num_heads > 0 else None
-            if buffers.query_group != group or num_heads % cache.num_kv_heads:
-                raise ValueError(f"num_heads = {num_heads!r} over {cache.num_kv_heads} kv heads needs "
-                                 f"PlanBuffers(..., query_group={group}); these have query_group = "
-                                 f"{buffers.query_group}")
+        if num_heads is not None:  # checked now, not at the first schedule()
+            work_group(cache, num_heads, buffers)
         if buffers is not None and buffers.max_blocks_per_seq != cache.max_blocks_per_seq:
             raise ValueError(f"the buffers' block tables have {buffers.max_blocks_per_seq} columns but the "
                              f"cache's max_blocks_per_seq is {cache.max_blocks_per_seq}")
