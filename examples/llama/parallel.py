@@ -199,7 +199,6 @@ def shard(config, weights: dict, rank: int, tp: int):
     part = dataclasses.replace(c, num_attention_heads=c.num_attention_heads // tp,
                                num_key_value_heads=c.num_key_value_heads // tp,
                                intermediate_size=c.intermediate_size // tp, head_dim=c.head_dim)
-    d = c.head_dim
     q = slice(rank * part.q_size, (rank + 1) * part.q_size)
     kv = slice(rank * part.kv_size, (rank + 1) * part.kv_size)
     mlp = slice(rank * part.intermediate_size, (rank + 1) * part.intermediate_size)
@@ -215,36 +214,37 @@ def shard(config, weights: dict, rank: int, tp: int):
             out[name] = np.ascontiguousarray(value[:, columns[suffix]])
         else:
             out[name] = value
-    assert part.q_size % d == 0
     return part, out
 
 
 # --------------------------------------------------------------------------- plans between ranks
 
-_PLAN_ARRAYS = ("input_ids", "positions", "query_lens", "cache_seqlens", "seqlens_k", "cu_seqlens_q",
-                "cu_seqlens_k", "slot_mapping", "block_table", "logits_indices", "work", "entries")
-_PLAN_SCALARS = ("max_seqlen_q", "max_seqlen_k", "path", "block_size", "num_items", "num_entries", "num_slots")
+_RANK_0_ONLY = ("seq_ids", "sample_requests", "sample_rows")  # the scheduler's bookkeeping
 
 
 def plan_message(plan) -> dict:
-    """What another rank needs of rank 0's plan: its index arrays on the host and its scalars."""
+    """What another rank needs of rank 0's plan: every field but the scheduler's bookkeeping, its
+    index arrays on the host."""
+    import dataclasses
+
     from cupy_paged._core.arrays import to_host
 
-    message = {name: None if getattr(plan, name) is None else np.asarray(to_host(getattr(plan, name)))
-               for name in _PLAN_ARRAYS}
-    message.update({name: getattr(plan, name) for name in _PLAN_SCALARS})
+    message = {}
+    for field in dataclasses.fields(plan):
+        value = getattr(plan, field.name)
+        if field.name not in _RANK_0_ONLY:
+            message[field.name] = value if value is None or np.isscalar(value) else np.asarray(to_host(value))
     message["batch"] = len(plan.seq_ids)
-    message["sample_mask"] = np.asarray(plan.sample_mask)
     return message
 
 
 def plan_from_message(message: dict, xp):
-    """The StepPlan of a broadcast message, its arrays on this rank's side (``xp``)."""
+    """The StepPlan of a broadcast message, its index arrays on this rank's side (``xp``)."""
     import cupy_paged
 
-    arrays = {name: None if message[name] is None else xp.asarray(message[name]) for name in _PLAN_ARRAYS}
-    return cupy_paged.StepPlan(seq_ids=[None] * message["batch"], sample_mask=message["sample_mask"],
-                               **arrays, **{name: message[name] for name in _PLAN_SCALARS})
+    fields = {name: xp.asarray(value) if isinstance(value, np.ndarray) and name != "sample_mask" else value
+              for name, value in message.items() if name != "batch"}
+    return cupy_paged.StepPlan(seq_ids=[None] * message["batch"], **fields)
 
 
 # --------------------------------------------------------------------------- a local launcher
