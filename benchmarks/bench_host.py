@@ -86,6 +86,23 @@ def running_scheduler(num_requests: int, rng: np.random.Generator) -> Scheduler:
     return scheduler
 
 
+def decode_steps(scheduler, tokens, repeats: int, path: str) -> tuple[list, list]:
+    """Microseconds of ``schedule()`` and of ``update()`` of each of ``repeats`` all-decode steps
+    (after 5 untimed ones), every plan on ``path`` with the whole batch."""
+    schedule_us, update_us = [], []
+    for step in range(max(repeats, 3) + 5):
+        start = time.perf_counter_ns()
+        plan = scheduler.schedule()
+        middle = time.perf_counter_ns()
+        scheduler.update(plan, tokens)
+        end = time.perf_counter_ns()
+        assert plan.path == path and plan.batch_size == len(tokens)
+        if step >= 5:
+            schedule_us.append((middle - start) / 1e3)
+            update_us.append((end - middle) / 1e3)
+    return schedule_us, update_us
+
+
 def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[dict]:
     scheduler = running_scheduler(num_requests, rng)
     cache = scheduler.cache
@@ -126,33 +143,13 @@ def measure(num_requests: int, repeats: int, rng: np.random.Generator) -> list[d
     cache.free("prefill")
     scheduler.update(first, decode_inputs)
 
-    schedule_times, update_times = [], []
-    for step in range(max(repeats, 3) + 5):
-        start = time.perf_counter_ns()
-        plan = scheduler.schedule()
-        middle = time.perf_counter_ns()
-        scheduler.update(plan, decode_inputs)
-        end = time.perf_counter_ns()
-        assert plan.path == "decode" and plan.batch_size == num_requests
-        if step >= 5:
-            schedule_times.append(middle - start)
-            update_times.append(end - middle)
-    results["schedule"] = float(np.median(schedule_times)) / 1e3
-    results["update"] = float(np.median(update_times)) / 1e3
-    results["step"] = float(np.median(np.add(schedule_times, update_times))) / 1e3
+    schedule_us, update_us = decode_steps(scheduler, decode_inputs, repeats, "decode")
+    results["schedule"], results["update"] = float(np.median(schedule_us)), float(np.median(update_us))
+    results["step"] = float(np.median(np.add(schedule_us, update_us)))
     # The same steps planned for the ragged launch (the example engine's default).
     scheduler.num_heads = 8
     scheduler.buffers = PlanBuffers(num_requests + 1, 64 * 1024, cache.max_blocks_per_seq, query_group=8)
-    step_times = []
-    for step in range(max(repeats, 3) + 5):
-        start = time.perf_counter_ns()
-        plan = scheduler.schedule()
-        scheduler.update(plan, decode_inputs)
-        end = time.perf_counter_ns()
-        assert plan.path == "ragged" and plan.batch_size == num_requests
-        if step >= 5:
-            step_times.append(end - start)
-    results["step_ragged"] = float(np.median(step_times)) / 1e3
+    results["step_ragged"] = float(np.median(np.add(*decode_steps(scheduler, decode_inputs, repeats, "ragged"))))
     return [{"name": f"{name}_{num_requests}", "metric": "median_us", "value": round(value, 2), "peers": {}}
             for name, value in results.items()]
 
