@@ -334,6 +334,16 @@ __device__ __forceinline__ WorkItem load_item(const int* work, int index) {
 }
 #endif
 
+// Where this CTA's sequence starts in q / k_new / v_new, in elements: token q_start of the packed
+// tokens with RAGGED (``token_stride`` per token), else batch row b (``batch_stride`` per row).
+__device__ __forceinline__ long long sequence_offset(const Cta& cta, long long token_stride, long long batch_stride) {
+#if RAGGED
+  return cta.q_start * token_stride;
+#else
+  return cta.b * batch_stride;
+#endif
+}
+
 // The query length, the rows and the split count of this CTA's sequence: the launch's, or with
 // RAGGED the work item's.
 __device__ __forceinline__ int seq_len_q(const DecodeParams& params, const Cta& cta) {
@@ -346,21 +356,27 @@ __device__ __forceinline__ int seq_splits(const DecodeParams& params, const Cta&
   return RAGGED ? cta.num_splits : params.num_splits;
 }
 
-#if RAGGED
-__device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem& item) {
-  Cta cta;
-  cta.row_group = item.row_group;
-  cta.split = item.split;
+// What every CTA of either launch finds the same way: its kv head, this thread's warp and fragment
+// coordinates, the GQA group.
+__device__ __forceinline__ void place_thread(Cta& cta, const DecodeParams& params) {
   cta.kv_head = blockIdx.y;
-  cta.b = item.b;
   cta.warp = threadIdx.x / 32;
   cta.lane = threadIdx.x % 32;
   cta.g = cta.lane / 4;
   cta.t = cta.lane % 4;
   cta.group = params.num_heads / params.num_kv_heads;
+  cta.num_heads = params.num_heads;
+}
+
+#if RAGGED
+__device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem& item) {
+  Cta cta;
+  place_thread(cta, params);
+  cta.row_group = item.row_group;
+  cta.split = item.split;
+  cta.b = item.b;
   cta.batch = 0;
   cta.seqlen_q = item.q_len;
-  cta.num_heads = params.num_heads;
   cta.num_rows = cta.group * item.q_len;
   cta.num_splits = item.num_splits;
   cta.q_start = item.q_start;
@@ -373,18 +389,12 @@ __device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem
 #else
 __device__ __forceinline__ Cta locate(const DecodeParams& params) {
   Cta cta;
+  place_thread(cta, params);
   cta.row_group = blockIdx.x % params.row_groups;
   cta.split = blockIdx.x / params.row_groups;
-  cta.kv_head = blockIdx.y;
   cta.b = blockIdx.z;
-  cta.warp = threadIdx.x / 32;
-  cta.lane = threadIdx.x % 32;
-  cta.g = cta.lane / 4;
-  cta.t = cta.lane % 4;
-  cta.group = params.num_heads / params.num_kv_heads;
   cta.batch = gridDim.z;
   cta.seqlen_q = params.seqlen_q;
-  cta.num_heads = params.num_heads;
   cta.num_rows = params.num_rows;
   cta.num_splits = params.num_splits;
   return cta;
@@ -417,13 +427,9 @@ __device__ __forceinline__ void load_sequence_and_q(const DecodeParams& params, 
     const int row = cta.row_group * kRows + r;
     const bool real = row < seq_rows(params, cta);
     const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
-#if RAGGED
-    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + (cta.q_start + row % seqlen_q) * params.q_token +
+    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + sequence_offset(cta, params.q_token, params.q_batch) +
+                                                      (row % seqlen_q) * params.q_token +
                                                       (cta.kv_head * cta.group + row / seqlen_q) * params.q_head) + c;
-#else
-    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + cta.b * params.q_batch + (row % seqlen_q) * params.q_token +
-                                                      (cta.kv_head * cta.group + row / seqlen_q) * params.q_head) + c;
-#endif
     cp::cp_async_16(buf.qs + Tile::offset(r, c), qp, real);
   }
   cp::cp_async_commit();
@@ -437,13 +443,10 @@ __device__ __forceinline__ KeySource key_source(const DecodeParams& params, cons
   KeySource src;
   src.k_cache = k_cache;
   src.v_cache = v_cache;
-#if RAGGED
-  src.k_new = k_new ? k_new + cta.q_start * params.kn_token + cta.kv_head * params.kn_head : nullptr;
-  src.v_new = v_new ? v_new + cta.q_start * params.vn_token + cta.kv_head * params.vn_head : nullptr;
-#else
-  src.k_new = k_new ? k_new + cta.b * params.kn_batch + cta.kv_head * params.kn_head : nullptr;
-  src.v_new = v_new ? v_new + cta.b * params.vn_batch + cta.kv_head * params.vn_head : nullptr;
-#endif
+  src.k_new = k_new ? k_new + sequence_offset(cta, params.kn_token, params.kn_batch) + cta.kv_head * params.kn_head
+                    : nullptr;
+  src.v_new = v_new ? v_new + sequence_offset(cta, params.vn_token, params.vn_batch) + cta.kv_head * params.vn_head
+                    : nullptr;
   src.kn_token = params.kn_token;
   src.vn_token = params.vn_token;
   src.num_blocks = params.num_blocks;
