@@ -75,13 +75,13 @@ class LayerLaunch:
             raise ValueError("out of a ragged step must be contiguous")
         self.launch = RaggedLaunch(p.q, p.k, ak, av, int(p.block_table.shape[1]), p.softmax_scale, p.window,
                                    p.softcap, p.alibi_slopes)
-        self.alibi_ptr = 0 if p.alibi_slopes is None else p.alibi_slopes.ptr
         self.work = (read(plan.work, "work").ptr, plan.num_items, read(plan.entries, "entries").ptr,
                      plan.num_entries, plan.num_slots)
         self.index_ptrs = (p.block_table.ptr,)
         self.out_shape = tuple(aq.shape)
 
-    def run(self, kind, q, k, v, k_cache, v_cache, out, stream):
+    def run(self, kind, q, k, v, k_cache, v_cache, out, stream, alibi_slopes=None):
+        """Launch this layer; ``alibi_slopes``: the ragged launch's, of the signature it was built with."""
         stream = handle(stream, kind, self.device)
         q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
         kc_ptr, vc_ptr = data_ptr(k_cache), data_ptr(v_cache)
@@ -91,7 +91,8 @@ class LayerLaunch:
             out = empty(kind, q, self.out_shape, self.launch.dtype)
         out_arg = (out, data_ptr(out))
         if self.ragged:
-            self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], self.alibi_ptr), self.work,
+            alibi = 0 if alibi_slopes is None else data_ptr(alibi_slopes)
+            self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], alibi), self.work,
                             out_arg[1], 0, stream)
         elif self.decode:
             seqlens, table = self.index_ptrs

@@ -163,23 +163,30 @@ class StepPlan:
         (5, 1, 32)
         """
         kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
-        if not kwargs and (kind is TORCH or kind is CUPY):
+        fast = kind is TORCH or kind is CUPY
+        alibi = kwargs.get("alibi_slopes")
+        # The ragged launch takes softcap, window and ALiBi itself, so its layers are resolved once per
+        # step with them too; the other paths hand keyword arguments to the public functions.
+        if fast and (not kwargs or self.path == RAGGED):
             s = signature
             try:
-                key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale)
+                options = tuple((name, s(value) if name == "alibi_slopes" else value)
+                                for name, value in sorted(kwargs.items()))
+                key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
+                       options)
                 layer = self._layers.get(key)
             except TypeError:
                 key = layer = None
             if layer is None and key is not None:
-                layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out)
+                layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
             if layer is not None:
-                return layer.run(kind, q, k, v, k_cache, v_cache, out, stream)
+                return layer.run(kind, q, k, v, k_cache, v_cache, out, stream, alibi)
         # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
         # check nothing on the host.  On the CPU a ragged plan runs the varlen reference.
-        if self.path == RAGGED and (kind is TORCH or kind is CUPY):  # with kwargs: resolved per call
+        if self.path == RAGGED and fast:  # arguments that key no memo: resolved per call
             return LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs).run(
-                kind, q, k, v, k_cache, v_cache, out, stream)
+                kind, q, k, v, k_cache, v_cache, out, stream, alibi)
         if self.path == DECODE:
             out4 = None if out is None else out[:, None]
             result = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
