@@ -292,10 +292,12 @@ def random_cache_fill(cache) -> None:
             array[...] = bench_decode.randn_bf16(array.shape)
 
 
-def plan_call(cached, new):
-    """(call, plan): one layer of ``StepPlan.attention`` with CuPy arrays for sequences of
-    ``cached[b]`` computed tokens and ``new[b]`` new ones, in a one-layer cache of random bf16
-    (blocks in allocation order)."""
+def filled_cache(cached, new, shuffle_seed=None):
+    """``(cache, ids)``: a one-layer CUDA cache of random bf16 holding sequences ``0..`` with
+    ``cached[b]`` computed tokens and ``new[b]`` reserved; blocks in allocation order, or with
+    ``shuffle_seed`` from a shuffled free list (scattered tables, as after hours of serving)."""
+    import random
+
     from cupy_paged.serving.kv_cache import PagedAttentionCache
 
     totals = [c + n for c, n in zip(cached, new)]
@@ -303,11 +305,21 @@ def plan_call(cached, new):
     cache = PagedAttentionCache(1, KV_HEADS, DIM, block_size=BLOCK, num_blocks=sum(blocks) + 1, dtype=BF16,
                                 device="cuda", max_seqs=len(totals), max_blocks_per_seq=max(blocks),
                                 enable_prefix_caching=False)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(cache.pool._free)
     ids = list(range(len(totals)))
     for seq, total in zip(ids, totals):
         cache.allocate(seq, list(range(total)))
     cache.mark_computed(ids, list(cached))
     random_cache_fill(cache)
+    return cache, ids
+
+
+def plan_call(cached, new):
+    """(call, plan): one layer of ``StepPlan.attention`` with CuPy arrays for sequences of
+    ``cached[b]`` computed tokens and ``new[b]`` new ones, in a one-layer cache of random bf16
+    (blocks in allocation order)."""
+    cache, ids = filled_cache(cached, new)
     plan = cupy_paged.build_plan(cache, ids, list(new))
     tokens = sum(new)
     q = bench_decode.randn_bf16((tokens, HEADS, DIM))

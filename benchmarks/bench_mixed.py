@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import random
 import sys
 import time
 import traceback
@@ -47,9 +46,8 @@ import bench_calls  # noqa: E402  (timing, clocks, versions)
 import bench_decode  # noqa: E402  (random bf16)
 
 import cupy_paged  # noqa: E402
-from cupy_paged._core.types import BF16  # noqa: E402
 
-HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
+HEADS, KV_HEADS, DIM = bench_calls.HEADS, bench_calls.KV_HEADS, bench_calls.DIM  # 32, 8, 128; block 16
 READ_TBS, TFLOPS = 4.44e12, 700e12
 RESULTS = HERE / "results" / "mixed.json"
 OURS, OURS_RAGGED, SPLIT, FA2 = "ours", "ours ragged", "split", "FA2"
@@ -71,20 +69,8 @@ class Step:
     def __init__(self, cached, new, seed=0):
         import torch
 
-        from cupy_paged.serving.kv_cache import PagedAttentionCache
-
         self.cached, self.new = list(cached), list(new)
-        totals = [c + n for c, n in zip(cached, new)]
-        blocks = [-(-t // BLOCK) for t in totals]
-        self.cache = PagedAttentionCache(1, KV_HEADS, DIM, block_size=BLOCK, num_blocks=sum(blocks) + 1,
-                                         dtype=BF16, device="cuda", max_seqs=len(totals),
-                                         max_blocks_per_seq=max(blocks), enable_prefix_caching=False)
-        random.Random(seed).shuffle(self.cache.pool._free)  # scattered tables, as after hours of serving
-        self.ids = list(range(len(totals)))
-        for seq, total in zip(self.ids, totals):
-            self.cache.allocate(seq, list(range(total)))
-        self.cache.mark_computed(self.ids, self.cached)
-        bench_calls.random_cache_fill(self.cache)
+        self.cache, self.ids = bench_calls.filled_cache(cached, new, shuffle_seed=seed)
         tokens = sum(new)
         self.q = bench_decode.randn_bf16((tokens, HEADS, DIM))
         self.k = bench_decode.randn_bf16((tokens, KV_HEADS, DIM))

@@ -19,13 +19,14 @@ sys.path.insert(0, str(HERE))
 import bench_calls  # noqa: E402
 import bench_mixed  # noqa: E402
 
+from cupy_paged._core.types import BF16  # noqa: E402
 from cupy_paged.runtime import _work  # noqa: E402
 
 
 def ragged_us(cached, new, scale: float = 1.0) -> tuple[float, int, int]:
     step = bench_mixed.Step(cached, new)
     shape = _work._work_shape
-    tile, slots = shape("cuda", bench_mixed.BF16, bench_mixed.DIM, bench_mixed.KV_HEADS)
+    tile, slots = shape("cuda", BF16, bench_mixed.DIM, bench_mixed.KV_HEADS)
     _work._work_shape = lambda *args: (tile, max(1, int(slots * scale)))
     try:
         plan = step.plan("ragged")
