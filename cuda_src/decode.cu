@@ -1156,6 +1156,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
 constexpr int kCombineThreads = 128;  // kernels/decode.py: COMBINE_THREADS, MAX_SPLITS
 constexpr int kCombineWarps = kCombineThreads / 32;
 
+#if !RAGGED  // the ragged launch merges its splits with combine_ragged
 extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, int num_splits,
     long long rows_total, int seqlen_q, int num_heads,
@@ -1225,6 +1226,7 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
     lse[(b * num_heads + h) * seqlen_q + i] = total > 0.f ? m_all + __logf(total) : -inf();
   }
 }
+#endif
 
 #if RAGGED
 // ---------------------------------------------------------------------------- combine_ragged
