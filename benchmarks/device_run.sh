@@ -74,9 +74,12 @@ for step in $steps; do
     engine)  # the Llama engine's GPU default, eager and with decode CUDA graphs
       run_step serve_eager engine "${T_ENGINE:-150}" python3 examples/serve_llama.py --no-progress
       run_step serve_graphs engine "${T_ENGINE:-150}" python3 examples/serve_llama.py --no-progress --cuda-graphs ;;
+    profile_engine)  # where a decode step of the engine goes (stage device times, host profile)
+      run_step profile_engine profile_engine "${T_PROFILE_ENGINE:-200}" python3 benchmarks/profile_engine.py ${PROFILE_ENGINE_ARGS:-}
+      cp benchmarks/results/profile_engine.json "$OUT/" 2>/dev/null ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine profile_engine kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

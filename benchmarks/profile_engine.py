@@ -1,0 +1,159 @@
+"""Where a step of the Llama engine goes, on the GPU: the device time of each stage of a decode
+layer, the device time of a whole decode step replayed as a CUDA graph, and the host's share of
+a served run (cProfile of ``Engine.run`` with decode graphs).
+
+Device times are of work captured in a CUDA graph ``--inner`` times and replayed ``--reps`` times
+between two events (median per call), so launch gaps do not count; the served run is the
+engine's GPU default (64 requests, prompts 128-1024, 256 new tokens), greedy.
+
+    python benchmarks/profile_engine.py [--batch 64] [--requests 64] [--max-new-tokens 256]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pathlib
+import pstats
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+
+def graph_time(fn, inner: int, reps: int) -> float:
+    """Median device microseconds of one ``fn()``, from a graph of ``inner`` calls."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for _ in range(inner):
+                fn()
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        times = []
+        for _ in range(reps):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / inner)
+    return float(np.median(times))
+
+
+def stage_times(model, batch: int, inner: int, reps: int) -> dict:
+    """Device microseconds of each stage of one decode layer (and the model's ends) at ``batch`` rows."""
+    import cupy
+
+    c, layer = model.config, model.layers[0]
+    rng = cupy.random.default_rng(0)
+    x = rng.standard_normal((batch, c.hidden_size), dtype=cupy.float32)
+    h = x.astype(model.dtype)
+    qkv = model.matmul(h, layer.qkv)
+    positions = cupy.arange(batch) + 500
+    cos, sin = model.cos[positions][:, None, :], model.sin[positions][:, None, :]
+    attended = rng.standard_normal((batch, c.q_size), dtype=cupy.float32).astype(model.dtype)
+    gate_up = model.matmul(h, layer.gate_up)
+    hidden = gate_up[:, :c.intermediate_size].copy()
+    logits = rng.standard_normal((batch, c.vocab_size), dtype=cupy.float32)
+    ids = cupy.arange(batch, dtype=cupy.int32)
+    q_view = qkv[:, :c.q_size].reshape(batch, c.num_attention_heads, c.head_dim)
+    k_view = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(batch, c.num_key_value_heads, c.head_dim)
+    stages = {
+        "embed": lambda: model.embed[ids].astype(model.acc),
+        "rms_norm + cast": lambda: model.rms_norm(x, layer.input_norm).astype(model.dtype),
+        "qkv gemm": lambda: model.matmul(h, layer.qkv),
+        "rotate q": lambda: model.rotate(q_view, cos, sin),
+        "rotate k": lambda: model.rotate(k_view, cos, sin),
+        "v contiguous": lambda: cupy.ascontiguousarray(qkv[:, c.q_size + c.kv_size:]),
+        "out gemm + residual": lambda: x + model.matmul(attended, layer.out).astype(model.acc),
+        "gate_up gemm": lambda: model.matmul(h, layer.gate_up),
+        "swiglu": lambda: (gate_up[:, :c.intermediate_size].astype(model.acc)
+                           / (1.0 + cupy.exp(-gate_up[:, :c.intermediate_size].astype(model.acc)))
+                           * gate_up[:, c.intermediate_size:].astype(model.acc)).astype(model.dtype),
+        "down gemm + residual": lambda: x + model.matmul(hidden, layer.down).astype(model.acc),
+        "lm_head gemm + cast": lambda: model.matmul(h, model.lm_head).astype(model.acc),
+        "argmax": lambda: cupy.argmax(logits, axis=-1),
+    }
+    return {name: graph_time(fn, inner, reps) for name, fn in stages.items()}
+
+
+def served_run(args, model):
+    """Serve the default mix greedily with decode graphs under cProfile; the step graph's device time."""
+    import cupy
+    from llama import Engine, GenerationRequest
+
+    rng = np.random.default_rng(1)
+    requests = [GenerationRequest(i, rng.integers(0, model.config.vocab_size,
+                                                  int(rng.integers(128, 1025))).tolist(), args.max_new_tokens)
+                for i in range(args.requests)]
+    engine = Engine(model, num_blocks=8192, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
+                    cuda_graphs=True)
+    engine.warm_up()
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    engine.run(requests)
+    profile.disable()
+    wall = time.perf_counter() - start
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    graph, _ = engine.graphs.graphs[engine.graphs.size_for(args.batch)]
+    stream = engine.stream
+    times = []
+    for _ in range(args.reps):
+        start_event, end_event = cupy.cuda.Event(), cupy.cuda.Event()
+        start_event.record(stream)
+        graph.launch(stream)
+        end_event.record(stream)
+        end_event.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start_event, end_event) * 1e3)
+    s = engine.stats
+    return dict(wall_s=wall, tok_s=s.generated_tokens / wall, steps=dict(s.steps), seconds=dict(s.seconds),
+                graph_step_us=float(np.median(times))), text.getvalue()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--inner", type=int, default=20)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results" / "profile_engine.json")
+    args = p.parse_args(argv)
+    import cupy
+    from llama import GPU_DEFAULT, LlamaModel, random_weights
+    from llama.weights import BF16
+
+    model = LlamaModel(GPU_DEFAULT, random_weights(GPU_DEFAULT, 0, np.float32), cupy, BF16)
+    stages = stage_times(model, args.batch, args.inner, args.reps)
+    layer_us = sum(v for k, v in stages.items() if k not in ("embed", "lm_head gemm + cast", "argmax"))
+    run, profile_text = served_run(args, model)
+    print(profile_text)
+    print(f"device us per stage at batch {args.batch} (graph replay, median):")
+    for name, value in stages.items():
+        print(f"  {name:<24} {value:9.1f}")
+    print(f"  {'layer without attention':<24} {layer_us:9.1f}  (x{GPU_DEFAULT.num_hidden_layers} layers)")
+    print(f"served: {run['tok_s']:.0f} tok/s, wall {run['wall_s']:.2f} s, steps {run['steps']}, "
+          f"buckets {json.dumps({k: round(v, 3) for k, v in run['seconds'].items()})}")
+    print(f"decode step graph at batch {args.batch}: {run['graph_step_us']:.1f} us")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(batch=args.batch, stages_us=stages, run=run), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
