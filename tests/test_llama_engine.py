@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -326,6 +327,25 @@ def test_cli_default_cpu_run():
         assert re.search(rf"^{label}\s", out, re.MULTILINE), label
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=str)
+def test_fused_kernels_compile_without_spills(dtype):
+    """fused.cu builds through NVRTC alone (no GPU) for sm_90 and sm_80, with no spills."""
+    from cupy.cuda import nvrtc
+    from cupy_paged._core.nvrtc import cuda_include_dirs, parse_ptxas_log
+    from llama import fused
+
+    for arch in ("sm_80", "sm_90"):
+        program = nvrtc.createProgram(fused.SOURCE.read_text(), "fused.cu", [], [])
+        try:
+            nvrtc.compileProgram(program, [*fused.options(dtype), f"-arch={arch}", "-Xptxas=-v",
+                                           *(f"-I{d}" for d in cuda_include_dirs())])
+            kernels = parse_ptxas_log(nvrtc.getProgramLog(program))
+        finally:
+            nvrtc.destroyProgram(program)
+        assert {k.kernel for k in kernels} == {"add_rms_norm", "rotary_split", "swiglu", "embed_rows", "argmax_rows"}
+        assert all(k.spill_stores == k.spill_loads == 0 for k in kernels), kernels
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -409,3 +429,91 @@ def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
         for got in (row, graph_row):
             assert np.linalg.norm(got - dense) <= 5e-2 * np.linalg.norm(dense)
         assert np.linalg.norm(graph_row - row) <= 1e-2 * np.linalg.norm(row)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=str)
+def test_fused_kernels_equal_the_array_expressions(dtype):
+    """Each fused kernel against the model's CuPy expressions it replaces (the unfused path):
+    the same values to within one rounding of the weights' dtype; argmax exact, ties to the
+    first index, NaN first."""
+    import cupy
+    from llama.fused import argmax_rows
+
+    config = LlamaConfig(**{**TINY.__dict__, "hidden_size": 320, "head_dim": 64, "num_attention_heads": 5,
+                            "num_key_value_heads": 1, "vocab_size": 3001, "intermediate_size": 600})
+    model = tiny_model(dtype, config, xp=cupy)
+    f, layer, rng = model.fused, model.layers[0], cupy.random.default_rng(5)
+    tokens = 37
+
+    def close(got, want, tol):
+        got, want = cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(want).astype(np.float64)
+        assert got.shape == want.shape and np.isfinite(got).all()
+        assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max())
+
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    x = rng.standard_normal((tokens, config.hidden_size), dtype=cupy.float32)
+    delta = rng.standard_normal((tokens, config.hidden_size), dtype=cupy.float32).astype(dtype)
+    summed, normed = f.add_rms_norm(x, delta, layer.input_norm)
+    close(summed, x + delta.astype(cupy.float32), 1e-6)
+    close(normed, model.rms_norm(x + delta.astype(cupy.float32), layer.input_norm), 2 * eps)
+    alone, normed = f.add_rms_norm(x, None, layer.input_norm)
+    close(alone, x, 0.0)
+    close(normed, model.rms_norm(x, layer.input_norm), 2 * eps)
+    in_place = x.copy()
+    f.add_rms_norm(in_place, delta, layer.input_norm, out=in_place)
+    close(in_place, summed, 0.0)
+
+    qkv = rng.standard_normal((tokens, config.q_size + 2 * config.kv_size), dtype=cupy.float32).astype(dtype)
+    positions = cupy.asarray(np.random.default_rng(1).integers(0, config.max_position_embeddings, tokens), np.int32)
+    q, k, v = f.rotary_split(qkv, positions, model.cos, model.sin, config.num_attention_heads,
+                             config.num_key_value_heads, config.head_dim)
+    cos, sin = model.cos[positions][:, None, :], model.sin[positions][:, None, :]
+    split = [config.q_size, config.q_size + config.kv_size]
+    want_q, want_k, want_v = cupy.split(qkv, split, axis=1)
+    close(q, model.rotate(want_q.reshape(q.shape), cos, sin), 2 * eps)
+    close(k, model.rotate(want_k.reshape(k.shape), cos, sin), 2 * eps)
+    close(v, want_v.reshape(v.shape), 0.0)
+
+    gate_up = rng.standard_normal((tokens, 2 * config.intermediate_size), dtype=cupy.float32).astype(dtype)
+    gate, up = (a.astype(cupy.float32) for a in cupy.split(gate_up, 2, axis=1))
+    close(f.swiglu(gate_up), gate / (1 + cupy.exp(-gate)) * up, 2 * eps)
+
+    ids = cupy.asarray([0, 5, config.vocab_size - 1, 5], np.int32)
+    close(f.embed(model.embed, ids), model.embed[ids].astype(cupy.float32), 0.0)
+
+    logits = rng.standard_normal((9, config.vocab_size), dtype=cupy.float32)
+    logits[1, [17, 900, 2999]] = 50.0  # a tie: the first index wins
+    logits[2, [44, 3000]] = cupy.nan  # NaN counts as the largest, first one
+    logits[3] = -cupy.inf
+    got = argmax_rows(logits).get().tolist()
+    assert got == np.argmax(logits.get(), axis=-1).tolist()
+    assert got[1:4] == [17, 44, 0]
+
+
+@pytest.mark.gpu
+def test_fused_forward_equals_the_array_expressions():
+    """The model's fused forward and its unfused one give the same logits within bfloat16
+    rounding, over a prefill step (chunks of several prompts) and the decode step after it."""
+    import cupy
+    import cupy_paged
+
+    model, engine, _ = _gpu_engines(graph_sizes=[8])
+    for r in request_mix(count=5, vocab=1000, new_tokens=3):
+        engine.add_request(r)
+    with engine.stream:
+        for step in range(2):
+            plan = engine.scheduler.schedule()
+            fused = model.fused
+            got = model.forward(plan, engine.cache)
+            model.fused = None
+            try:
+                want = model.forward(plan, engine.cache)  # writes the same K/V again
+            finally:
+                model.fused = fused
+            got, want = got.get(), want.get()
+            assert np.isfinite(got).all() and got.shape == want.shape
+            assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want), step
+            tokens = [int(t) for t in cupy.asnumpy(cupy.argmax(cupy.asarray(got), axis=-1))]
+            engine.scheduler.update(plan, tokens)
+    cupy_paged.check_errors()

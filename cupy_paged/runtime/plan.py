@@ -70,6 +70,12 @@ class StepPlan:
     sample_rows : numpy.ndarray or None
         Set by ``cupy_paged.Scheduler``: ``[num_samples]`` which row of ``logits_indices`` each
         sample reads (a prompt of ``n`` parallel samples is read ``n`` times); None: each once.
+    num_decodes : int or None
+        Set by ``cupy_paged.Scheduler``: the first ``num_decodes`` sequences decode (one
+        generated token each); the rest feed prompt (or recomputed) tokens.
+    host_input_ids : numpy.ndarray or None
+        Set by ``cupy_paged.Scheduler``: ``input_ids`` on the host (int64), read without a
+        device transfer.
     """
 
     seq_ids: list
@@ -90,6 +96,8 @@ class StepPlan:
     block_size: int
     sample_requests: list | None = None
     sample_rows: np.ndarray | None = None
+    num_decodes: int | None = None
+    host_input_ids: np.ndarray | None = None
     work: object = None
     entries: object = None
     num_items: int = 0

@@ -90,6 +90,7 @@ class Scheduler(serving.Scheduler):
             super().rollback(batch)
             raise
         plan.sample_requests, plan.sample_rows = batch.sample_requests, batch.sample_rows
+        plan.num_decodes, plan.host_input_ids = batch.num_decodes, batch.input_ids
         self._planned = (plan, batch)
         return plan
 

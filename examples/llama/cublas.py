@@ -83,9 +83,10 @@ class Gemm:
                         "cublasSetWorkspace")
             self._stream = stream
 
-    def __call__(self, a, b):
-        """``a [M, K] @ b [K, N]`` -> a new ``[M, N]`` array of ``a``'s dtype (float32 or float64
-        accumulation); both C-contiguous, of one dtype."""
+    def __call__(self, a, b, out_dtype=None):
+        """``a [M, K] @ b [K, N]`` -> a new ``[M, N]`` array of ``out_dtype`` (default ``a``'s dtype;
+        float32 for half-precision inputs is the other choice), float32 or float64 accumulation;
+        both C-contiguous, of one dtype."""
         import cupy
 
         if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
@@ -93,7 +94,11 @@ class Gemm:
         if not (a.flags.c_contiguous and b.flags.c_contiguous):
             a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
         (m, k), n = a.shape, b.shape[1]
-        out = cupy.empty((m, n), a.dtype)
+        out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
+        if out_dtype != a.dtype and not (out_dtype == np.float32 and a.dtype.itemsize == 2):
+            raise ValueError(f"a {a.dtype} product can be written as {a.dtype} or, for half precision, float32; "
+                             f"got out_dtype {out_dtype}")
+        out = cupy.empty((m, n), out_dtype)
         if m == 0 or n == 0:
             return out
         self._bind(cupy.cuda.get_current_stream().ptr)
@@ -102,7 +107,8 @@ class Gemm:
         alpha, beta = self._scalars[compute]
         # Row-major C = A B is column-major C^T = B^T A^T: cuBLAS multiplies b by a.
         self._check(self._gemm(self._handle, _OP_N, _OP_N, n, m, k, ctypes.addressof(alpha), b.data.ptr, data, n,
-                               a.data.ptr, data, k, ctypes.addressof(beta), out.data.ptr, data, n, compute,
+                               a.data.ptr, data, k, ctypes.addressof(beta), out.data.ptr, _DATA_TYPE[out_dtype], n,
+                               compute,
                                _GEMM_DEFAULT), "cublasGemmEx")
         return out
 

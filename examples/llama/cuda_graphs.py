@@ -74,7 +74,8 @@ class DecodePadding:
         if size is None or size < len(seq_ids):
             raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest size {self.sizes[-1]}")
         pad = size - len(seq_ids)
-        ids = np.asarray(list(input_ids) + [0] * pad, np.int32)
+        ids = np.zeros(size, np.int32)
+        ids[:len(seq_ids)] = input_ids
         plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, buffers=self.buffers)
         if plan.path != "decode":
             raise RuntimeError(f"a padded decode plan must take the decode path; got {plan.path!r}")

@@ -171,6 +171,9 @@ class Engine:
         if tracked.max_tokens > self.model.max_positions:
             raise ValueError(f"request {request.request_id!r} may reach {tracked.max_tokens} tokens, past the "
                              f"model's {self.model.max_positions} positions")
+        vocab = self.model.config.vocab_size
+        if tracked.prompt_token_ids and not 0 <= min(tracked.prompt_token_ids) <= max(tracked.prompt_token_ids) < vocab:
+            raise ValueError(f"request {request.request_id!r} has prompt token ids outside [0, {vocab})")
         self.scheduler.add_request(tracked)
         self._live[request.request_id] = (tracked, request, self._generator(request))
 
@@ -197,16 +200,15 @@ class Engine:
             if self.group is not None:
                 self.group.broadcast(plan_message(plan))
             live = [self._live[i] for i in plan.seq_ids]
-            decodes = [len(r.token_ids) - r.num_computed == 1 and r.num_computed >= len(r.prompt_token_ids)
-                       for r, _, _ in live]
             sampling = live if len(plan.logits_indices) == len(live) else [
                 entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
             params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
             model_start = time.perf_counter()
             try:
-                if self.graphs is not None and all(decodes) and self.graphs.size_for(len(live)) is not None:
+                if (self.graphs is not None and plan.num_decodes == len(live)
+                        and self.graphs.size_for(len(live)) is not None):
                     with self.timer.span("graph"):
-                        logits = self.graphs.run(plan.seq_ids, [r.token_ids[-1] for r, _, _ in live])
+                        logits = self.graphs.run(plan.seq_ids, plan.host_input_ids)
                         tokens = sample(logits, params, generators)
                 else:
                     with self.timer.span("model"):
@@ -215,7 +217,7 @@ class Engine:
             except BaseException:  # the forward pass failed: the step is undone and comes again next time
                 self.scheduler.rollback(plan)
                 raise
-            self._count_step(plan, decodes)
+            self._count_step(plan)
             # Sampling ends with the tokens on the host, so on the GPU this waited for the step's work.
             model_seconds = time.perf_counter() - model_start
             finished = self.scheduler.update(plan, tokens)
@@ -258,12 +260,12 @@ class Engine:
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
         self._stats_before = self.scheduler.stats()
 
-    def _count_step(self, plan, decodes) -> None:
+    def _count_step(self, plan) -> None:
         """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled."""
-        stats = self.stats
-        stats.steps["decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"] += 1
+        stats, decodes = self.stats, plan.num_decodes
+        stats.steps["decode" if decodes == plan.batch_size else "prefill" if decodes == 0 else "mixed"] += 1
         stats.kernel_paths[plan.path] += 1
-        stats.computed_prompt_tokens += plan.num_tokens - sum(decodes)
+        stats.computed_prompt_tokens += plan.num_tokens - decodes
         now, before = self.scheduler.stats(), self._stats_before  # O(1): the scheduler keeps the totals
         stats.prefix_queried_tokens = now.prompt_tokens - before.prompt_tokens
         stats.prefix_hit_tokens = now.cached_prompt_tokens - before.cached_prompt_tokens

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from . import fused
 from .config import LlamaConfig
 from .timing import NoTimer
 
@@ -122,6 +123,10 @@ class LlamaModel:
         # Tensor parallelism (llama.parallel): the sum over ranks of the attention output and MLP
         # projections' partial results; alone, nothing to add.
         self.all_reduce = None
+        # bfloat16 / float16 on the GPU: the steps between the products as one kernel each.
+        self.fused = None
+        if fused.supported(xp, self.dtype):
+            self.fused = fused.FusedOps(self.dtype, config.rms_norm_eps)
 
     @property
     def max_positions(self) -> int:
@@ -191,6 +196,8 @@ class LlamaModel:
             dtype (float32; float64 for a float64 model).
         """
         xp, timer = self.xp, timer or NoTimer()
+        if self.fused is not None and self.all_reduce is None:
+            return self._forward_fused(plan, cache, timer, all_rows)
         positions = xp.asarray(plan.positions)
         rows = None if all_rows else xp.asarray(plan.logits_indices)
         x = self.embed[xp.asarray(plan.input_ids)].astype(self.acc)
@@ -204,3 +211,29 @@ class LlamaModel:
             x = x[rows]
         logits = self.matmul(self.rms_norm(x, self.norm).astype(self.dtype), self.lm_head)
         return logits.astype(self.acc)
+
+    def _forward_fused(self, plan, cache, timer, all_rows: bool):
+        """:meth:`forward` through the fused kernels: per layer the four products, the attention
+        launch, one rotary-and-split kernel, SwiGLU, and two residual-add-and-RMSNorm kernels (the
+        second normalises for the next layer, or for the LM head after the last)."""
+        c, xp, f = self.config, self.xp, self.fused
+        ids = xp.asarray(plan.input_ids, dtype=np.int32)
+        positions = xp.asarray(plan.positions, dtype=np.int32)
+        x, h = f.add_rms_norm(f.embed(self.embed, ids), None, self.layers[0].input_norm)
+        tokens = x.shape[0]
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            q, k, v = f.rotary_split(self.matmul(h, layer.qkv), positions, self.cos, self.sin,
+                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            with timer.span("attention"):
+                attended = plan.attention(q, k, v, *cache.layer(index))
+            x, h = f.add_rms_norm(x, self.matmul(attended.reshape(tokens, c.q_size), layer.out), layer.post_norm,
+                                  out=x)
+            hidden = f.swiglu(self.matmul(h, layer.gate_up))
+            x, h = f.add_rms_norm(x, self.matmul(hidden, layer.down), next_norm, out=x)
+        if not all_rows:
+            rows = xp.asarray(plan.logits_indices)
+            if rows.shape[0] == 0:
+                return xp.empty((0, c.vocab_size), self.acc)
+            h = h[rows]
+        return self.matmul(h, self.lm_head, out_dtype=np.float32)

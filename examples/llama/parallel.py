@@ -219,7 +219,8 @@ def shard(config, weights: dict, rank: int, tp: int):
 
 # --------------------------------------------------------------------------- plans between ranks
 
-_RANK_0_ONLY = ("seq_ids", "sample_requests", "sample_rows")  # the scheduler's bookkeeping
+# The scheduler's bookkeeping.
+_RANK_0_ONLY = ("seq_ids", "sample_requests", "sample_rows", "num_decodes", "host_input_ids")
 
 
 def plan_message(plan) -> dict:

@@ -61,6 +61,16 @@ def _xp_of(array):
     return np if isinstance(array, np.ndarray) else __import__("cupy")
 
 
+def _argmax(xp, logits):
+    """Each row's argmax: one block per row on the GPU (CuPy's reduction took 42 us for
+    [64, 32000] float32 on the H200), NumPy's on the CPU."""
+    if xp is not np and logits.dtype == np.float32 and logits.flags.c_contiguous:
+        from .fused import argmax_rows
+
+        return argmax_rows(logits)
+    return xp.argmax(logits, axis=-1)
+
+
 def filtered_probs(logits, temperature, top_k, top_p):
     """The distributions stochastic rows sample from, over tokens sorted by descending logit.
 
@@ -133,7 +143,7 @@ def sample(logits, params: list, generators: list) -> list[int]:
     xp = _xp_of(logits)
     if logits.shape[0] == 0:
         return []
-    tokens = xp.argmax(logits, axis=-1)
+    tokens = _argmax(xp, logits)
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
     if stochastic:
         chosen = [params[i] for i in stochastic]
