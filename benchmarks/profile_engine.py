@@ -53,9 +53,11 @@ def graph_time(fn, inner: int, reps: int) -> float:
     return float(np.median(times))
 
 
-def stage_times(model, batch: int, inner: int, reps: int) -> dict:
-    """Device microseconds of each stage of one decode layer (and the model's ends) at ``batch`` rows."""
+def stage_times(model, batch: int, inner: int, reps: int) -> tuple[dict, dict]:
+    """Device microseconds of each stage of one decode layer (and the model's ends) at ``batch``
+    rows: as the NumPy-style expressions run them, and as the fused kernels do."""
     import cupy
+    from llama.fused import argmax_rows
 
     c, layer = model.config, model.layers[0]
     rng = cupy.random.default_rng(0)
@@ -87,7 +89,20 @@ def stage_times(model, batch: int, inner: int, reps: int) -> dict:
         "lm_head gemm + cast": lambda: model.matmul(h, model.lm_head).astype(model.acc),
         "argmax": lambda: cupy.argmax(logits, axis=-1),
     }
-    return {name: graph_time(fn, inner, reps) for name, fn in stages.items()}
+    f = model.fused
+    fused = {
+        "embed_rows": lambda: f.embed(model.embed, ids),
+        "add_rms_norm": lambda: f.add_rms_norm(x, h, layer.input_norm),
+        "rotary_split": lambda: f.rotary_split(qkv, positions.astype(cupy.int32), model.cos, model.sin,
+                                               c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        "swiglu (fused)": lambda: f.swiglu(gate_up),
+        "out gemm": lambda: model.matmul(attended, layer.out),
+        "down gemm": lambda: model.matmul(hidden, layer.down),
+        "lm_head gemm, float32 out": lambda: model.matmul(h, model.lm_head, out_dtype=cupy.float32),
+        "argmax_rows": lambda: argmax_rows(logits),
+    } if f is not None else {}
+    return ({name: graph_time(fn, inner, reps) for name, fn in stages.items()},
+            {name: graph_time(fn, inner, reps) for name, fn in fused.items()})
 
 
 def served_run(args, model):
@@ -139,19 +154,27 @@ def main(argv=None) -> int:
     from llama.weights import BF16
 
     model = LlamaModel(GPU_DEFAULT, random_weights(GPU_DEFAULT, 0, np.float32), cupy, BF16)
-    stages = stage_times(model, args.batch, args.inner, args.reps)
+    stages, fused = stage_times(model, args.batch, args.inner, args.reps)
     layer_us = sum(v for k, v in stages.items() if k not in ("embed", "lm_head gemm + cast", "argmax"))
+    fused_layer_us = sum(fused.get(k, 0.0) for k in ("add_rms_norm", "rotary_split", "swiglu (fused)", "out gemm",
+                                                      "down gemm")) + fused.get("add_rms_norm", 0.0) + \
+        stages["qkv gemm"] + stages["gate_up gemm"]
     run, profile_text = served_run(args, model)
     print(profile_text)
     print(f"device us per stage at batch {args.batch} (graph replay, median):")
     for name, value in stages.items():
         print(f"  {name:<24} {value:9.1f}")
-    print(f"  {'layer without attention':<24} {layer_us:9.1f}  (x{GPU_DEFAULT.num_hidden_layers} layers)")
+    print(f"  {'layer without attention':<24} {layer_us:9.1f}  (x{GPU_DEFAULT.num_hidden_layers} layers; "
+          "the second RMSNorm not counted)")
+    print("fused kernels (the model's GPU path):")
+    for name, value in fused.items():
+        print(f"  {name:<24} {value:9.1f}")
+    print(f"  {'layer without attention':<24} {fused_layer_us:9.1f}  (both RMSNorms counted)")
     print(f"served: {run['tok_s']:.0f} tok/s, wall {run['wall_s']:.2f} s, steps {run['steps']}, "
           f"buckets {json.dumps({k: round(v, 3) for k, v in run['seconds'].items()})}")
     print(f"decode step graph at batch {args.batch}: {run['graph_step_us']:.1f} us")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(batch=args.batch, stages_us=stages, run=run), indent=1) + "\n")
+    args.out.write_text(json.dumps(dict(batch=args.batch, stages_us=stages, fused_us=fused, run=run), indent=1) + "\n")
     return 0
 
 

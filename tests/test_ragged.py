@@ -125,6 +125,14 @@ def test_path_rule_and_arguments():
         build_plan(odd, oids, [1], num_heads=4, path="ragged")
     with pytest.raises(ValueError, match="path must be one of"):
         build_plan(cache, ids, [1] * 8, path="fast")
+    mixed, mids = make_cache([300, 40, 0], [1, 1, 20])  # decodes first, then a prompt: split
+    plan = build_plan(mixed, mids, [1, 1, 20])
+    assert (plan.path, plan.num_split, plan.tail_cu_seqlens_q.tolist()) == ("split", 2, [0, 20])
+    assert build_plan(mixed, mids, [1, 1, 20], path="varlen").path == "varlen"
+    late, lids = make_cache([0, 300], [20, 1])  # the one-token row last: varlen
+    assert (build_plan(late, lids, [20, 1]).path, build_plan(late, lids, [20, 1]).num_split) == ("varlen", 0)
+    with pytest.raises(ValueError, match="path='split' takes steps that start with one-token rows"):
+        build_plan(late, lids, [20, 1], path="split")
     from cupy_paged.runtime.buffers import PlanBuffers
 
     with pytest.raises(ValueError, match="work list for query_group = None"):
@@ -199,20 +207,21 @@ def _paired(cached, new, kv_heads, head_dim, block_size, dtype, layers=1):
     return gpu, host, ids
 
 
-def _run_both(cached, new, group, kv_heads, head_dim, block_size, dtype, **kwargs):
+def _run_both(cached, new, group, kv_heads, head_dim, block_size, dtype, path="ragged", poison=True, **kwargs):
     import cupy
 
     gpu, host, ids = _paired(cached, new, kv_heads, head_dim, block_size, dtype)
     heads = group * kv_heads
-    plan = build_plan(gpu, ids, new, num_heads=heads, path="ragged")
+    plan = build_plan(gpu, ids, new, num_heads=heads if path == "ragged" else None, path=path)
+    assert plan.path == path
     host_plan = build_plan(host, ids, new)
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (sum(new), h, head_dim), DTYPES[dtype]) for h in (heads, kv_heads, kv_heads))
     host_kwargs = {name: (value.get() if hasattr(value, "get") else value) for name, value in kwargs.items()}
     want = host_plan.attention(*(a.astype(np.float32) for a in (q, k, v)), *host.layer(0), **host_kwargs)
-    out = cupy.full((sum(new), heads, head_dim), np.nan, DTYPES[dtype])  # poisoned
+    out = cupy.full((sum(new), heads, head_dim), np.nan, DTYPES[dtype]) if poison else None
     got = plan.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *gpu.layer(0), out=out, **kwargs)
-    assert got is out
+    assert got is out or out is None
     assert_close(got.get(), want, DTYPES[dtype])
     for g, h in zip(gpu.layer(0), host.layer(0)):  # the same appends
         np.testing.assert_array_equal(g.get().astype(np.float32), h)
@@ -242,6 +251,31 @@ def test_gpu_ragged_window_softcap_alibi(kwargs):
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = cupy.asarray(np.linspace(0.05, 0.4, 8, dtype=np.float32))
     _run_both([700, 0, 33, 4000], [130, 5, 1, 1], 4, 2, 128, 16, "bfloat16", **kwargs)
+
+
+SPLIT_MIXES = [
+    ([200] * 5 + [1536], [1] * 5 + [512]),           # decodes, then a chunk after a prefix
+    ([5000, 30, 0, 0], [1, 1, 37, 3]),               # a long decode (split-KV), new prompts
+    ([0, 700, 64], [1, 130, 1]),                     # a one-token prompt; a one-token row in the tail
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", SPLIT_MIXES)
+@pytest.mark.parametrize("group,kv_heads", [(1, 2), (4, 2), (8, 1), (6, 2)])
+@pytest.mark.parametrize("poison", [True, False])
+def test_gpu_split_step_mixes(mix, group, kv_heads, poison):
+    """The split path (decode kernel, then write + varlen) against the CPU reference, the appends
+    of both launches compared, into a NaN-poisoned out= or a new output."""
+    _run_both(*mix, group, kv_heads, 128, 16, "bfloat16", path="split", poison=poison)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_split_head_dims_block_sizes(head_dim, block_size, dtype):
+    _run_both([33, 4000, 700, 0], [1, 1, 130, 5], 4, 2, head_dim, block_size, dtype, path="split")
 
 
 @pytest.mark.gpu

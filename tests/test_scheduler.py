@@ -35,7 +35,10 @@ def check_plan(plan, cache):
     assert (blocks >= 0).all()
     assert (plan.slot_mapping == blocks * bs + plan.positions % bs).all()
     assert np.unique(plan.slot_mapping).size == plan.num_tokens, "two new tokens share a slot"
-    assert plan.path == ("decode" if (lens == 1).all() else "varlen")
+    ones = int(np.argmax(lens != 1)) if (lens != 1).any() else lens.size
+    assert plan.path == ("decode" if ones == lens.size else "split" if ones else "varlen")
+    assert plan.num_split == (ones if plan.path == "split" else 0)
+    assert plan.tail_cu_seqlens_q.tolist() == (plan.cu_seqlens_q[plan.num_split:] - plan.num_split).tolist()
     for b, seq in enumerate(plan.seq_ids):
         assert plan.block_table[b, :cache.blocks(seq).size].tolist() == cache.blocks(seq).tolist()
 
@@ -115,7 +118,7 @@ def test_decodes_go_first_then_prefills_under_the_budget():
     plan = scheduler.schedule()
     check_plan(plan, scheduler.cache)
     assert plan.seq_ids == ["a", "b", "long"] and plan.query_lens.tolist() == [1, 1, 10]
-    assert plan.path == "varlen" and plan.sample_mask.tolist() == [True, True, False]
+    assert plan.path == "split" and plan.num_split == 2 and plan.sample_mask.tolist() == [True, True, False]
     assert plan.logits_indices.tolist() == [0, 1]
     assert plan.input_ids.tolist() == [7, 7] + list(range(10))
     scheduler.update(plan, [8, 8])
@@ -318,7 +321,7 @@ def test_greedy_tokens_do_not_depend_on_the_batch():
     together, paths, preemptions = generate(model, prompts, 8, num_blocks=14, max_batch_tokens=24,
                                             max_num_seqs=6, max_prefill_chunk=10)
     assert together == alone
-    assert paths == {"decode", "varlen"} and preemptions > 0  # chunked, mixed and recomputed
+    assert paths == {"decode", "split", "varlen"} and preemptions > 0  # chunked, mixed and recomputed
     assert len({tuple(t) for t in alone.values()}) > 1  # the stand-in is not constant
 
 

@@ -7,6 +7,7 @@ block) and ``rows`` the batch's rows of it.
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from .._core.paging import slot_of
 
@@ -75,3 +76,23 @@ def fill_plan(table, versions, rows, num_computed, query_lens, block_size,
             block_table[i, :] = -1
             memo_rows[i] = PADDING_ROW
     return max_q, max_k
+
+
+def query_lengths(query_lens, batch: int) -> np.ndarray:
+    """``query_lens`` as ``[batch]`` int64 (one int is every sequence's)."""
+    if np.ndim(query_lens) == 0:
+        return np.full(batch, query_lens, np.int64)
+    query = np.asarray(query_lens, np.int64)
+    if query.shape != (batch,):
+        raise ValueError(f"query_lens must have shape [batch = {batch}]; got {query.shape}")
+    return query
+
+
+def check_reserved(seq_ids: list, view, query: np.ndarray) -> None:
+    """Every sequence has >= 1 new token, each with a reserved slot."""
+    computed, reserved = view.num_computed, view.num_slots
+    if query.size and (((computed + query) > reserved).any() or query.min() < 1):
+        bad = int(np.argmax((query < 1) | (computed + query > reserved)))
+        raise ValueError(f"query_lens[{bad}] = {int(query[bad])} must be >= 1 and fit the "
+                         f"{int(reserved[bad] - computed[bad])} slots reserved past "
+                         f"the {int(computed[bad])} cached tokens of {seq_ids[bad]!r}")

@@ -21,10 +21,11 @@ import numpy as np
 
 from .._core.arrays import CUDA
 from .._core.types import HEAD_DIMS
+from ..api.decode import serves_step
 
 # StepPlan.path values (runtime/_layer.py spells them too).
-DECODE, VARLEN, RAGGED = "decode", "varlen", "ragged"
-PATHS = (DECODE, VARLEN, RAGGED)
+DECODE, VARLEN, RAGGED, SPLIT = "decode", "varlen", "ragged", "split"
+PATHS = (DECODE, VARLEN, RAGGED, SPLIT)
 ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
 MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 32
@@ -247,3 +248,22 @@ def _work_shape(device: str, dtype, head_dim: int, num_kv_heads: int) -> tuple[i
         device_id = cupy.cuda.runtime.getDevice()
         return ragged.tile_keys(head_dim), ragged.slots_per_head(device_id, np.dtype(dtype), head_dim, num_kv_heads)
     return ragged.tile_keys(head_dim), max(1, 264 // num_kv_heads)
+
+
+def final_path(path, query: np.ndarray, batch_size: int, num_tokens: int, max_q: int) -> tuple[str, int]:
+    """``(path, num_split)``: the path asked for (checked) or, when None, ``"decode"`` for one
+    token per row, ``"split"`` for leading one-token rows before longer ones, else ``"varlen"``."""
+    if path == RAGGED:
+        return path, 0
+    decode = serves_step(batch_size, num_tokens, max_q)
+    if path == DECODE and not decode:
+        raise ValueError("path='decode' takes steps of one new token per sequence")
+    if path == DECODE or (path is None and decode):
+        return DECODE, 0
+    longer = query != 1
+    ones = int(np.argmax(longer)) if longer.any() else 0  # the leading one-token rows
+    if path == SPLIT and ones == 0:
+        raise ValueError("path='split' takes steps that start with one-token rows and end with longer ones")
+    if path == SPLIT or (path is None and ones):
+        return SPLIT, ones
+    return VARLEN, 0

@@ -32,6 +32,7 @@ def layout(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0
     shapes.update(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
                   cu_seqlens_q=(batch + 1,), cu_seqlens_k=(batch + 1,), query_lens=(batch,),
                   cache_seqlens=(batch,), seqlens_k=(batch,), logits_indices=(batch,),
+                  tail_cu_seqlens_q=(batch + 1,),
                   block_table=(batch, width))  # last, so an upload of fewer rows stops early
     places, total = {}, 0
     for name, shape in shapes.items():
@@ -150,7 +151,8 @@ class PlanBuffers:
                 self._slices.clear()
             arrays = self._host_views if side == "host" else self._device_views
             lengths = dict(input_ids=num_tokens, positions=num_tokens, slot_mapping=num_tokens,
-                           cu_seqlens_q=batch_size + 1, cu_seqlens_k=batch_size + 1)
+                           cu_seqlens_q=batch_size + 1, cu_seqlens_k=batch_size + 1,
+                           tail_cu_seqlens_q=batch_size + 1)
             self._slices[key] = {name: view if name in _WHOLE else view[:lengths.get(name, batch_size)]
                                  for name, view in arrays.items()}
         return self._slices[key]

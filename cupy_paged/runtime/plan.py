@@ -14,15 +14,15 @@ import numpy as np
 
 from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, signature, to_host
 from .._core.paging import gather_slots
-from ..api.decode import flash_attn_with_kvcache, serves_step
+from ..api.decode import flash_attn_with_kvcache
 from ..api.kv_write import write_kv_cache
 from ..api.varlen import flash_attn_varlen_func
-from ._fill import UNKNOWN_ROW, fill_plan
+from ._fill import UNKNOWN_ROW, check_reserved, fill_plan, query_lengths
 from ._layer import LayerLaunch
-from ._work import DECODE, RAGGED, VARLEN, choose_path, fill_work, plan_work
+from ._work import DECODE, RAGGED, SPLIT, VARLEN, choose_path, final_path, fill_work, plan_work
 from .buffers import PlanBuffers, layout, views
 
-__all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN", "RAGGED"]
+__all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN", "RAGGED", "SPLIT"]
 
 
 @dataclasses.dataclass
@@ -62,7 +62,10 @@ class StepPlan:
         (the plan was built with ``num_heads`` and the step is not prefill-heavy, see
         ``build_plan``); ``"decode"`` when ``cupy_paged.api.decode.serves_step`` says the decode
         kernel (``flash_attn_with_kvcache``) takes the step: one new token per row, as many tokens
-        as rows, padding counted; ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
+        as rows, padding counted; ``"split"`` when the step starts with one-token rows (the
+        scheduler's decodes) followed by longer ones: the decode kernel takes the first
+        ``num_split`` rows and the paged varlen kernel the rest (two launches, so no one-token row
+        fills a prefill tile); ``"varlen"`` otherwise (paged ``flash_attn_varlen_func``).
     block_size : int
     sample_requests : list or None
         Set by ``cupy_paged.Scheduler``: ``[num_samples]`` the request each sampled token is for
@@ -70,6 +73,11 @@ class StepPlan:
     sample_rows : numpy.ndarray or None
         Set by ``cupy_paged.Scheduler``: ``[num_samples]`` which row of ``logits_indices`` each
         sample reads (a prompt of ``n`` parallel samples is read ``n`` times); None: each once.
+    num_split : int
+        On the ``"split"`` path, the leading one-token rows the decode kernel takes; else 0.
+    tail_cu_seqlens_q : array
+        ``[batch + 1 - num_split]`` int32 prefix sums of the query lengths of the rows after the
+        first ``num_split``, from 0 (``cu_seqlens_q`` itself when ``num_split`` is 0).
     num_decodes : int or None
         Set by ``cupy_paged.Scheduler``: the first ``num_decodes`` sequences decode (one
         generated token each); the rest feed prompt (or recomputed) tokens.
@@ -94,6 +102,8 @@ class StepPlan:
     sample_mask: np.ndarray
     path: str
     block_size: int
+    tail_cu_seqlens_q: object = None
+    num_split: int = 0
     sample_requests: list | None = None
     sample_rows: np.ndarray | None = None
     num_decodes: int | None = None
@@ -280,8 +290,8 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     rows = cache.rows(seq_ids) if rows is None else rows
     view = cache.plan_view(rows)
     batch = rows.size
-    query = _query_lens(query_lens, batch)
-    _check_reserved(seq_ids, view, query)
+    query = query_lengths(query_lens, batch)
+    check_reserved(seq_ids, view, query)
     tokens = int(query.sum())
     packed = places = None
     path, ragged = choose_path(cache, query, view.num_computed, num_heads, path, buffers)
@@ -315,41 +325,21 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
             counts = (items, entries, slots)
     _write_input_ids(out["input_ids"], input_ids, tokens)
     sample_mask, num_sampled = _write_logits_indices(out["logits_indices"], out["cu_seqlens_q"], sample_mask, batch)
+    path, num_split = final_path(path, query, batch_size, num_tokens, int(max_q))
+    cu_q, tail = out["cu_seqlens_q"], out["tail_cu_seqlens_q"]
+    np.subtract(cu_q[num_split:], num_split, out=tail[:batch_size + 1 - num_split])
     out = _device_side(out, packed, places, buffers, view.device, batch_size, num_tokens)
+    out["tail_cu_seqlens_q"] = out["tail_cu_seqlens_q"][:batch_size + 1 - num_split]
     out["logits_indices"] = out["logits_indices"][:num_sampled]
     if input_ids is None:
         out["input_ids"] = None
     if batch_size > batch:  # padding sequences: no id, no sample
         sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
         seq_ids = seq_ids + [None] * (batch_size - batch)
-    if path is None:
-        path = DECODE if serves_step(batch_size, num_tokens, int(max_q)) else VARLEN
-    elif path == DECODE and not serves_step(batch_size, num_tokens, int(max_q)):
-        raise ValueError("path='decode' takes steps of one new token per sequence")
     work, entries = out.pop("work", None), out.pop("entries", None)
     return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), sample_mask=sample_mask,
                     path=path, block_size=view.block_size, work=work, entries=entries, num_items=counts[0],
-                    num_entries=counts[1], num_slots=counts[2], **out)
-
-
-def _query_lens(query_lens, batch: int) -> np.ndarray:
-    """``query_lens`` as ``[batch]`` int64 (one int is every sequence's)."""
-    if np.ndim(query_lens) == 0:
-        return np.full(batch, query_lens, np.int64)
-    query = np.asarray(query_lens, np.int64)
-    if query.shape != (batch,):
-        raise ValueError(f"query_lens must have shape [batch = {batch}]; got {query.shape}")
-    return query
-
-
-def _check_reserved(seq_ids: list, view, query: np.ndarray) -> None:
-    """Every sequence has >= 1 new token, each with a reserved slot."""
-    computed, reserved = view.num_computed, view.num_slots
-    if query.size and (((computed + query) > reserved).any() or query.min() < 1):
-        bad = int(np.argmax((query < 1) | (computed + query > reserved)))
-        raise ValueError(f"query_lens[{bad}] = {int(query[bad])} must be >= 1 and fit the "
-                         f"{int(reserved[bad] - computed[bad])} slots reserved past "
-                         f"the {int(computed[bad])} cached tokens of {seq_ids[bad]!r}")
+                    num_entries=counts[1], num_slots=counts[2], num_split=num_split, **out)
 
 
 def _new_arrays(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0):
