@@ -104,7 +104,7 @@ class Step:
         t = torch.from_dlpack
         new = np.asarray(self.new)
         tokens = np.concatenate([np.arange(starts[b], starts[b] + new[b]) for b in rows])
-        assert (np.diff(tokens) == 1).all(), "multi-token rows come first here"
+        assert (np.diff(tokens) == 1).all(), "the multi-token rows are contiguous here"
         sl = slice(int(tokens[0]), int(tokens[-1]) + 1)
         slots = t(plan.slot_mapping)[sl]
         lens_q = new[rows]
@@ -127,7 +127,7 @@ class Step:
 
         t = torch.from_dlpack
         first = int(starts[rows[0]])
-        assert (starts[rows] == first + np.arange(rows.size)).all(), "decodes last here"
+        assert (starts[rows] == first + np.arange(rows.size)).all(), "the decodes are contiguous here"
         sl = slice(first, first + rows.size)
         q, k, v = self.tq[sl, None], self.tk[sl, None], self.tv[sl, None]
         seqlens = torch.tensor(np.asarray(self.cached)[rows], dtype=torch.int32, device="cuda")
@@ -153,10 +153,10 @@ class Step:
 
 
 def mix(chunks=(), decodes=(0, 0), spec=(0, 0, 0)):
-    """(cached, new): ``chunks`` of (tokens, cached) first, then ``spec`` = (rows, q, cached),
-    then ``decodes`` = (count, context)."""
-    cached = [c for _, c in chunks] + [spec[2]] * spec[0] + [decodes[1] - 1] * decodes[0]
-    new = [n for n, _ in chunks] + [spec[1]] * spec[0] + [1] * decodes[0]
+    """(cached, new) in the order the scheduler gives a step: ``decodes`` = (count, context)
+    first, then ``chunks`` of (tokens, cached), then ``spec`` = (rows, q, cached)."""
+    cached = [decodes[1] - 1] * decodes[0] + [c for _, c in chunks] + [spec[2]] * spec[0]
+    new = [1] * decodes[0] + [n for n, _ in chunks] + [spec[1]] * spec[0]
     return cached, new
 
 

@@ -3,8 +3,9 @@
 A stand-in model (random embeddings, a few attention layers, greedy argmax) serves a
 stream of requests of mixed prompt lengths.  Each step the scheduler picks decodes
 first, then prefill chunks under a token budget, builds one plan, and every layer runs
-``plan.attention`` (the decode kernel when all sequences have one new token, the paged
-varlen kernel otherwise).  On a GPU everything runs through the CUDA kernels; without
+``plan.attention`` (the decode kernel when all sequences have one new token; when decodes
+share the step with prompt chunks, the decode kernel for them and the paged varlen kernel for
+the chunks; the paged varlen kernel otherwise).  On a GPU everything runs through the CUDA kernels; without
 one, through the CPU reference backend.
 
     python examples/continuous_batching.py [--requests 32] [--layers 4]
@@ -74,7 +75,7 @@ def main() -> int:
         prompt = system_prompt + rng.integers(0, 512, int(rng.integers(4, 200))).tolist()
         scheduler.add_request(cupy_paged.Request(i, prompt, args.max_new_tokens))
 
-    steps, paths, finished = 0, {"decode": 0, "varlen": 0}, []
+    steps, paths, finished = 0, dict.fromkeys(("decode", "split", "varlen"), 0), []
     start = time.perf_counter()
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
@@ -84,7 +85,7 @@ def main() -> int:
     seconds = time.perf_counter() - start
     tokens = sum(len(r.output_token_ids) for r in finished)
     print(f"{len(finished)} requests, {tokens} generated tokens in {steps} steps "
-          f"({paths['varlen']} varlen, {paths['decode']} decode) on the {where}: {seconds:.2f} s")
+          f"({', '.join(f'{n} {path}' for path, n in paths.items())}) on the {where}: {seconds:.2f} s")
     print(f"preemptions: {scheduler.num_preemptions}; free blocks at the end: {cache.pool.num_free} "
           f"of {cache.num_blocks}")
     first = next((r for r in finished if r.request_id == 0), None)

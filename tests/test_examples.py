@@ -19,6 +19,7 @@ def run_example(where: str, **env):
     assert result.stdout.startswith("10 requests, 60 generated tokens"), result.stdout
     assert f"on the {where}" in result.stdout
     assert "free blocks at the end: 96 of 96" in result.stdout
+    assert all(f" {path}" in result.stdout for path in ("decode", "split", "varlen")), result.stdout
 
 
 def test_continuous_batching_example_finishes_every_request():
@@ -27,7 +28,7 @@ def test_continuous_batching_example_finishes_every_request():
 
 @pytest.mark.gpu
 def test_continuous_batching_example_on_the_gpu():
-    """The same run on the CUDA kernels (both paths: decode and paged varlen)."""
+    """The same run on the CUDA kernels (decode, split and paged varlen steps)."""
     run_example("GPU")
 
 

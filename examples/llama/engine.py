@@ -256,9 +256,15 @@ class Engine:
         if self.graphs is not None:
             with self.stream:
                 self.graphs.capture_all()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Forget the statistics so far (after a warm-up): the next run's figures start from zero."""
+        if self.graphs is not None:
             self.graphs.replays = 0
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
         self._stats_before = self.scheduler.stats()
+        self.timer.seconds.clear()
 
     def _count_step(self, plan) -> None:
         """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled."""
