@@ -91,11 +91,12 @@ class Step:
         new = np.asarray(self.new)
         starts = np.concatenate([[0], np.cumsum(new)[:-1]])
         long_rows, short_rows = np.flatnonzero(new > 1), np.flatnonzero(new == 1)
-        calls = []
+        calls = []  # (first token, call): the outputs concatenate in token order
         if long_rows.size:
-            calls.append(self._chunk_call(plan, long_rows, starts))
+            calls.append((starts[long_rows[0]], self._chunk_call(plan, long_rows, starts)))
         if short_rows.size:
-            calls.append(self._decode_call(plan, short_rows, starts))
+            calls.append((starts[short_rows[0]], self._decode_call(plan, short_rows, starts)))
+        calls = [call for _, call in sorted(calls, key=lambda pair: pair[0])]
         return lambda: [call() for call in calls]
 
     def _chunk_call(self, plan, rows, starts):

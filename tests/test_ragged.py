@@ -125,6 +125,13 @@ def test_path_rule_and_arguments():
         build_plan(odd, oids, [1], num_heads=4, path="ragged")
     with pytest.raises(ValueError, match="path must be one of"):
         build_plan(cache, ids, [1] * 8, path="fast")
+    # Beside decodes, a chunk of at most LONGEST_RAGGED_ROW tokens joins the ragged launch; a longer
+    # one takes the split path.
+    from cupy_paged.runtime._work import LONGEST_RAGGED_ROW
+
+    for chunk, path in ((LONGEST_RAGGED_ROW, "ragged"), (LONGEST_RAGGED_ROW + 1, "split")):
+        step, sids = make_cache([2047] * 255 + [1536], [1] * 255 + [chunk], kv_heads=8, head_dim=128)
+        assert build_plan(step, sids, [1] * 255 + [chunk], num_heads=32).path == path
     mixed, mids = make_cache([300, 40, 0], [1, 1, 20])  # decodes first, then a prompt: split
     plan = build_plan(mixed, mids, [1, 1, 20])
     assert (plan.path, plan.num_split, plan.tail_cu_seqlens_q.tolist()) == ("split", 2, [0, 20])

@@ -176,16 +176,23 @@ def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, w
 # What the ragged launch reaches on the H200 (benchmarks/NOTES_mixed.md): K/V streamed at about
 # 4 TB/s, the tensor-core work of 16-row tiles at about 150 TFLOP/s.
 _READ_RATE, _TILE_FLOPS = 4.0e12, 150e12
+# Longest row the ragged launch takes (NOTES_mixed.md, 2026-12-01): beside 64-255 decodes, chunks of
+# 512 tokens ran 9% and 37% faster on the split path (decode kernel + prefill kernel), chunks of
+# 128 tokens 8% and 27% slower.
+LONGEST_RAGGED_ROW = 256
 
 
 @numba.njit(cache=True, nogil=True)
 def prefers_ragged(query_lens, cached, group, num_kv_heads, head_dim) -> bool:
-    """Whether the ragged launch should take a step: when its 16-row tiles' work on the long rows
-    (prefill chunks) hides behind the K/V reads of the whole step.  A prefill-heavy step goes to
-    the prefill kernels, whose 64- and 128-row tiles do that work three times as fast."""
+    """Whether the ragged launch should take a step: when no row is longer than
+    ``LONGEST_RAGGED_ROW`` tokens and its 16-row tiles' work on the long rows (prefill chunks)
+    hides behind the K/V reads of the whole step.  Other steps go to the prefill kernels, whose
+    64- and 128-row tiles do that work three times as fast (the split path beside decodes)."""
     keys = 0.0
     long_work = 0.0
     for b in range(query_lens.shape[0]):
+        if query_lens[b] > LONGEST_RAGGED_ROW:
+            return False
         total = cached[b] + query_lens[b]
         keys += total
         if query_lens[b] * group > ROWS:
