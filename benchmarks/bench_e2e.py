@@ -263,6 +263,14 @@ def make_prompts(args, n: int, vocab: int) -> list[list[int]]:
     return [rng.integers(FIRST_TOKEN, vocab, int(length)).tolist() for length in lengths]
 
 
+def warm_up_prompts(prompts: list, vocab: int) -> list:
+    """Prompts of the same lengths as ``prompts`` with every token moved to the next id (special ids
+    skipped): a warm-up over them meets every shape of the timed run, and neither engine's prefix
+    cache then holds a block the timed prompts can hit."""
+    span = vocab - FIRST_TOKEN
+    return [[FIRST_TOKEN + (t - FIRST_TOKEN + 1) % span for t in p] for p in prompts]
+
+
 def floor_bytes(config, itemsize: int) -> tuple[int, int]:
     """Bytes a decode step must read: every layer's matrices and the LM head (not the embedding
     table), and the K/V bytes of one cached token over all layers."""
@@ -371,8 +379,8 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     engine.warm_up()
     # As HF's warm-up call: the whole workload's shapes once (other prompts of the same lengths, so
     # the prefix cache holds nothing the timed run can hit), a few tokens each.
-    engine.run([GenerationRequest(("warm-up", i), [(t + 1) % bench.ours.config.vocab_size for t in p],
-                                  args.hf_warmup_tokens) for i, p in enumerate(prompts)])
+    engine.run([GenerationRequest(("warm-up", i), p, args.hf_warmup_tokens)
+                for i, p in enumerate(warm_up_prompts(prompts, bench.ours.config.vocab_size))])
     engine.reset_stats()
     warm = time.perf_counter() - start
     log = StepLog(engine)
@@ -392,6 +400,9 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     if s.graph_replays:
         detail["decode_steps"]["graph_bucket_ms_per_replay"] = round(1e3 * s.seconds["graph"] / s.graph_replays, 4)
     tokens = [list(outputs[i]) for i in range(n)]
+    short = [i for i, t in enumerate(tokens) if len(t) != args.max_new_tokens]
+    if short:
+        raise RuntimeError(f"ours: requests {short[:8]} generated other than {args.max_new_tokens} tokens")
     del engine, log
     _release()
     return Run(spec, n, wall, warm, tokens, detail)
@@ -467,8 +478,11 @@ def _hf_tokens(results: dict, n: int, new_tokens: int) -> tuple[list, bool | Non
 
 def run_hf(bench, spec: Spec, n: int, prompts: list) -> Run:
     """Serve ``prompts`` with HF ``generate_batch``: an untimed warm-up call (``--hf-warmup-tokens``
-    each; the same prompts with graphs, two of them without) on a persistent manager, then the
-    timed call on it."""
+    each, over :func:`warm_up_prompts`: all of them with graphs, two without) on a persistent
+    manager, then the timed call on it.  The warm-up's prompts are not the timed ones: HF's
+    continuous batching shares cached prompt blocks between calls of one manager
+    (``allow_block_sharing``), and with the same prompts about 77% of the timed call's prompt
+    tokens skipped their prefill."""
     args = bench.args
     model = bench.hf_model(spec.attn)
     options, dropped, page = cb_options(args, n, spec)
@@ -477,8 +491,8 @@ def run_hf(bench, spec: Spec, n: int, prompts: list) -> Run:
     try:
         start = time.perf_counter()
         if warm_up:
-            hf_generate(model, prompts if spec.graphs else prompts[:2], args.hf_warmup_tokens, options,
-                        persistent=True)
+            others = warm_up_prompts(prompts if spec.graphs else prompts[:2], bench.ours.config.vocab_size)
+            hf_generate(model, others, args.hf_warmup_tokens, options, persistent=True)
         warm = time.perf_counter() - start
         results, start, call = _timed_generate(model, prompts, args.max_new_tokens, options, persistent)
         lengths = {len(r.generated_tokens) for r in results.values()}
@@ -492,7 +506,8 @@ def run_hf(bench, spec: Spec, n: int, prompts: list) -> Run:
     finally:
         _destroy_manager(model)
         _release()
-    how = (f"untimed generate_batch of {'the same prompts' if spec.graphs else 'two of the prompts'}, "
+    how = (f"untimed generate_batch of {'prompts of the same lengths' if spec.graphs else 'two such prompts'} "
+           "(other tokens), "
            f"{args.hf_warmup_tokens} new tokens each, on a persistent manager reused by the timed call"
            if warm_up else "none: a fresh manager in the timed call (HF warmup=True)")
     detail = dict(attn_implementation=spec.attn, continuous_batching=options, dropped_options=dropped,

@@ -88,11 +88,20 @@ def query_lengths(query_lens, batch: int) -> np.ndarray:
     return query
 
 
+@numba.njit(cache=True, nogil=True)
+def _first_unreserved(computed, query, reserved) -> int:
+    """The first row with no new token or more than its reserved slots, else -1 (one pass)."""
+    for b in range(query.shape[0]):
+        if query[b] < 1 or computed[b] + query[b] > reserved[b]:
+            return b
+    return -1
+
+
 def check_reserved(seq_ids: list, view, query: np.ndarray) -> None:
     """Every sequence has >= 1 new token, each with a reserved slot."""
     computed, reserved = view.num_computed, view.num_slots
-    if query.size and (((computed + query) > reserved).any() or query.min() < 1):
-        bad = int(np.argmax((query < 1) | (computed + query > reserved)))
+    bad = _first_unreserved(computed, query, reserved)
+    if bad >= 0:
         raise ValueError(f"query_lens[{bad}] = {int(query[bad])} must be >= 1 and fit the "
                          f"{int(reserved[bad] - computed[bad])} slots reserved past "
                          f"the {int(computed[bad])} cached tokens of {seq_ids[bad]!r}")

@@ -258,9 +258,10 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         work hides behind its K/V reads (decode-only, mixed with short chunks); prefill-heavy
         steps keep ``"varlen"``.  With ``buffers``, they must have been made with
         ``query_group = num_heads // num_kv_heads``.
-    path : {"ragged", "decode", "varlen"}, optional
+    path : {"ragged", "decode", "split", "varlen"}, optional
         Take this path whatever the step (``"ragged"`` needs ``num_heads``; ``"decode"`` a
-        step the decode kernel serves).
+        step the decode kernel serves; ``"split"`` a step that starts with one-token rows and
+        has a longer one after them).
 
     Returns
     -------

@@ -64,7 +64,10 @@ class EngineStats:
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    computed_prompt_tokens: int = 0   # prompt (and recomputed) tokens the model ran
+    # Tokens the model ran in rows of more than one token: prompt chunks and recomputation.  As in
+    # the scheduler, a row that feeds one token is a decode, so a prompt whose last chunk holds one
+    # token counts that token as a decode and its step as a decode (or mixed) step.
+    computed_prompt_tokens: int = 0
     steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     kernel_paths: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     prefix_queried_tokens: int = 0

@@ -4,7 +4,9 @@ of CuPy array operations the same NumPy-style expressions launch.
 :class:`FusedOps` computes what :class:`llama.model.LlamaModel`'s expressions compute, in the
 same dtypes (float sums and residual stream, results rounded once to the weights' dtype), for
 bfloat16 and float16 models on CuPy arrays; every call allocates its outputs from CuPy's current
-allocator and launches on the current stream, so a CUDA graph can capture it.
+allocator and launches on the current stream, so a CUDA graph can capture it.  One difference of
+the fused forward: cuBLAS writes the logits as float32, where the expressions (and Hugging Face)
+round them to the weights' dtype first, so near-ties between two tokens can resolve otherwise.
 """
 from __future__ import annotations
 
@@ -98,6 +100,11 @@ class FusedOps:
         return out
 
 
+@functools.cache
+def _argmax_kernel():
+    return _module(np.dtype(ml_dtypes.bfloat16)).get_function("argmax_rows")  # reads float32 only
+
+
 def argmax_rows(logits):
     """``[rows]`` int64 index of each row's largest value of C-contiguous float32 ``logits [rows, vocab]``
     (the first on ties; a NaN counts as largest), one block per row."""
@@ -106,6 +113,5 @@ def argmax_rows(logits):
     rows, vocab = logits.shape
     out = cupy.empty(rows, np.int64)
     if rows:
-        _module(np.dtype(ml_dtypes.bfloat16)).get_function("argmax_rows")(
-            (rows,), (512,), (logits, out, np.int32(vocab)))
+        _argmax_kernel()((rows,), (512,), (logits, out, np.int32(vocab)))
     return out
