@@ -3,7 +3,10 @@ each against the CPU reference backend on float32 copies of the same values.
 
 Kernels: ``varlen`` (contiguous K/V), ``varlen_paged`` (block table), ``decode``
 (``flash_attn_with_kvcache``: paged or contiguous caches, appends, rotary, splits),
-``write_kv_cache`` and ``merge`` (``merge_attention_states``).  A configuration draws lengths
+``write_kv_cache``, ``merge`` (``merge_attention_states``) and ``step`` (one layer of
+``StepPlan.attention`` over a paged cache: a continuous-batching mix of decodes, short rows and
+chunks on the path the plan picks or a forced one, ragged, split, varlen or decode, the appends
+compared).  A configuration draws lengths
 (0 and 1 among them), float16/bfloat16 (merge: float32 too), head dims 32..256, GQA ratios, block
 sizes 8..256, shuffled block tables with spare blocks and -1 columns, holes in needed columns
 (then ``check_values=False`` on both sides: the kernels' error word may name ``block_table``,
@@ -53,7 +56,7 @@ from _util import RTOL  # noqa: E402  (the tests' tolerances, one source)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
-KERNELS = ("varlen", "varlen_paged", "decode", "write_kv_cache", "merge")
+KERNELS = ("varlen", "varlen_paged", "decode", "write_kv_cache", "merge", "step")
 WORK_CAP = 4e6  # query-key-head products per configuration: keeps the CPU reference in milliseconds
 
 
@@ -253,13 +256,75 @@ def draw_merge(rng) -> dict:
                 out_shape=shape if where < 0.3 else None, out_is_a=bool(0.3 <= where < 0.45))
 
 
+def draw_step(rng) -> dict:
+    """A continuous-batching step: 1-8 rows, each a decode (one token), a short row (2-16) or a
+    chunk (17-96) after 0-300 cached tokens, decodes first as the scheduler orders them (or shuffled),
+    on the plan's own path or a forced valid one, with softcap sometimes, out= given or not."""
+    num_heads, kv_heads, head_dim, dtype = _heads(rng)
+    batch = int(rng.integers(1, 9))
+    kinds = rng.choice(3, batch, p=[0.5, 0.25, 0.25])
+    new = [1 if k == 0 else int(rng.integers(2, 17)) if k == 1 else int(rng.integers(17, 97)) for k in kinds]
+    cached = [int(rng.choice([0, 1, int(rng.integers(2, 301))])) for _ in range(batch)]
+    order = np.argsort([n != 1 for n in new], kind="stable") if rng.random() < 0.7 else rng.permutation(batch)
+    new, cached = [new[i] for i in order], [cached[i] for i in order]
+    new, cached = _fit(new, [c + n for c, n in zip(cached, new)], num_heads)
+    new = [max(n, 1) for n in new]
+    cached = [max(0, c - n) for c, n in zip(cached, new)]  # _fit halved the totals
+    ones = int(np.argmax(np.asarray(new) != 1)) if any(n != 1 for n in new) else batch
+    paths = [None, "ragged", "varlen"] + (["split"] if 0 < ones < batch else []) + (["decode"] if ones == batch else [])
+    block_size = int(rng.choice(BLOCK_SIZES))
+    blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new))
+    tokens = sum(new)
+    args = dict(k_cache=_values(rng, (blocks, block_size, kv_heads, head_dim), dtype),
+                v_cache=_values(rng, (blocks, block_size, kv_heads, head_dim), dtype),
+                q=_values(rng, (tokens, num_heads, head_dim), dtype), k=_values(rng, (tokens, kv_heads, head_dim), dtype),
+                v=_values(rng, (tokens, kv_heads, head_dim), dtype), cached=cached, new=new,
+                path=paths[int(rng.integers(len(paths)))], num_heads=num_heads,
+                shuffle=int(rng.integers(1 << 30)))
+    if rng.random() < 0.2:
+        args["softcap"] = float(rng.uniform(5.0, 50.0))
+    out = (tokens, num_heads, head_dim) if rng.random() < 0.4 else None
+    return dict(function="plan_step", dtype=dtype, args=args, out_shape=out, holes=False,
+                in_place=("k_cache", "v_cache"), lse_key=None)
+
+
+def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, out=None, **kwargs):
+    """One layer of :meth:`cupy_paged.StepPlan.attention` over a one-layer cache (NumPy: the CPU
+    backend; CuPy: the GPU) whose blocks come from a free list shuffled by ``shuffle`` and hold
+    ``k_cache``/``v_cache``'s values; the caches after the step (the appends) are written back."""
+    import random
+
+    device = "cpu" if isinstance(q, np.ndarray) else "cuda"
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    totals = [c + n for c, n in zip(cached, new)]
+    cache = cupy_paged.PagedAttentionCache(
+        1, kv_heads, head_dim, block_size=block_size, num_blocks=num_blocks, dtype=q.dtype, device=device,
+        max_seqs=len(totals), max_blocks_per_seq=max(-(-t // block_size) for t in totals),
+        enable_prefix_caching=False)
+    random.Random(shuffle).shuffle(cache.pool._free)
+    ids = list(range(len(totals)))
+    for seq, total in zip(ids, totals):
+        cache.allocate(seq, list(range(total)))
+    cache.mark_computed(ids, list(cached))
+    layer_k, layer_v = cache.layer(0)
+    layer_k[...], layer_v[...] = k_cache, v_cache
+    plan = cupy_paged.build_plan(cache, ids, list(new), num_heads=num_heads if path in (None, "ragged") else None,
+                                 path=path)
+    result = plan.attention(q, k, v, layer_k, layer_v, out=out, **kwargs)
+    k_cache[...], v_cache[...] = layer_k, layer_v
+    return result
+
+
+RUNNERS = {"plan_step": plan_step}
+
+
 def draw(kernel: str, seed: int, index: int) -> dict:
     """Configuration ``index`` of ``kernel``: a dict (function, dtype, args of NumPy arrays in the
     case's dtype, out_shape, holes, in_place outputs...)."""
     rng = np.random.default_rng([seed, KERNELS.index(kernel), index])
     case = {"varlen": lambda: draw_varlen(rng, False), "varlen_paged": lambda: draw_varlen(rng, True),
             "decode": lambda: draw_decode(rng), "write_kv_cache": lambda: draw_write(rng),
-            "merge": lambda: draw_merge(rng)}[kernel]()
+            "merge": lambda: draw_merge(rng), "step": lambda: draw_step(rng)}[kernel]()
     case.update(kernel=kernel, seed=seed, index=index)
     return case
 
@@ -311,7 +376,8 @@ def _host(array) -> np.ndarray:
 def run_side(case: dict, xp, reference: bool) -> dict:
     """Run the case's public function on one side; returns {output name: float64 NumPy array}."""
     args = side_args(case, xp, reference)
-    result = getattr(cupy_paged, case["function"])(**args)
+    function = RUNNERS.get(case["function"]) or getattr(cupy_paged, case["function"])
+    result = function(**args)
     outputs = {}
     if case["function"] == "merge_attention_states":
         outputs["out"], outputs["lse"] = result

@@ -145,10 +145,24 @@ def test_a_wrong_result_is_a_mismatch(monkeypatch):
     assert fuzz.check_case(case, dry_run=True)[1] == ["raised RuntimeError: launch failed"]
 
 
+def test_step_draws_cover_the_space(drawn):
+    """The step kernel draws every path (the plan's own choice among them), decodes-first and
+    shuffled orders, short rows and chunks, softcap and out= both ways."""
+    cases = drawn["step"]
+    assert {c["args"]["path"] for c in cases} == {None, "ragged", "varlen", "split", "decode"}
+    new = [c["args"]["new"] for c in cases]
+    assert any(n[0] == 1 and max(n) > 1 for n in new) and any(n[0] > 1 and 1 in n for n in new)
+    assert any(max(n) > 16 for n in new) and any(1 < max(n) <= 16 for n in new)
+    assert any(0 in c["args"]["cached"] for c in cases)
+    assert any("softcap" in c["args"] for c in cases) and any("softcap" not in c["args"] for c in cases)
+    assert {c["out_shape"] is None for c in cases} == {True, False}
+
+
 def test_regressions_found_by_the_fuzzer_run_clean():
     """Configurations that once failed: decode seed 0 #25 (an empty batch with rotary: the
-    reference stacked an empty list)."""
-    for kernel, seed, index in (("decode", 0, 25),):
+    reference stacked an empty list); step seed 0 #11 (a decode plan's attention on the CPU
+    returned a view of out= instead of out)."""
+    for kernel, seed, index in (("decode", 0, 25), ("step", 0, 11)):
         assert fuzz.check_case(fuzz.draw(kernel, seed, index), dry_run=True)[1] == []
 
 

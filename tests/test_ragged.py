@@ -174,6 +174,17 @@ def test_buffered_work_list_is_padded_to_its_capacity(mix):
                                                          for c, n in zip(cached, new))
 
 
+@pytest.mark.parametrize("new", [[1, 1, 1], [1, 1, 9], [9, 1, 1]], ids=["decode", "split", "varlen"])
+def test_cpu_plan_attention_returns_out_itself(new):
+    """With out= every path returns that array itself (the GPU launches do), not a view of it."""
+    cache, ids = make_cache([30, 0, 17], new, dtype="float32")
+    plan = build_plan(cache, ids, new)
+    rng = np.random.default_rng(2)
+    q, k, v = (randn(rng, (sum(new), h, 64), np.float32) for h in (4, 2, 2))
+    out = np.full_like(q, np.nan)
+    assert plan.attention(q, k, v, *cache.layer(0), out=out) is out and not np.isnan(out).any()
+
+
 def test_cpu_ragged_plan_attention_equals_varlen():
     rng = np.random.default_rng(3)
     cached, new = [30, 0, 17], [5, 9, 1]

@@ -211,7 +211,7 @@ class StepPlan:
                                              cache_seqlens=self.cache_seqlens, block_table=self.block_table,
                                              softmax_scale=softmax_scale, causal=True, check_values=False,
                                              out=out4, stream=stream, **kwargs)
-            return result[:, 0]
+            return result[:, 0] if out is None else out  # out itself, as the fast path returns it
         write_kv_cache(k_cache, v_cache, k, v, self.slot_mapping, check_values=False, stream=stream)
         return flash_attn_varlen_func(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k,
                                       self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale,
