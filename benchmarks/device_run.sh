@@ -10,7 +10,8 @@
 #   BENCH_DECODE_ARGS (default --quick), BENCH_VARLEN_ARGS (default --reps 10),
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
-#   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS)
+#   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
+#   fuzz (T_FUZZ, FUZZ_ARGS)
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
@@ -79,12 +80,17 @@ for step in $steps; do
       rm -f benchmarks/results/e2e.json benchmarks/results/e2e.png
       run_step bench_e2e bench_e2e "${T_BENCH_E2E:-420}" python3 benchmarks/bench_e2e.py ${BENCH_E2E_ARGS:-}
       cp benchmarks/results/e2e.png benchmarks/results/e2e.json "$OUT/" 2>/dev/null ;;
+    fuzz)  # random configurations of every kernel against the CPU reference (FUZZ_ARGS: e.g. --kernels step)
+      rm -f benchmarks/results/fuzz.json
+      run_step fuzz fuzz "${T_FUZZ:-300}" python3 benchmarks/fuzz.py --time-limit "$(( ${T_FUZZ:-300} - 30 ))" \
+        --log "$OUT/fuzz_configs.log" ${FUZZ_ARGS:-}
+      cp benchmarks/results/fuzz.json "$OUT/" 2>/dev/null ;;
     profile_engine)  # where a decode step of the engine goes (stage device times, host profile)
       run_step profile_engine profile_engine "${T_PROFILE_ENGINE:-200}" python3 benchmarks/profile_engine.py ${PROFILE_ENGINE_ARGS:-}
       cp benchmarks/results/profile_engine.json "$OUT/" 2>/dev/null ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e profile_engine kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_engine kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
