@@ -90,8 +90,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from cupy_paged._core.arrays import gpu_available  # noqa: E402
+from _util import common_prefix  # noqa: E402  (tests/_util.py, shared with the HF tests)
 
 RESULTS = HERE / "results" / "e2e.json"
 READ_TBS = 4.44e12
@@ -573,16 +575,6 @@ def hf_cpu_memory(device: str):
 
 
 # ----------------------------------------------------------------------------------- the session
-
-def common_prefix(a, b) -> int:
-    """Length of the common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
 
 class Bench:
     """The session: the checkpoint, both engines' models, the runs so far and the report."""

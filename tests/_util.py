@@ -109,3 +109,13 @@ def assert_same_bits(actual, expected, what: str = "array") -> None:
         first = tuple(int(i) for i in np.argwhere(differ)[0]) if differ.ndim else ()
         raise AssertionError(f"{what}: {int(differ.sum())} of {differ.size} elements differ bitwise "
                              f"(the first at index {first})")
+
+
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

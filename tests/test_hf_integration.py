@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import cupy_paged  # noqa: E402
 from cupy_paged.integrations import transformers as cp_hf  # noqa: E402
+from _util import common_prefix  # noqa: E402
 
 pytestmark = pytest.mark.skipif(transformers.__version__ not in cp_hf.TESTED_VERSIONS,
                                 reason=f"transformers {transformers.__version__} is not a tested version")
@@ -256,17 +257,8 @@ def medium(tmp_path_factory):
     return _checkpoint(tmp_path_factory, GPU_SIZE, 7)
 
 
-def _common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _agreement(outputs, reference):
-    return sum(_common_prefix(a, b) for a, b in zip(outputs, reference))
+    return sum(common_prefix(a, b) for a, b in zip(outputs, reference))
 
 
 @pytest.mark.gpu
