@@ -95,6 +95,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cupy_paged._core.arrays import gpu_available  # noqa: E402
 from _util import common_prefix  # noqa: E402  (tests/_util.py, shared with the HF tests)
 
+sys.path.insert(0, str(HERE))
+import bench_calls  # noqa: E402  (device name and versions, as every benchmark reports them)
+
 RESULTS = HERE / "results" / "e2e.json"
 READ_TBS = 4.44e12
 PAD, BOS, EOS = 0, 1, 2
@@ -755,27 +758,15 @@ class Bench:
 
 def device_name(args) -> str:
     if args.device == "gpu":
-        import torch
-
-        return torch.cuda.get_device_name(0)
+        return bench_calls.device_name()
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
 def versions() -> dict:
-    import torch
+    """The other benchmarks' versions (``bench_calls.versions``), transformers with them."""
     import transformers
 
-    import cupy_paged
-
-    found = {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-             "transformers": transformers.__version__, "cupy_paged": cupy_paged.__version__}
-    try:
-        import cupy
-
-        found["cupy"] = cupy.__version__
-    except ImportError:
-        pass
-    return found
+    return {**bench_calls.versions(), "transformers": transformers.__version__}
 
 
 # ----------------------------------------------------------------------------------- output
