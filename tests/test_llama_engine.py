@@ -104,6 +104,41 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(sampled):
         "tokens must depend on the prompt, else this test could not fail"
 
 
+def with_stops(requests, outputs, at=3):
+    """The requests again, odd ones stopping at the token they generated ``at`` steps in
+    (an end-of-sequence id that the host learns only from a step's tokens)."""
+    return [GenerationRequest(r.request_id, r.prompt, r.max_new_tokens, r.sampling,
+                              outputs[r.request_id][at] if i % 2 else None) for i, r in enumerate(requests)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize("config", [BATCHED, dict(block_size=8, num_blocks=80, max_batch_tokens=64, max_num_seqs=8)],
+                         ids=["preempting", "roomy"])
+def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(sampled, config):
+    """Steps scheduled ahead of the previous step's tokens (inputs moved from the previous step's
+    samples, stops learnt one step late) give every request the tokens of synchronous steps."""
+    model = tiny_model()
+    requests = request_mix(sampled=sampled, new_tokens=14)
+    plain = Engine(model, async_scheduling=False, **config).run(requests)
+    requests = with_stops(requests, plain)
+    engine = Engine(model, async_scheduling=True, **config)
+    ahead, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+    def counting():
+        plan = schedule_ahead()
+        ahead.append(plan is not None)
+        return plan
+
+    engine.scheduler.schedule_ahead = counting
+    got = engine.run(requests)
+    want = Engine(model, async_scheduling=False, **config).run(requests)
+    assert sum(ahead) >= 5, "the run must schedule steps ahead, else this test could not fail"
+    assert got == want
+    assert any(len(want[r.request_id]) < r.max_new_tokens for r in requests), "some request must stop early"
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.stats.generated_tokens == sum(map(len, want.values()))
+
+
 # --------------------------------------------------------------------------- (b) logits
 
 
@@ -355,7 +390,9 @@ def _gpu_engines(graph_sizes):
     model = tiny_model(BF16, LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64,
                                              "vocab_size": 1000, "intermediate_size": 512}), xp=cupy)
     kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
-    return model, Engine(model, **kwargs), Engine(model, cuda_graphs=True, graph_sizes=graph_sizes, **kwargs)
+    # The reference steps one at a time; the graphed engine schedules ahead (the GPU default).
+    return model, Engine(model, async_scheduling=False, **kwargs), Engine(model, cuda_graphs=True,
+                                                                           graph_sizes=graph_sizes, **kwargs)
 
 
 @pytest.mark.gpu
@@ -413,7 +450,7 @@ def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
     graphed.run(requests)
     cupy_paged.check_errors()
     assert graphed.stats.graph_replays == 1
-    engine = Engine(model, block_size=16, num_blocks=64, cuda_graphs=True, graph_sizes=[8])
+    engine = Engine(model, block_size=16, num_blocks=64, cuda_graphs=True, graph_sizes=[8], async_scheduling=False)
     for r in requests:
         engine.add_request(GenerationRequest(r.request_id, r.prompt, 3))
     engine.step()  # the prompts; the next step decodes all three
@@ -421,7 +458,9 @@ def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
     live = [engine._live[i][0] for i in plan.seq_ids]
     with engine.stream:
         eager_logits = model.forward(plan, engine.cache).get()
-        graph_logits = engine.graphs.run(plan.seq_ids, [r.token_ids[-1] for r in live]).get()
+        graph_logits, graph_tokens = engine.graphs.run(plan.seq_ids, [r.token_ids[-1] for r in live])
+        graph_logits, graph_tokens = graph_logits.get(), graph_tokens.get()
+        assert (graph_tokens == graph_logits.argmax(-1)).all()
     cupy_paged.check_errors()
     weights = {k: np.asarray(v) for k, v in random_weights(model.config, 3, BF16).items()}
     for row, graph_row, request in zip(eager_logits, graph_logits, live):

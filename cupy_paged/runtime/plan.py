@@ -84,6 +84,11 @@ class StepPlan:
     host_input_ids : numpy.ndarray or None
         Set by ``cupy_paged.Scheduler``: ``input_ids`` on the host (int64), read without a
         device transfer.
+    input_ids_pending : bool
+        Set by ``cupy_paged.Scheduler.schedule_ahead``: the step was scheduled before the
+        previous step's tokens were known, so ``input_ids`` hold zeros; row ``i`` feeds the
+        previous step's sampled token ``i``, which the caller writes into ``input_ids`` on the
+        device before the forward pass.
     """
 
     seq_ids: list
@@ -108,6 +113,7 @@ class StepPlan:
     sample_rows: np.ndarray | None = None
     num_decodes: int | None = None
     host_input_ids: np.ndarray | None = None
+    input_ids_pending: bool = False
     work: object = None
     entries: object = None
     num_items: int = 0

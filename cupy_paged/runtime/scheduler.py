@@ -69,6 +69,7 @@ class Scheduler(serving.Scheduler):
                              f"cache's max_blocks_per_seq is {cache.max_blocks_per_seq}")
         self.buffers = buffers
         self._planned: tuple[StepPlan, serving.ScheduledBatch] | None = None  # until update() takes it
+        self._planned_ahead: tuple[StepPlan, serving.ScheduledBatch] | None = None  # schedule_ahead()'s
 
     def schedule(self) -> StepPlan | None:
         """The serving scheduler's next batch (:meth:`serving.scheduler.Scheduler.schedule`) as the
@@ -83,6 +84,32 @@ class Scheduler(serving.Scheduler):
         batch = super().schedule()
         if batch is None:
             return None
+        self._planned = (self._plan(batch), batch)
+        return self._planned[0]
+
+    def schedule_ahead(self) -> StepPlan | None:
+        """The next decode step as a plan, built while the pending step still runs
+        (:meth:`serving.scheduler.Scheduler.schedule_ahead`).
+
+        Its ``input_ids_pending`` is set: ``input_ids`` hold zeros, and row ``i`` feeds the pending
+        step's sampled token ``i``, which the caller writes into ``plan.input_ids`` on the device
+        (in stream order, after the pending step's sampling) before the forward pass.  With
+        ``buffers`` this plan is built into the same buffers as the pending one: launch all of the
+        pending step's work before calling it (on one stream, the upload then follows that work).
+
+        Returns
+        -------
+        StepPlan or None
+            None when the next step cannot be scheduled ahead: ``update()`` the pending step,
+            then ``schedule()``.
+        """
+        batch = super().schedule_ahead()
+        if batch is None:
+            return None
+        self._planned_ahead = (self._plan(batch), batch)
+        return self._planned_ahead[0]
+
+    def _plan(self, batch: serving.ScheduledBatch) -> StepPlan:
         try:
             plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids, batch.sample_mask,
                               rows=batch.rows, buffers=self.buffers, num_heads=self.num_heads)
@@ -91,22 +118,23 @@ class Scheduler(serving.Scheduler):
             raise
         plan.sample_requests, plan.sample_rows = batch.sample_requests, batch.sample_rows
         plan.num_decodes, plan.host_input_ids = batch.num_decodes, batch.input_ids
-        self._planned = (plan, batch)
+        plan.input_ids_pending = batch.input_ids_pending
         return plan
 
     def _detach(self) -> None:
         super()._detach()
-        if self._planned is not None:  # the plan lists the batch's own requests, not the running batch's
-            plan, batch = self._planned
-            plan.sample_requests = batch.sample_requests
+        for planned in (self._planned, self._planned_ahead):
+            if planned is not None:  # the plan lists the batch's own requests, not the running batch's
+                plan, batch = planned
+                plan.sample_requests = batch.sample_requests
 
     def _batch_of(self, plan: StepPlan, verb: str) -> serving.ScheduledBatch:
         if self._planned is None:
             raise RuntimeError(f"{verb}() needs a plan from schedule()")
-        expected, batch = self._planned
-        if plan is not expected:
-            raise ValueError("plan is not the one the last schedule() returned")
-        return batch
+        for expected, batch in filter(None, (self._planned, self._planned_ahead)):
+            if plan is expected:
+                return batch
+        raise ValueError("plan is not the one the last schedule() returned")
 
     def update(self, plan: StepPlan, sampled_token_ids) -> list:
         """Take the step's sampled tokens; finish requests that hit their limit or a stop token.
@@ -117,7 +145,8 @@ class Scheduler(serving.Scheduler):
             The plan the last ``schedule()`` returned.
         sampled_token_ids : array_like of int
             ``[len(plan.sample_requests)]`` one token per sample (``len(plan.logits_indices)``
-            unless a prompt of parallel samples ends this step).
+            unless a prompt of parallel samples ends this step).  With a step scheduled ahead,
+            the pending (earlier) plan first.
 
         Returns
         -------
@@ -125,7 +154,7 @@ class Scheduler(serving.Scheduler):
             Requests finished this step (their blocks are freed).
         """
         finished = super().update(self._batch_of(plan, "update"), sampled_token_ids)
-        self._planned = None
+        self._planned, self._planned_ahead = self._planned_ahead, None
         return finished
 
     def rollback(self, plan: StepPlan) -> None:
@@ -137,4 +166,7 @@ class Scheduler(serving.Scheduler):
             The plan the last ``schedule()`` returned.
         """
         super().rollback(self._batch_of(plan, "rollback"))
-        self._planned = None
+        if self._planned_ahead is not None:
+            self._planned_ahead = None
+        else:
+            self._planned = None

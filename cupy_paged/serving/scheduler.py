@@ -54,6 +54,9 @@ class ScheduledBatch:
         ``[num_samples]`` which sampling row (0 .. num_sampled - 1, in batch order) each sample
         reads: a prompt of ``n`` parallel samples that ends this step is read ``n`` times.
         None when each row is sampled once.
+    input_ids_pending : bool
+        True for a step :meth:`Scheduler.schedule_ahead` made: ``input_ids`` are zeros, and row
+        ``i`` feeds the previous step's sample ``i`` (not yet known on the host).
     """
 
     requests: list
@@ -65,6 +68,7 @@ class ScheduledBatch:
     num_decodes: int
     sample_requests: list
     sample_rows: np.ndarray | None = None
+    input_ids_pending: bool = False
 
     @property
     def num_sampled(self) -> int:
@@ -121,13 +125,14 @@ class Scheduler(GeneralStep):
         self._running = RunningBatch(min(self.config.max_num_seqs, 1024))
         self._live: dict = {}  # id -> request, every branch of every unfinished request
         self._step: ScheduledBatch | None = None  # the last schedule()'s batch, until update() takes it
-        self._undo: list = []  # what the pending step did, for rollback()
+        self._ahead: ScheduledBatch | None = None  # schedule_ahead()'s batch, while _step is pending
+        self._undo: list = []  # what the step being scheduled did (then the batch's), for rollback()
         self._saved: tuple | None = None
         self._decoding_only = True  # every running request has exactly one token to compute
         self._arrivals = self._admissions = 0
         self._counters = Counters()
         self._cached_by_request: dict = {}
-        self._ones = np.ones(0, np.int64)
+        self._ones = self._zeros = np.ones(0, np.int64)
         self.num_preemptions = 0
         # Blocks kept free when admitting; at least one so a decode can always take a block.
         self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
@@ -280,24 +285,96 @@ class Scheduler(GeneralStep):
         """
         if self._step is not None:
             raise RuntimeError("update() must take the previous step's tokens before the next schedule()")
+        self._step = self._recorded(self._choose_step)
+        return self._step
+
+    def _choose_step(self) -> ScheduledBatch | None:
+        run, batch = self._running, None
+        if run and self._decoding_only and (not self.waiting or len(run) >= self.config.max_num_seqs):
+            batch = self._schedule_decodes_only(run, len(run))
+        return self._schedule_general() if batch is None else batch
+
+    def _recorded(self, choose) -> ScheduledBatch | None:
+        """``choose()``'s batch, carrying the record ``rollback`` replays; a failure midway (an
+        allocation, an interrupt) leaves nothing of the step."""
         self._undo = []
         c = self._counters
         self._saved = (self._decoding_only, c.prompt_tokens, c.cached_prompt_tokens, c.prefill_tokens,
                        c.decode_tokens)
-        run, batch = self._running, None
-        try:  # a failure midway (an allocation, an interrupt) leaves nothing of the step
-            if run and self._decoding_only and (not self.waiting or len(run) >= self.config.max_num_seqs):
-                batch = self._schedule_decodes_only(run, len(run))
-            batch = self._schedule_general() if batch is None else batch
+        try:
+            batch = choose()
         except BaseException:
             self._undo_step()
             raise
-        self._step = batch
+        if batch is not None:
+            batch._undo_log, batch._saved_state = self._undo, self._saved
         return batch
 
-    def _schedule_decodes_only(self, run: RunningBatch, n: int) -> ScheduledBatch | None:
+    def schedule_ahead(self) -> ScheduledBatch | None:
+        """Schedule the next decode step while the pending one still runs (asynchronous scheduling).
+
+        The host's work for step ``n + 1`` then overlaps the device's step ``n``: the pending
+        step's tokens count as computed (its forward pass must have been launched), every
+        running request gets one more slot, and the batch's ``input_ids`` are zeros with
+        ``input_ids_pending`` set: row ``i`` feeds the pending step's sample ``i``, which the
+        caller moves into the step's inputs on the device.  ``update()`` then takes the two
+        steps in order.  A request that finishes at the pending step still has a row in the step
+        ahead; that row's token is dropped and its blocks are freed when the pending step is
+        updated (the device writes into them before any later step can reuse them).
+
+        Returns
+        -------
+        ScheduledBatch or None
+            None when the next step cannot be a decode step of the same requests: the pending
+            step is not one (or a request was aborted since), a waiting request could be
+            admitted, a request reaches its token limit at the pending step, or a block is
+            short.  Then ``update()`` the pending step and ``schedule()`` as usual.
+
+        Raises
+        ------
+        RuntimeError
+            Without a pending step, or with a step already scheduled ahead.
+
+        Examples
+        --------
+        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
+        >>> scheduler = Scheduler(cache)
+        >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=4))
+        >>> _ = scheduler.update(scheduler.schedule(), [8])
+        >>> step = scheduler.schedule()  # decodes 8
+        >>> ahead = scheduler.schedule_ahead()  # feeds the token step samples
+        >>> ahead.input_ids_pending, cache.slot_mapping(ahead.seq_ids).tolist()
+        (True, [4])
+        >>> scheduler.update(step, [9]), [r.output_token_ids for r in scheduler.update(ahead, [10])]
+        ([], [])
+        >>> scheduler.running[0].output_token_ids
+        [8, 9, 10]
+        """
+        step, run = self._step, self._running
+        if step is None:
+            raise RuntimeError("schedule_ahead() needs a pending step: call schedule() first")
+        if self._ahead is not None:
+            raise RuntimeError("a step is scheduled ahead already; update() the pending step first")
+        n = len(run)
+        if not (step._persistent and step.requests is run.requests and self._decoding_only
+                and (not self.waiting or n >= self.config.max_num_seqs)):
+            return None
+        if (run.num_tokens[:n] + 1 >= run.max_tokens[:n]).any():
+            return None  # known to finish at the pending step: a row ahead would be wasted
+        cache = self.cache
+        if not step._computed:
+            if cache.enable_prefix_caching:  # the blocks the pending step fills are hashed now
+                run.flush_filling(cache.block_size)
+            cache.mark_computed(run.ids, rows=run.rows[:n])
+            step._computed = True
+        self._ahead = self._recorded(lambda: self._schedule_decodes_only(run, n, ahead=True))
+        return self._ahead
+
+    def _schedule_decodes_only(self, run: RunningBatch, n: int, ahead: bool = False) -> ScheduledBatch | None:
         """Every running request decodes: one numba pass reserves the slots; no per-request Python.
-        The batch's lists and input ids are the running batch's own (``abort`` copies them first)."""
+        The batch's lists and input ids are the running batch's own (``abort`` copies them first);
+        ``ahead``: zeros for input ids, the pending step's samples feeding them."""
         rows = run.rows[:n].copy()
         cow: list = []  # forked sequences writing into a shared block: the cache's general growth
         try:
@@ -307,24 +384,29 @@ class Scheduler(GeneralStep):
         self._undo.append(("grow", run.requests, rows, 1, None, cow))  # nothing preempts after it
         self._counters.decode_tokens += n
         if self._ones.size < n:
-            self._ones = np.ones(2 * n, np.int64)
-            self._ones.flags.writeable = False
-        batch = self._new_batch(run.requests, run.ids, self._ones[:n], run.last[:n], None, rows, n, run.requests)
+            self._ones, self._zeros = np.ones(2 * n, np.int64), np.zeros(2 * n, np.int64)
+            self._ones.flags.writeable = self._zeros.flags.writeable = False
+        inputs = self._zeros[:n] if ahead else run.last[:n]
+        batch = self._new_batch(run.requests, run.ids, self._ones[:n], inputs, None, rows, n, run.requests)
         batch._persistent = True  # the running batch in its order: update's array path applies
+        batch.input_ids_pending = ahead
         return batch
 
     def _detach(self) -> None:
-        """The pending decode-only batch stops sharing the running batch's lists (before they change)."""
-        batch = self._step
-        if batch is not None and batch._persistent and batch.requests is self._running.requests:
-            batch.requests = batch.sample_requests = list(batch.requests)
-            batch.seq_ids, batch.input_ids = list(batch.seq_ids), batch.input_ids.copy()
-            self._undo[0] = self._undo[0][:1] + (batch.requests,) + self._undo[0][2:]
+        """The pending decode-only batches stop sharing the running batch's lists (before they change)."""
+        for batch in (self._step, self._ahead):
+            if batch is not None and batch._persistent and batch.requests is self._running.requests:
+                batch.requests = batch.sample_requests = list(batch.requests)
+                batch.seq_ids, batch.input_ids = list(batch.seq_ids), batch.input_ids.copy()
+                log = batch._undo_log
+                log[0] = log[0][:1] + (batch.requests,) + log[0][2:]
 
     @staticmethod
     def _new_batch(*fields) -> ScheduledBatch:
         batch = ScheduledBatch(*fields)
         batch._persistent = False
+        batch._computed = False  # its tokens marked computed already (by schedule_ahead)
+        batch._undo_log, batch._saved_state = [], None
         return batch
 
     def update(self, batch: ScheduledBatch, sampled_token_ids) -> list[Request]:
@@ -352,24 +434,29 @@ class Scheduler(GeneralStep):
         if self._step is None:
             raise RuntimeError("update() needs a batch from schedule()")
         if batch is not self._step:
+            if batch is self._ahead:
+                raise ValueError("update() takes the steps in the order they were scheduled: the pending "
+                                 "step before the one scheduled ahead")
             raise ValueError("batch is not the one the last schedule() returned")
         sampled = token_array(sampled_token_ids, "sampled_token_ids")
         if sampled.size != len(batch.sample_requests):
             raise ValueError(f"sampled_token_ids must hold {len(batch.sample_requests)} tokens, one per sampling "
                              f"request; got {sampled.size}")
-        self._step = None
+        self._step, self._ahead = self._ahead, None
         if batch._persistent and batch.requests is self._running.requests:  # no abort since schedule()
-            return self._update_decodes_only(self._running, sampled)
+            return self._update_decodes_only(batch, self._running, sampled)
         return self._update_general(batch, sampled.tolist())
 
-    def _update_decodes_only(self, run: RunningBatch, sampled: np.ndarray) -> list:
+    def _update_decodes_only(self, batch: ScheduledBatch, run: RunningBatch, sampled: np.ndarray) -> list:
         """The decode-only step's update, on the persistent batch's arrays."""
         cache = self.cache
         done = run.advance(sampled, cache.block_size if cache.enable_prefix_caching else 0)
-        cache.mark_computed(run.ids, rows=run.rows[:len(run)])
+        if not batch._computed:
+            cache.mark_computed(run.ids, rows=run.rows[:len(run)])
         if done is None:
             return []
         finished = [run.requests[i] for i in np.flatnonzero(done).tolist()]
+        self._detach()  # a step scheduled ahead keeps its rows (and drops theirs at its update)
         for request in finished:
             self._finish(request)
         return finished
@@ -394,7 +481,17 @@ class Scheduler(GeneralStep):
         """
         if self._step is None:
             raise RuntimeError("rollback() needs a batch from schedule()")
-        if batch is not self._step:
+        newest = self._step if self._ahead is None else self._ahead
+        if batch is not newest:
+            if batch is self._step:
+                raise ValueError("roll back the step scheduled ahead first; the pending step's forward pass ran")
             raise ValueError("batch is not the one the last schedule() returned")
+        if batch._computed:
+            raise RuntimeError("the step's tokens were counted as computed when the next step was scheduled "
+                               "ahead: update() it instead")
+        self._undo, self._saved = batch._undo_log, batch._saved_state
         self._undo_step()
-        self._step = None
+        if self._ahead is not None:
+            self._ahead = None
+        else:
+            self._step = None

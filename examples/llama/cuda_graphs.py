@@ -3,8 +3,8 @@
 A decode step of ``b`` sequences is padded to the smallest captured size ``B >= b`` and built
 into one fixed :class:`cupy_paged.PlanBuffers`, so every step of that size finds its index
 arrays at the same device addresses, and the graph captured for ``B`` (embedding, every layer,
-final norm and LM head of all ``B`` rows) replays over them.  Sampling stays outside the graph
-(per-request parameters, host draws).
+final norm, LM head and each row's argmax, all ``B`` rows) replays over them.  Sampling other
+than greedy runs after the replay (per-request parameters, uniforms drawn on the host).
 
 Padding: ``build_plan(..., batch_size=B)`` pads with sequences that have no blocks, but the
 decode kernel still appends one token per row, finds block id -1 at column 0 of each padding
@@ -126,15 +126,16 @@ class DecodeGraphs:
         self.model, self.cache, self.stream = model, cache, stream
         self.padding = DecodePadding(cache, sizes or default_sizes(max_batch))
         self.pool = cupy.cuda.MemoryPool()
-        self.graphs: dict = {}  # size -> (graph, logits [size, vocab] float32 the graph writes)
+        self.graphs: dict = {}  # size -> (graph, logits [size, vocab] float32, argmax [size] int64 it writes)
         self.replays = 0
 
     def size_for(self, batch: int) -> int | None:
         """The captured size a decode batch of ``batch`` pads to, or None when it is too large."""
         return self.padding.size_for(batch)
 
-    def run(self, seq_ids: list, input_ids: list):
-        """The logits of one decode step of ``seq_ids`` (one new token each, slots reserved).
+    def run(self, seq_ids: list, input_ids: list, device_input_ids=None):
+        """The logits and greedy tokens of one decode step of ``seq_ids`` (one new token each,
+        slots reserved).
 
         Parameters
         ----------
@@ -142,20 +143,28 @@ class DecodeGraphs:
             ``[b]`` sequence ids, ``b <= max_batch``, in the scheduler's plan order.
         input_ids : list of int
             ``[b]`` each sequence's new token.
+        device_input_ids : cupy.ndarray, optional
+            ``[b]`` the new tokens on the device instead (the previous step's samples, for a
+            step scheduled ahead): copied into the plan's inputs on the stream, before the replay.
 
         Returns
         -------
-        cupy.ndarray
-            ``[b, vocab]`` float32, a view of the graph's output: read it before the next ``run``.
+        (cupy.ndarray, cupy.ndarray)
+            ``[b, vocab]`` float32 logits and ``[b]`` int64 argmax of each row, views of the
+            graph's outputs: read them (in stream order) before the next ``run`` of this size.
         """
         plan = self.padding.plan(seq_ids, input_ids)
-        size = plan.batch_size
+        size, b = plan.batch_size, len(seq_ids)
+        if device_input_ids is not None:
+            if device_input_ids.shape != (b,):
+                raise ValueError(f"device_input_ids must have shape [{b}]; got {device_input_ids.shape}")
+            plan.input_ids[:b] = device_input_ids  # padding rows keep their zeros
         if size not in self.graphs:
             self.graphs[size] = self._capture(plan)
-        graph, logits = self.graphs[size]
+        graph, logits, tokens = self.graphs[size]
         graph.launch(stream=self.stream)
         self.replays += 1
-        return logits[:len(seq_ids)]
+        return logits[:b], tokens[:b]
 
     def capture_all(self) -> None:
         """Capture every size now (over plans of padding rows only), before a timed run."""
@@ -164,15 +173,19 @@ class DecodeGraphs:
                 self.graphs[size] = self._capture(self.padding.plan([], [], size))
 
     def _capture(self, plan):
-        """Warm up, then capture the model's decode step over ``plan`` (the buffers' views)."""
+        """Warm up, then capture the model's decode step over ``plan`` (the buffers' views) and
+        each row's argmax."""
         import cupy
 
+        from .sampling import row_argmax as argmax_rows
+
         with cupy.cuda.using_allocator(self.pool.malloc):
-            self.model.forward(plan, self.cache, NoTimer(), all_rows=True)
+            argmax_rows(self.model.forward(plan, self.cache, NoTimer(), all_rows=True))
             self.stream.synchronize()
             self.stream.begin_capture()
             try:
                 logits = self.model.forward(plan, self.cache, NoTimer(), all_rows=True)
+                tokens = argmax_rows(logits)
             finally:
                 graph = self.stream.end_capture()
-        return graph, logits
+        return graph, logits, tokens

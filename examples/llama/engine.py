@@ -9,6 +9,13 @@ scheduler's and the cache's: the engine only runs the model and keeps statistics
 On the GPU every step runs on one non-blocking CUDA stream (a capture needs one), plans are
 built into fixed :class:`cupy_paged.PlanBuffers`, and with ``cuda_graphs=True`` decode steps
 replay captured graphs (:mod:`llama.cuda_graphs`).
+
+Asynchronous scheduling (on by default on the GPU): a step is launched and its tokens are read
+only after the next decode step has been scheduled and launched behind it
+(``Scheduler.schedule_ahead``), so the host's scheduling, plan building and update overlap the
+device's step; the next step takes its input tokens from the previous step's samples on the
+device.  Sampling leaves nothing to wait for: the uniforms of stochastic rows are drawn on the
+host from each request's generator, the rest runs on the device.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import numpy as np
 import cupy_paged
 
 from .parallel import plan_from_message, plan_message
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_tokens
 from .timing import Timer
 
 STEP_KINDS = ("decode", "mixed", "prefill")
@@ -56,9 +63,11 @@ class EngineStats:
 
     ``seconds`` buckets: ``attention`` (the plan's attention calls), ``other`` (the rest of the
     model and sampling in eager steps), ``graph`` (decode graph replays and their sampling), and
-    ``host`` (the rest of each step's wall time: scheduling, plan building and upload, update).
-    On the GPU the first three are stream time between CUDA events, which includes any time the
-    GPU waited for the host to enqueue work.
+    ``host`` (each step's wall time less its launches and the waits for tokens: scheduling, plan
+    building and upload, update).  On the GPU the first three are stream time between CUDA
+    events, which includes any time the GPU waited for the host to enqueue work; with
+    asynchronous scheduling the host's share runs while the device works, so the buckets may add
+    up to more than the wall time.
     """
 
     requests: int = 0
@@ -88,6 +97,17 @@ class EngineStats:
     def tokens_per_second(self) -> float:
         """Generated tokens per wall second."""
         return self.generated_tokens / max(self.wall_seconds, 1e-9)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    plan: object
+    tokens: object        # [samples] int64 on the model's device
+    landing: np.ndarray   # where they arrive on the host (pinned memory on the GPU)
+    done: object          # the CUDA event after their transfer; None on the CPU
+    timer: Timer          # the step's spans
 
 
 class Engine:
@@ -120,17 +140,24 @@ class Engine:
         The padded decode batch sizes to capture (default ``llama.cuda_graphs.default_sizes``).
     seed : int
         Seeds the generators of requests that give no seed of their own.
+    async_scheduling : bool, optional
+        Schedule and launch each decode step before reading the previous step's tokens
+        (default: on the GPU without tensor parallelism).  :meth:`step` then returns the
+        requests that finished in the step before the one it launched.
     """
 
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
-                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None):
+                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None, async_scheduling=None):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
         self.group = group if group is not None and group.world_size > 1 else None
+        self.async_scheduling = (self.gpu and self.group is None) if async_scheduling is None else bool(async_scheduling)
         if self.group is not None:
             if cuda_graphs:
                 raise ValueError("cuda_graphs with tensor parallelism is not offered yet")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling with tensor parallelism is not offered yet")
             model.all_reduce = self.group.all_reduce
             if self.group.rank > 0:  # the same blocks as rank 0's cache
                 num_blocks, memory_fraction = self.group.broadcast(), None
@@ -162,7 +189,17 @@ class Engine:
         elif cuda_graphs:
             raise ValueError("cuda_graphs needs a model on CuPy arrays")
         self.scheduler = cupy_paged.Scheduler(self.cache, config, **extra)
-        self.timer = Timer(gpu=self.gpu)
+        self._seconds: collections.Counter = collections.Counter()  # the buckets of EngineStats.seconds
+        # Two of each: a step in flight and the one launched behind it.
+        self._timers = [Timer(gpu=self.gpu, seconds=self._seconds) for _ in range(2)]
+        self._landing = [np.zeros(max_num_seqs, np.int64) for _ in range(2)]  # sampled tokens on the host
+        if self.gpu:
+            import cupy
+
+            self._landing = [np.frombuffer(cupy.cuda.alloc_pinned_memory(8 * max_num_seqs), np.int64)
+                             for _ in range(2)]
+        self._flip = 0
+        self._inflight: _InFlight | None = None  # launched, tokens not read yet
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
         self._live: dict = {}        # request id -> (scheduler Request, GenerationRequest, generator)
         self._stats_before = self.scheduler.stats()  # the scheduler's totals when the statistics were reset
@@ -190,48 +227,99 @@ class Engine:
         return np.random.default_rng([self.seed, key])
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs."""
-        return self.scheduler.has_unfinished()
+        """True while a request waits or runs, or a launched step's tokens are not read yet."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list:
-        """Run one scheduled step; returns the scheduler ``Request`` s that finished in it."""
+        """Run one scheduled step; returns the scheduler ``Request`` s that finished.
+
+        With asynchronous scheduling the step is launched behind the one in flight, whose tokens
+        are then read: the requests returned finished in that earlier step.
+        """
         start = time.perf_counter()
+        finished, busy = [], 0.0
         with self.stream if self.gpu else contextlib.nullcontext():
-            plan = self.scheduler.schedule()
-            if plan is None:
-                raise RuntimeError("the scheduler could schedule nothing while requests are unfinished")
-            if self.group is not None:
-                self.group.broadcast(plan_message(plan))
-            live = [self._live[i] for i in plan.seq_ids]
-            sampling = live if len(plan.logits_indices) == len(live) else [
-                entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
-            params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
-            model_start = time.perf_counter()
-            try:
-                if (self.graphs is not None and plan.num_decodes == len(live)
-                        and self.graphs.size_for(len(live)) is not None):
-                    with self.timer.span("graph"):
-                        logits = self.graphs.run(plan.seq_ids, plan.host_input_ids)
-                        tokens = sample(logits, params, generators)
+            previous, self._inflight = self._inflight, None
+            if previous is not None:
+                ahead = self.scheduler.schedule_ahead()
+                if ahead is not None:
+                    try:
+                        self._inflight, busy = self._launch(ahead, previous)
+                    except BaseException:
+                        self._inflight = previous  # still pending: read at the next step
+                        raise
+                finished, waited = self._settle(previous)
+                busy += waited
+            if self._inflight is None and self.scheduler.has_unfinished():
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    raise RuntimeError("the scheduler could schedule nothing while requests are unfinished")
+                if self.group is not None:
+                    self.group.broadcast(plan_message(plan))
+                record, launched = self._launch(plan, None)
+                busy += launched
+                if self.async_scheduling:
+                    self._inflight = record
                 else:
-                    with self.timer.span("model"):
-                        logits = self.model.forward(plan, self.cache, self.timer)
-                        tokens = sample(logits, params, generators)
-            except BaseException:  # the forward pass failed: the step is undone and comes again next time
-                self.scheduler.rollback(plan)
-                raise
-            self._count_step(plan)
-            # Sampling ends with the tokens on the host, so on the GPU this waited for the step's work.
-            model_seconds = time.perf_counter() - model_start
-            finished = self.scheduler.update(plan, tokens)
-        self.timer.collect()
-        self.timer.seconds["host"] += time.perf_counter() - start - model_seconds
+                    more, waited = self._settle(record)
+                    finished, busy = finished + more, busy + waited
+        self._seconds["host"] += time.perf_counter() - start - busy
+        return finished
+
+    def _launch(self, plan, previous) -> tuple["_InFlight", float]:
+        """Enqueue the model and the sampling of ``plan`` (the inputs of a step scheduled ahead
+        from ``previous``' tokens on the device) and the tokens' transfer to the host; returns
+        the step in flight and the host seconds spent.  A failure rolls the step back."""
+        start = time.perf_counter()
+        live = [self._live[i] for i in plan.seq_ids]
+        sampling = live if len(plan.logits_indices) == len(live) else [
+            entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
+        params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
+        timer = self._timers[self._flip]
+        inputs = None
+        if plan.input_ids_pending:
+            if previous is None or previous.tokens.shape != (len(live),):
+                raise RuntimeError("a step scheduled ahead needs the previous step's tokens, one per row")
+            inputs = previous.tokens
+        try:
+            if (self.graphs is not None and plan.num_decodes == len(live)
+                    and self.graphs.size_for(len(live)) is not None):
+                with timer.span("graph"):
+                    logits, greedy = self.graphs.run(plan.seq_ids, plan.host_input_ids, inputs)
+                    tokens = sample_tokens(logits, params, generators, greedy)
+            else:
+                if inputs is not None:
+                    plan.input_ids[:len(live)] = inputs
+                with timer.span("model"):
+                    logits = self.model.forward(plan, self.cache, timer)
+                    tokens = sample_tokens(logits, params, generators)
+        except BaseException:  # the forward pass failed: the step is undone and comes again next time
+            self.scheduler.rollback(plan)
+            raise
+        landing, done = tokens, None
+        if self.gpu:
+            landing = self._landing[self._flip][:tokens.size]
+            tokens.get(stream=self.stream, out=landing, blocking=False)
+            done = self.stream.record()
+        self._flip ^= 1
+        self._count_step(plan)
+        return _InFlight(plan, tokens, landing, done, timer), time.perf_counter() - start
+
+    def _settle(self, record: "_InFlight") -> tuple[list, float]:
+        """Wait for a launched step's tokens and give them to the scheduler; returns the
+        requests that finished and the seconds waited."""
+        start = time.perf_counter()
+        if record.done is not None:
+            record.done.synchronize()
+        record.timer.collect()
+        waited = time.perf_counter() - start
+        finished = self.scheduler.update(record.plan, record.landing)
         for request in finished:
             del self._live[request.request_id]
             self.stats.requests += 1
             self.stats.prompt_tokens += len(request.prompt_token_ids)
             self.stats.generated_tokens += len(request.output_token_ids)
-        return finished
+        return finished, waited
 
     def follow(self) -> None:
         """Rank > 0 of a tensor-parallel engine: run every step rank 0 broadcasts, until
@@ -267,7 +355,7 @@ class Engine:
             self.graphs.replays = 0
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
         self._stats_before = self.scheduler.stats()
-        self.timer.seconds.clear()
+        self._seconds.clear()
 
     def _count_step(self, plan) -> None:
         """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled."""
@@ -306,8 +394,9 @@ class Engine:
                     on_finish(request)
         self.stats.wall_seconds += time.perf_counter() - start
         self.stats.graph_replays = self.graphs.replays if self.graphs is not None else 0
-        model_time = self.timer.seconds["model"] - self.timer.seconds["attention"]
-        self.stats.seconds.update(attention=self.timer.seconds["attention"], other=max(0.0, model_time),
-                                  graph=self.timer.seconds["graph"], host=self.timer.seconds["host"])
-        self.timer.seconds.clear()
+        seconds = self._seconds
+        model_time = seconds["model"] - seconds["attention"]
+        self.stats.seconds.update(attention=seconds["attention"], other=max(0.0, model_time),
+                                  graph=seconds["graph"], host=seconds["host"])
+        seconds.clear()
         return outputs

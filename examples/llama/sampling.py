@@ -61,6 +61,11 @@ def _xp_of(array):
     return np if isinstance(array, np.ndarray) else __import__("cupy")
 
 
+def row_argmax(logits):
+    """``[rows]`` int64 argmax of each row of NumPy or CuPy ``logits`` (the first on ties)."""
+    return _argmax(_xp_of(logits), logits)
+
+
 def _argmax(xp, logits):
     """Each row's argmax: one block per row on the GPU (CuPy's reduction took 42 us for
     [64, 32000] float32 on the H200), NumPy's on the CPU."""
@@ -140,12 +145,24 @@ def sample(logits, params: list, generators: list) -> list[int]:
     ...        [None, np.random.default_rng(0)])
     [1, 0]
     """
+    tokens = sample_tokens(logits, params, generators)
+    return [int(t) for t in (tokens if isinstance(tokens, np.ndarray) else tokens.get()).tolist()]
+
+
+def sample_tokens(logits, params: list, generators: list, greedy_tokens=None):
+    """:func:`sample` without the host transfer: ``[rows]`` int64 tokens on the logits' device.
+
+    The uniforms of stochastic rows are drawn on the host from each request's generator (they
+    do not depend on the logits), so nothing here waits for the device.  ``greedy_tokens``: each
+    row's argmax when the caller has it already (a captured decode step computes it).
+    """
     xp = _xp_of(logits)
     if logits.shape[0] == 0:
-        return []
-    tokens = _argmax(xp, logits)
+        return xp.zeros(0, np.int64)
+    tokens = _argmax(xp, logits) if greedy_tokens is None else greedy_tokens
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
     if stochastic:
+        tokens = tokens.copy() if greedy_tokens is not None else tokens
         chosen = [params[i] for i in stochastic]
         rows = xp.asarray(np.asarray(stochastic, np.int64))
         order, probs = filtered_probs(logits[rows], [p.temperature for p in chosen],
@@ -156,4 +173,4 @@ def sample(logits, params: list, generators: list) -> list[int]:
         targets = xp.asarray(draws)[:, None] * cdf[:, -1:]
         picks = xp.minimum((cdf <= targets).sum(axis=-1), cdf.shape[1] - 1)
         tokens[rows] = xp.take_along_axis(order, picks[:, None], axis=-1)[:, 0]
-    return [int(t) for t in (tokens.get() if xp is not np else tokens).tolist()]
+    return tokens

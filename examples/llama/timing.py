@@ -18,6 +18,8 @@ class Timer:
     ----------
     gpu : bool
         Time device work with CUDA events instead of the host clock.
+    seconds : collections.Counter, optional
+        Add into this counter (timers of steps in flight at once share one).
 
     Examples
     --------
@@ -28,9 +30,9 @@ class Timer:
     True
     """
 
-    def __init__(self, gpu: bool):
+    def __init__(self, gpu: bool, seconds: collections.Counter | None = None):
         self.gpu = gpu
-        self.seconds: collections.Counter = collections.Counter()
+        self.seconds: collections.Counter = collections.Counter() if seconds is None else seconds
         self._events: list = []   # CUDA events, reused step after step
         self._pending: list = []  # (bucket, start index, end index) not yet read
         self._used = 0
