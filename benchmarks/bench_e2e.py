@@ -22,7 +22,9 @@ Configurations (``--configs``, keys in brackets):
   level of greedy agreement.
 
 HF's continuous batching gets ``num_blocks`` for all N requests at their longest (25% spare),
-``max_batch_tokens`` equal to ours, ``max_requests_per_batch=N``, ``use_cuda_graph`` on or off and
+``max_batch_tokens`` equal to ours (``--max-batch-tokens``, default 8,192 on the GPU: a
+throughput setting for a batch of prompts arriving at once, as vLLM's for offline batches),
+``max_requests_per_batch=N``, ``use_cuda_graph`` on or off and
 ``auto_switch_to_flash=False`` (options that the installed transformers lacks are dropped and
 listed in the JSON).  Its warm-up: one untimed ``generate_batch`` with ``--hf-warmup-tokens`` new
 tokens each on a persistent manager (HF's ``warmup=True``: its graph pre-capture), then the timed
@@ -137,7 +139,7 @@ RATIO_TARGETS = {"hf-sdpa-graphs": 20.0, "hf-cupy_paged-graphs": 5.0}
 
 DEFAULTS = {
     "gpu": dict(concurrency="64,256", sweep="8,16,32,128", min_prompt=128, max_prompt=1024, max_new_tokens=256,
-                max_batch_tokens=2048, hf_warmup_tokens=16, max_seconds=330.0, max_run_seconds=60.0,
+                max_batch_tokens=8192, hf_warmup_tokens=16, max_seconds=330.0, max_run_seconds=60.0,
                 configs=",".join(SPECS), sweep_configs="ours-graphs,ours,hf-cupy_paged-graphs,hf-sdpa-graphs"),
     "cpu": dict(concurrency="4", sweep="", min_prompt=8, max_prompt=40, max_new_tokens=8, max_batch_tokens=64,
                 hf_warmup_tokens=2, max_seconds=600.0, max_run_seconds=300.0,
