@@ -105,8 +105,9 @@ def stage_times(model, batch: int, inner: int, reps: int) -> tuple[dict, dict]:
             {name: graph_time(fn, inner, reps) for name, fn in fused.items()})
 
 
-def served_run(args, model):
-    """Serve the default mix greedily with decode graphs under cProfile; the step graph's device time."""
+def served_run(args, model, ragged: bool = True):
+    """Serve the default mix greedily with decode graphs under cProfile; the step graph's device
+    time.  ``ragged``: the graphs' attention through the ragged launch, else the decode kernel."""
     import cupy
     from llama import Engine, GenerationRequest
 
@@ -114,8 +115,9 @@ def served_run(args, model):
     requests = [GenerationRequest(i, rng.integers(0, model.config.vocab_size,
                                                   int(rng.integers(128, 1025))).tolist(), args.max_new_tokens)
                 for i in range(args.requests)]
-    engine = Engine(model, num_blocks=8192, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
-                    cuda_graphs=True)
+    blocks = max(8192, args.requests * -(-(1024 + args.max_new_tokens) // 16))
+    engine = Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
+                    cuda_graphs=True, ragged=ragged)
     engine.warm_up()
     profile = cProfile.Profile()
     start = time.perf_counter()
@@ -125,7 +127,7 @@ def served_run(args, model):
     wall = time.perf_counter() - start
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
-    graph, _ = engine.graphs.graphs[engine.graphs.size_for(args.batch)]
+    graph = engine.graphs.graphs[engine.graphs.size_for(args.batch)][0]
     stream = engine.stream
     times = []
     for _ in range(args.reps):
@@ -160,6 +162,7 @@ def main(argv=None) -> int:
                                                       "down gemm")) + fused.get("add_rms_norm", 0.0) + \
         stages["qkv gemm"] + stages["gate_up gemm"]
     run, profile_text = served_run(args, model)
+    decode_kernel_run, _ = served_run(args, model, ragged=False)
     print(profile_text)
     print(f"device us per stage at batch {args.batch} (graph replay, median):")
     for name, value in stages.items():
@@ -172,9 +175,13 @@ def main(argv=None) -> int:
     print(f"  {'layer without attention':<24} {fused_layer_us:9.1f}  (both RMSNorms counted)")
     print(f"served: {run['tok_s']:.0f} tok/s, wall {run['wall_s']:.2f} s, steps {run['steps']}, "
           f"buckets {json.dumps({k: round(v, 3) for k, v in run['seconds'].items()})}")
-    print(f"decode step graph at batch {args.batch}: {run['graph_step_us']:.1f} us")
+    print(f"the same with the decode kernel in the graphs (ragged=False): {decode_kernel_run['tok_s']:.0f} tok/s, "
+          f"buckets {json.dumps({k: round(v, 3) for k, v in decode_kernel_run['seconds'].items()})}")
+    print(f"decode step graph at batch {args.batch}: {run['graph_step_us']:.1f} us (ragged launch), "
+          f"{decode_kernel_run['graph_step_us']:.1f} us (decode kernel)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(batch=args.batch, stages_us=stages, fused_us=fused, run=run), indent=1) + "\n")
+    args.out.write_text(json.dumps(dict(batch=args.batch, stages_us=stages, fused_us=fused, run=run,
+                                        decode_kernel_run=decode_kernel_run), indent=1) + "\n")
     return 0
 
 

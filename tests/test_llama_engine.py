@@ -221,7 +221,8 @@ def test_rope_scaling_llama3_slows_only_long_wavelengths():
     assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8)).all()
 
 
-def test_padded_decode_plan_rows_equal_the_scheduled_step():
+@pytest.mark.parametrize("path", ["decode", "ragged"])
+def test_padded_decode_plan_rows_equal_the_scheduled_step(path):
     """The CUDA graph path's padded decode plan (padding rows on a sequence of its own), run
     eagerly on the CPU: its first rows are the scheduler's plan's logits; the run then goes on."""
     from llama.cuda_graphs import DecodePadding
@@ -231,12 +232,12 @@ def test_padded_decode_plan_rows_equal_the_scheduled_step():
     for r in request_mix(count=3):
         engine.add_request(GenerationRequest(r.request_id, r.prompt, 4))
     engine.step()  # every prompt; the next step decodes all three
-    padding = DecodePadding(engine.cache, [2, 8])
+    padding = DecodePadding(engine.cache, [2, 8], TINY.num_attention_heads if path == "ragged" else None)
     plan = engine.scheduler.schedule()
     live = [engine._live[i][0] for i in plan.seq_ids]
     want = model.forward(plan, engine.cache)
     padded = padding.plan(plan.seq_ids, [r.token_ids[-1] for r in live])
-    assert padded.batch_size == 8 and padded.path == "decode"
+    assert padded.batch_size == 8 and padded.path == path
     np.testing.assert_allclose(model.forward(padded, engine.cache, all_rows=True)[:3], want, rtol=1e-12, atol=1e-12)
     engine.scheduler.update(plan, want.argmax(-1))
     padding.release()

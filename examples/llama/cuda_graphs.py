@@ -44,6 +44,10 @@ class DecodePadding:
         Gives one block to the padding sequence ``PAD_ID`` for as long as this object is used.
     sizes : list of int
         The batch sizes a step pads to.
+    num_heads : int, optional
+        The model's query heads: the plans take the ragged launch (its work list of fixed
+        capacity in the buffers, the keys shared out by length) instead of the decode kernel
+        (one CTA per sequence and kv head, splits by the longest possible sequence).
 
     Examples
     --------
@@ -54,11 +58,14 @@ class DecodePadding:
     ('decode', [9, 0, 0, 0], [3, 0, 0, 0], [0, 1, 1, 1])
     """
 
-    def __init__(self, cache, sizes):
-        self.cache, self.sizes = cache, sorted(set(sizes))
+    def __init__(self, cache, sizes, num_heads: int | None = None):
+        self.cache, self.sizes, self.num_heads = cache, sorted(set(sizes)), num_heads
         device = "cpu" if cache.device == "cpu" else "cuda"
+        group = None if num_heads is None else num_heads // cache.num_kv_heads
         self.buffers = cupy_paged.PlanBuffers(max_batch=self.sizes[-1], max_tokens=self.sizes[-1],
-                                              max_blocks_per_seq=cache.max_blocks_per_seq, device=device)
+                                              max_blocks_per_seq=cache.max_blocks_per_seq, device=device,
+                                              query_group=group)
+        self.path = "decode" if num_heads is None else "ragged"
         if PAD_ID not in cache:
             cache.allocate(PAD_ID, [0])
 
@@ -76,9 +83,10 @@ class DecodePadding:
         pad = size - len(seq_ids)
         ids = np.zeros(size, np.int32)
         ids[:len(seq_ids)] = input_ids
-        plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, buffers=self.buffers)
-        if plan.path != "decode":
-            raise RuntimeError(f"a padded decode plan must take the decode path; got {plan.path!r}")
+        plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, buffers=self.buffers,
+                                     num_heads=self.num_heads, path=None if self.num_heads is None else "ragged")
+        if plan.path != self.path:
+            raise RuntimeError(f"a padded decode plan must take the {self.path} path; got {plan.path!r}")
         return plan
 
     def release(self) -> None:
@@ -118,13 +126,16 @@ class DecodeGraphs:
         Largest decode batch (the scheduler's ``max_num_seqs``).
     sizes : list of int, optional
         Batch sizes to capture (default :func:`default_sizes`).
+    ragged : bool
+        Attention through the ragged launch (default) or the decode kernel (:class:`DecodePadding`).
     """
 
-    def __init__(self, model, cache, stream, max_batch: int, sizes=None):
+    def __init__(self, model, cache, stream, max_batch: int, sizes=None, ragged: bool = True):
         import cupy
 
         self.model, self.cache, self.stream = model, cache, stream
-        self.padding = DecodePadding(cache, sizes or default_sizes(max_batch))
+        heads = model.config.num_attention_heads if ragged else None
+        self.padding = DecodePadding(cache, sizes or default_sizes(max_batch), heads)
         self.pool = cupy.cuda.MemoryPool()
         self.graphs: dict = {}  # size -> (graph, logits [size, vocab] float32, argmax [size] int64 it writes)
         self.replays = 0

@@ -135,7 +135,8 @@ class Engine:
         the other ranks run :meth:`follow`.
     ragged : bool
         Plans for the ragged launch (``cupy_paged.Scheduler(num_heads=...)``): one attention
-        launch per layer for decode and mixed steps; False keeps the decode / varlen kernels.
+        launch per layer for decode and mixed steps, decode graphs included; False keeps the
+        decode / varlen kernels.
     graph_sizes : list of int, optional
         The padded decode batch sizes to capture (default ``llama.cuda_graphs.default_sizes``).
     seed : int
@@ -185,7 +186,7 @@ class Engine:
             if cuda_graphs:
                 from .cuda_graphs import DecodeGraphs
 
-                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes)
+                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes, ragged=ragged)
         elif cuda_graphs:
             raise ValueError("cuda_graphs needs a model on CuPy arrays")
         self.scheduler = cupy_paged.Scheduler(self.cache, config, **extra)
