@@ -455,11 +455,12 @@ def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
     for r in requests:
         engine.add_request(GenerationRequest(r.request_id, r.prompt, 3))
     engine.step()  # the prompts; the next step decodes all three
-    plan = engine.scheduler.schedule()
-    live = [engine._live[i][0] for i in plan.seq_ids]
+    plan = engine.scheduler.schedule()  # built by the graphs: padded to 8 rows, one launch per layer
+    assert plan.graph_rows == 3 and plan.batch_size == 8 and plan.path == "ragged"
+    live = [engine._live[i][0] for i in plan.seq_ids[:3]]
     with engine.stream:
-        eager_logits = model.forward(plan, engine.cache).get()
-        graph_logits, graph_tokens = engine.graphs.run(plan.seq_ids, [r.token_ids[-1] for r in live])
+        eager_logits = model.forward(plan, engine.cache)[:3].get()
+        graph_logits, graph_tokens = engine.graphs.replay(plan)
         graph_logits, graph_tokens = graph_logits.get(), graph_tokens.get()
         assert (graph_tokens == graph_logits.argmax(-1)).all()
     cupy_paged.check_errors()

@@ -25,7 +25,7 @@ class FakeDevice:
         inputs = np.asarray(plan.input_ids, np.int64).copy()
         if plan.input_ids_pending:  # the previous step's samples, moved on the device
             assert previous_tokens is not None and (inputs == 0).all()
-            inputs[:] = previous_tokens
+            inputs[:previous_tokens.size] = previous_tokens  # a padded plan: its first rows
         assert (plan.slot_mapping >= 0).all()
         self.kv[plan.slot_mapping] = inputs
         tokens = []
@@ -180,3 +180,49 @@ def test_no_step_ahead_when_it_could_not_be_a_decode_step_of_the_same_requests()
     step = scheduler.schedule()  # its last token: a step ahead would be wasted
     assert scheduler.schedule_ahead() is None
     assert [r.output_token_ids for r in scheduler.update(step, [4])] == [[3, 4]]
+
+
+def test_a_decode_planner_builds_every_decode_only_step_the_rest_as_before():
+    """``Scheduler(decode_planner=)``: decode-only steps (scheduled ahead or not) come from the
+    planner, padded here into buffers of their own; the tokens are those of the scheduler's plans."""
+    import sys
+    import pathlib
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from llama.cuda_graphs import DecodePadding
+
+    want, _ = serve(0, ahead=True)
+    cache, scheduler = make(121, 8)
+    padding = DecodePadding(cache, [4, 8])
+    built = []
+
+    def planner(batch):
+        plan = padding.plan(batch.seq_ids, batch.input_ids, rows=batch.rows if len(built) % 2 else None)
+        built.append((plan, len(batch.seq_ids)))
+        return plan
+
+    scheduler.decode_planner = planner
+    device = FakeDevice(cache)
+    for request in workload(0):
+        scheduler.add_request(request)
+    outputs, pending = {}, None
+
+    def launch(plan, previous=None):
+        rows = len(plan.sample_requests)
+        if built and plan is built[-1][0]:  # padded: the batch's rows first
+            assert plan.batch_size in (4, 8) and rows == built[-1][1]
+        return device.launch(plan, previous)[:rows]
+
+    while scheduler.has_unfinished() or pending is not None:
+        if pending is None:
+            plan = scheduler.schedule()
+            pending = (plan, launch(plan))
+        plan, tokens = pending
+        nxt = scheduler.schedule_ahead()
+        following = None if nxt is None else (nxt, launch(nxt, tokens))
+        for request in scheduler.update(plan, tokens):
+            outputs[request.request_id] = request.output_token_ids
+        pending = following
+    padding.release()
+    assert len(built) > 20 and outputs == want
+    assert cache.num_free_blocks == cache.num_blocks

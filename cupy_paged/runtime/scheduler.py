@@ -28,6 +28,11 @@ class Scheduler(serving.Scheduler):
         The model's query heads: plans list the work of one ragged launch per layer and take
         the ``"ragged"`` path for every step that is not prefill-heavy (``build_plan``'s
         ``num_heads``; ``buffers`` then need ``query_group = num_heads // num_kv_heads``).
+    decode_planner : callable, optional
+        ``decode_planner(batch)`` builds the plan of each decode-only step instead of the
+        scheduler (for instance padded to a captured CUDA graph's size, into that graph's
+        buffers), or returns None to leave it to the scheduler.  The plan's first
+        ``len(batch.seq_ids)`` rows must be the batch's, in order, with its input ids.
 
     Raises
     ------
@@ -59,9 +64,9 @@ class Scheduler(serving.Scheduler):
     """
 
     def __init__(self, cache, config: serving.SchedulerConfig | None = None, buffers=None,
-                 num_heads: int | None = None):
+                 num_heads: int | None = None, decode_planner=None):
         super().__init__(cache, config)
-        self.num_heads = num_heads
+        self.num_heads, self.decode_planner = num_heads, decode_planner
         if num_heads is not None:  # checked now, not at the first schedule()
             work_group(cache, num_heads, buffers)
         if buffers is not None and buffers.max_blocks_per_seq != cache.max_blocks_per_seq:
@@ -111,8 +116,12 @@ class Scheduler(serving.Scheduler):
 
     def _plan(self, batch: serving.ScheduledBatch) -> StepPlan:
         try:
-            plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids, batch.sample_mask,
-                              rows=batch.rows, buffers=self.buffers, num_heads=self.num_heads)
+            plan = None
+            if self.decode_planner is not None and batch.num_decodes == len(batch.seq_ids):
+                plan = self.decode_planner(batch)
+            if plan is None:
+                plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids,
+                                  batch.sample_mask, rows=batch.rows, buffers=self.buffers, num_heads=self.num_heads)
         except Exception:
             super().rollback(batch)
             raise

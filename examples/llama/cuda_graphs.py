@@ -74,17 +74,21 @@ class DecodePadding:
         at = bisect.bisect_left(self.sizes, batch)
         return self.sizes[at] if at < len(self.sizes) else None
 
-    def plan(self, seq_ids: list, input_ids: list, size: int | None = None):
+    def plan(self, seq_ids: list, input_ids: list, size: int | None = None, rows=None):
         """The decode plan of ``seq_ids`` (one new token each, slots reserved) padded to ``size``
-        rows (default ``size_for(len(seq_ids))``); row ``i < len(seq_ids)`` is ``seq_ids[i]``."""
+        rows (default ``size_for(len(seq_ids))``); row ``i < len(seq_ids)`` is ``seq_ids[i]``.
+        ``rows``: their cache rows (``cache.rows(seq_ids)``) when the caller has them."""
         size = self.size_for(len(seq_ids)) if size is None else size
         if size is None or size < len(seq_ids):
             raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest size {self.sizes[-1]}")
         pad = size - len(seq_ids)
         ids = np.zeros(size, np.int32)
         ids[:len(seq_ids)] = input_ids
-        plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, buffers=self.buffers,
-                                     num_heads=self.num_heads, path=None if self.num_heads is None else "ragged")
+        if rows is not None:
+            rows = np.concatenate([rows, np.full(pad, self.cache.rows([PAD_ID])[0], rows.dtype)])
+        plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, rows=rows,
+                                     buffers=self.buffers, num_heads=self.num_heads,
+                                     path=None if self.num_heads is None else "ragged")
         if plan.path != self.path:
             raise RuntimeError(f"a padded decode plan must take the {self.path} path; got {plan.path!r}")
         return plan
@@ -144,28 +148,35 @@ class DecodeGraphs:
         """The captured size a decode batch of ``batch`` pads to, or None when it is too large."""
         return self.padding.size_for(batch)
 
-    def run(self, seq_ids: list, input_ids: list, device_input_ids=None):
-        """The logits and greedy tokens of one decode step of ``seq_ids`` (one new token each,
-        slots reserved).
+    def plan(self, seq_ids: list, input_ids, rows=None) -> "cupy_paged.StepPlan | None":
+        """The padded plan of a decode step of ``seq_ids`` (one new token each, slots reserved;
+        ``rows`` their cache rows when known), built into the graphs' buffers, or None when the
+        batch is larger than every size.  ``plan.graph_rows`` is ``len(seq_ids)``: the rows after
+        it are padding."""
+        if self.padding.size_for(len(seq_ids)) is None:
+            return None
+        plan = self.padding.plan(seq_ids, input_ids, rows=rows)
+        plan.graph_rows = len(seq_ids)
+        return plan
+
+    def replay(self, plan, device_input_ids=None):
+        """Replay the graph of ``plan`` (from :meth:`plan`; captured on first use).
 
         Parameters
         ----------
-        seq_ids : list
-            ``[b]`` sequence ids, ``b <= max_batch``, in the scheduler's plan order.
-        input_ids : list of int
-            ``[b]`` each sequence's new token.
+        plan : cupy_paged.StepPlan
         device_input_ids : cupy.ndarray, optional
-            ``[b]`` the new tokens on the device instead (the previous step's samples, for a
-            step scheduled ahead): copied into the plan's inputs on the stream, before the replay.
+            ``[plan.graph_rows]`` the new tokens on the device instead of the plan's (the
+            previous step's samples, for a step scheduled ahead): copied into the plan's inputs on
+            the stream, before the replay.
 
         Returns
         -------
         (cupy.ndarray, cupy.ndarray)
-            ``[b, vocab]`` float32 logits and ``[b]`` int64 argmax of each row, views of the
-            graph's outputs: read them (in stream order) before the next ``run`` of this size.
+            ``[rows, vocab]`` float32 logits and ``[rows]`` int64 argmax of each row, views of the
+            graph's outputs: read them (in stream order) before the next replay of this size.
         """
-        plan = self.padding.plan(seq_ids, input_ids)
-        size, b = plan.batch_size, len(seq_ids)
+        size, b = plan.batch_size, plan.graph_rows
         if device_input_ids is not None:
             if device_input_ids.shape != (b,):
                 raise ValueError(f"device_input_ids must have shape [{b}]; got {device_input_ids.shape}")
@@ -176,6 +187,14 @@ class DecodeGraphs:
         graph.launch(stream=self.stream)
         self.replays += 1
         return logits[:b], tokens[:b]
+
+    def run(self, seq_ids: list, input_ids: list, device_input_ids=None):
+        """:meth:`plan` and :meth:`replay` of one decode step of ``seq_ids`` (``[b]`` ids in the
+        scheduler's plan order, ``b <= max_batch``; ``input_ids [b]`` their new tokens)."""
+        plan = self.plan(seq_ids, input_ids)
+        if plan is None:
+            raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest size {self.padding.sizes[-1]}")
+        return self.replay(plan, device_input_ids)
 
     def capture_all(self) -> None:
         """Capture every size now (over plans of padding rows only), before a timed run."""

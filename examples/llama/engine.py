@@ -189,6 +189,8 @@ class Engine:
                 self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes, ragged=ragged)
         elif cuda_graphs:
             raise ValueError("cuda_graphs needs a model on CuPy arrays")
+        if self.graphs is not None:  # decode steps are built once, padded into the graphs' buffers
+            extra["decode_planner"] = lambda batch: self.graphs.plan(batch.seq_ids, batch.input_ids, batch.rows)
         self.scheduler = cupy_paged.Scheduler(self.cache, config, **extra)
         self._seconds: collections.Counter = collections.Counter()  # the buckets of EngineStats.seconds
         # Two of each: a step in flight and the one launched behind it.
@@ -272,8 +274,9 @@ class Engine:
         from ``previous``' tokens on the device) and the tokens' transfer to the host; returns
         the step in flight and the host seconds spent.  A failure rolls the step back."""
         start = time.perf_counter()
-        live = [self._live[i] for i in plan.seq_ids]
-        sampling = live if len(plan.logits_indices) == len(live) else [
+        graphed = getattr(plan, "graph_rows", None) is not None  # built by self.graphs.plan
+        live = [self._live[i] for i in (plan.seq_ids[:plan.graph_rows] if graphed else plan.seq_ids)]
+        sampling = live if graphed or len(plan.logits_indices) == len(live) else [
             entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
         params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
         timer = self._timers[self._flip]
@@ -283,10 +286,9 @@ class Engine:
                 raise RuntimeError("a step scheduled ahead needs the previous step's tokens, one per row")
             inputs = previous.tokens
         try:
-            if (self.graphs is not None and plan.num_decodes == len(live)
-                    and self.graphs.size_for(len(live)) is not None):
+            if graphed:
                 with timer.span("graph"):
-                    logits, greedy = self.graphs.run(plan.seq_ids, plan.host_input_ids, inputs)
+                    logits, greedy = self.graphs.replay(plan, inputs)
                     tokens = sample_tokens(logits, params, generators, greedy)
             else:
                 if inputs is not None:
@@ -303,7 +305,7 @@ class Engine:
             tokens.get(stream=self.stream, out=landing, blocking=False)
             done = self.stream.record()
         self._flip ^= 1
-        self._count_step(plan)
+        self._count_step(plan, len(live))
         return _InFlight(plan, tokens, landing, done, timer), time.perf_counter() - start
 
     def _settle(self, record: "_InFlight") -> tuple[list, float]:
@@ -358,12 +360,13 @@ class Engine:
         self._stats_before = self.scheduler.stats()
         self._seconds.clear()
 
-    def _count_step(self, plan) -> None:
-        """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled."""
+    def _count_step(self, plan, rows: int) -> None:
+        """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled
+        (``rows``: its sequences, the padding of a graph's plan left out)."""
         stats, decodes = self.stats, plan.num_decodes
-        stats.steps["decode" if decodes == plan.batch_size else "prefill" if decodes == 0 else "mixed"] += 1
+        stats.steps["decode" if decodes == rows else "prefill" if decodes == 0 else "mixed"] += 1
         stats.kernel_paths[plan.path] += 1
-        stats.computed_prompt_tokens += plan.num_tokens - decodes
+        stats.computed_prompt_tokens += (plan.num_tokens - (plan.batch_size - rows)) - decodes
         now, before = self.scheduler.stats(), self._stats_before  # O(1): the scheduler keeps the totals
         stats.prefix_queried_tokens = now.prompt_tokens - before.prompt_tokens
         stats.prefix_hit_tokens = now.cached_prompt_tokens - before.cached_prompt_tokens
