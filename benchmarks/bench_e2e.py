@@ -14,8 +14,8 @@ Configurations (``--configs``, keys in brackets):
   (kernels compiled, decode graphs captured) before the timed ``engine.run``.  Both schedule
   asynchronously (the engine's GPU default); ``ours graphs sync`` [ours-graphs-sync] steps one
   at a time (``async_scheduling=False``), to show what the overlap gains, and ``ours graphs
-  decode-kernel`` [ours-graphs-decode] runs the decode graphs' attention on the decode kernel
-  instead of the ragged launch (``ragged=False``).
+  ragged-launch`` [ours-graphs-ragged] runs the decode graphs' attention on the ragged launch
+  instead of the decode kernel (``graph_attention="ragged"``).
 * ``hf sdpa graphs`` / ``hf sdpa no-graphs`` [hf-sdpa-graphs, hf-sdpa]: ``generate_batch`` with
   ``attn_implementation="paged|sdpa"``.
 * ``hf cupy_paged graphs`` / ``hf cupy_paged no-graphs`` [hf-cupy_paged-graphs, hf-cupy_paged]:
@@ -121,13 +121,13 @@ class Spec:
     attn: str | None = None
     prior_tok_s: float = 1000.0  # the issue's figure at 64 requests (H200), for the first prediction
     sync: bool = False  # ours: one step at a time (async_scheduling=False), for the overlap's gain
-    ragged: bool = True  # ours: the decode graphs' attention through the ragged launch, else the decode kernel
+    graph_attention: str = "decode"  # ours: the decode graphs' attention (Engine(graph_attention=))
 
 
 SPECS = {s.key: s for s in (
     Spec("ours-graphs", "ours graphs", "ours", True, prior_tok_s=13500),
     Spec("ours-graphs-sync", "ours graphs sync", "ours", True, prior_tok_s=31300, sync=True),
-    Spec("ours-graphs-decode", "ours graphs decode-kernel", "ours", True, prior_tok_s=46000, ragged=False),
+    Spec("ours-graphs-ragged", "ours graphs ragged-launch", "ours", True, prior_tok_s=46000, graph_attention="ragged"),
     Spec("ours", "ours no-graphs", "ours", False, prior_tok_s=3000),
     Spec("hf-cupy_paged-graphs", "hf cupy_paged graphs", "hf", True, "paged|flash_attention_2", 8200),
     Spec("hf-sdpa-graphs", "hf sdpa graphs", "hf", True, "paged|sdpa", 1860),
@@ -390,7 +390,8 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     blocks = int(1.25 * n * -(-longest // args.block_size)) + 64
     engine = Engine(bench.ours, num_blocks=blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=n, max_model_len=longest, cuda_graphs=spec.graphs, seed=args.seed,
-                    async_scheduling=False if spec.sync else None, ragged=spec.ragged)
+                    async_scheduling=False if spec.sync else None,
+                    graph_attention=spec.graph_attention)
     start = time.perf_counter()
     engine.warm_up()
     # As HF's warm-up call: the whole workload's shapes once (other prompts of the same lengths, so

@@ -385,15 +385,15 @@ def test_fused_kernels_compile_without_spills(dtype):
 # --------------------------------------------------------------------------- GPU
 
 
-def _gpu_engines(graph_sizes):
+def _gpu_engines(graph_sizes, graph_attention="decode"):
     import cupy
 
     model = tiny_model(BF16, LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64,
                                              "vocab_size": 1000, "intermediate_size": 512}), xp=cupy)
     kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
     # The reference steps one at a time; the graphed engine schedules ahead (the GPU default).
-    return model, Engine(model, async_scheduling=False, **kwargs), Engine(model, cuda_graphs=True,
-                                                                           graph_sizes=graph_sizes, **kwargs)
+    return model, Engine(model, async_scheduling=False, **kwargs), Engine(
+        model, cuda_graphs=True, graph_sizes=graph_sizes, graph_attention=graph_attention, **kwargs)
 
 
 @pytest.mark.gpu
@@ -423,12 +423,13 @@ def test_cublas_gemm_matches_numpy_and_can_be_captured(dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_tokens_equal_eager():
+@pytest.mark.parametrize("graph_attention", ["decode", "ragged"])
+def test_cuda_graph_decode_tokens_equal_eager(graph_attention):
     """Graphs captured at every batch size (no padding: the same shapes as eager, so the same
     cuBLAS and attention launches) replay to exactly the eager tokens, greedy and sampled."""
     import cupy_paged
 
-    _, eager, graphed = _gpu_engines(graph_sizes=list(range(1, 7)))
+    _, eager, graphed = _gpu_engines(list(range(1, 7)), graph_attention)
     requests = request_mix(count=9, vocab=1000, new_tokens=12) + [
         GenerationRequest(f"s{r.request_id}", r.prompt, r.max_new_tokens, r.sampling)
         for r in request_mix(seed=8, count=5, vocab=1000, new_tokens=12, sampled=True)]
@@ -455,8 +456,8 @@ def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
     for r in requests:
         engine.add_request(GenerationRequest(r.request_id, r.prompt, 3))
     engine.step()  # the prompts; the next step decodes all three
-    plan = engine.scheduler.schedule()  # built by the graphs: padded to 8 rows, one launch per layer
-    assert plan.graph_rows == 3 and plan.batch_size == 8 and plan.path == "ragged"
+    plan = engine.scheduler.schedule()  # built by the graphs: padded to 8 rows
+    assert plan.graph_rows == 3 and plan.batch_size == 8 and plan.path == "decode"
     live = [engine._live[i][0] for i in plan.seq_ids[:3]]
     with engine.stream:
         eager_logits = model.forward(plan, engine.cache)[:3].get()

@@ -131,10 +131,10 @@ class DecodeGraphs:
     sizes : list of int, optional
         Batch sizes to capture (default :func:`default_sizes`).
     ragged : bool
-        Attention through the ragged launch (default) or the decode kernel (:class:`DecodePadding`).
+        Attention through the ragged launch instead of the decode kernel (:class:`DecodePadding`).
     """
 
-    def __init__(self, model, cache, stream, max_batch: int, sizes=None, ragged: bool = True):
+    def __init__(self, model, cache, stream, max_batch: int, sizes=None, ragged: bool = False):
         import cupy
 
         self.model, self.cache, self.stream = model, cache, stream

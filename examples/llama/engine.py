@@ -135,8 +135,10 @@ class Engine:
         the other ranks run :meth:`follow`.
     ragged : bool
         Plans for the ragged launch (``cupy_paged.Scheduler(num_heads=...)``): one attention
-        launch per layer for decode and mixed steps, decode graphs included; False keeps the
-        decode / varlen kernels.
+        launch per layer for decode and mixed steps; False keeps the decode / varlen kernels.
+    graph_attention : {"decode", "ragged"}
+        The decode graphs' attention: the decode kernel (the default; in the served benchmark it
+        was the faster) or the ragged launch over a work list of fixed capacity.
     graph_sizes : list of int, optional
         The padded decode batch sizes to capture (default ``llama.cuda_graphs.default_sizes``).
     seed : int
@@ -149,7 +151,8 @@ class Engine:
 
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
-                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None, async_scheduling=None):
+                 cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None, async_scheduling=None,
+                 graph_attention="decode"):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
         self.group = group if group is not None and group.world_size > 1 else None
@@ -186,7 +189,10 @@ class Engine:
             if cuda_graphs:
                 from .cuda_graphs import DecodeGraphs
 
-                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes, ragged=ragged)
+                if graph_attention not in ("decode", "ragged"):
+                    raise ValueError(f"graph_attention must be 'decode' or 'ragged'; got {graph_attention!r}")
+                self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes,
+                                           ragged=graph_attention == "ragged")
         elif cuda_graphs:
             raise ValueError("cuda_graphs needs a model on CuPy arrays")
         if self.graphs is not None:  # decode steps are built once, padded into the graphs' buffers
