@@ -132,36 +132,19 @@ def ctas_per_sm(num_regs: int, smem: int, threads: int = 32 * WARPS) -> int:
 
 
 def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int, ctas_per_sm: int) -> int:
-    """Split count for ``num_splits=0``, from shapes alone (the lengths are on the device).
+    """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
 
     ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be;
-    ``keys_per_tile`` the launched shape's keys per pipeline stage.  Each split covers an equal
-    share of its own sequence's keys.
-
-    * Two waves of CTA slots or more: no split (the CTA scheduler evens out the lengths).
-    * About one wave (80% or more): split so the grid makes two waves at least.  In one wave
-      every SM holds its CTAs to the end, so the longest sequences set the time; with more CTAs
-      than slots an SM that finishes short ones starts others.
-    * Fewer: the smallest split count whose wave efficiency (CTAs / slots of the waves they
-      need) is within 5% of the best.
-
-    Always at least two tiles of keys per split, so each split amortises its fixed costs, and no
-    split below four tiles.
-
-    Examples
-    --------
-    >>> choose_splits(256, 1280, 64, 132, 2)   # 64 sequences x 4 kv heads, one wave
-    3
-    >>> choose_splits(1024, 1280, 64, 132, 2), choose_splits(4, 20_000, 64, 132, 2)
-    (1, 63)
+    ``keys_per_tile`` the launched shape's keys per pipeline stage.
+    Enough CTAs already (>= 80% of one wave) means no split.  Otherwise take the smallest split
+    count whose wave efficiency (CTAs / slots of the waves they need) is within 5% of the best,
+    with at least two tiles of keys per split so each split amortises its fixed costs.
     """
     slots = num_sms * ctas_per_sm
     tiles = -(-max_keys // keys_per_tile)
-    if num_ctas >= 2 * slots or tiles < 4:
+    if num_ctas >= 0.8 * slots or tiles < 4:
         return 1
     limit = max(1, min(MAX_SPLITS, tiles // 2))
-    if num_ctas >= 0.8 * slots:
-        return min(limit, -(-2 * slots // num_ctas))
 
     def efficiency(n: int) -> float:
         total = num_ctas * n
