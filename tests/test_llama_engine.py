@@ -139,6 +139,55 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(sampled, config
     assert engine.stats.generated_tokens == sum(map(len, want.values()))
 
 
+@pytest.mark.parametrize("where", ["plan of the step ahead", "forward of the step ahead"])
+def test_async_engine_recovers_from_a_failed_step_ahead(where, monkeypatch):
+    """A step scheduled ahead that fails (its plan build, or its forward pass after the first
+    layer wrote K/V) raises, leaves the step in flight pending, and the run goes on to the tokens
+    of a run without the fault."""
+    import cupy_paged.runtime.scheduler as runtime_scheduler
+
+    model = tiny_model()
+    config = dict(block_size=8, num_blocks=80, max_batch_tokens=64, max_num_seqs=8)
+    requests = request_mix(new_tokens=14)
+    want = Engine(model, async_scheduling=False, **config).run(requests)
+    engine = Engine(model, async_scheduling=True, **config)
+    for r in requests:
+        engine.add_request(r)
+    calls, failures, build, block = [0], [], runtime_scheduler.build_plan, model._attention_block
+
+    def failing_build(*args, **kwargs):
+        if engine.scheduler._ahead is not None:  # inside schedule_ahead, its batch made
+            calls[0] += 1
+            if calls[0] in (3, 9):
+                raise RuntimeError("injected plan failure")
+        return build(*args, **kwargs)
+
+    def failing_block(index, *args):
+        if index == 1 and engine.scheduler._ahead is not None:  # layer 0 of the step ahead wrote K/V
+            calls[0] += 1
+            if calls[0] in (3, 9):
+                raise RuntimeError("injected forward failure")
+        return block(index, *args)
+
+    if where.startswith("plan"):
+        monkeypatch.setattr(runtime_scheduler, "build_plan", failing_build)
+    else:
+        monkeypatch.setattr(model, "_attention_block", failing_block)
+    outputs = {}
+    while engine.has_unfinished():
+        try:
+            finished = engine.step()
+        except RuntimeError as error:
+            assert "injected" in str(error)
+            failures.append(str(error))
+            continue
+        for r in finished:
+            outputs[r.request_id] = r.output_token_ids
+    assert len(failures) == 2
+    assert outputs == want
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+
+
 # --------------------------------------------------------------------------- (b) logits
 
 

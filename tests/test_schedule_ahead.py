@@ -68,54 +68,66 @@ def make(num_blocks, max_num_seqs, prefix=True):
 
 def serve(seed, ahead, num_blocks=120, max_num_seqs=8, prefix=True, aborts=()):
     """Outputs of a workload; ``ahead``: schedule the next step before reading the pending one's
-    tokens whenever the scheduler allows.  ``aborts``: (step, request id) aborted at that step,
-    between scheduling and update."""
+    tokens whenever the scheduler allows.  ``aborts``: (step, request id, when) aborted at that
+    step: ``"pending"`` with one step pending, ``"ahead"`` with a step scheduled ahead of it,
+    ``"between"`` after the pending step's update, the step ahead still pending (the last two
+    only happen when the scheduler went ahead).  Returns the outputs, the steps made ahead and
+    the requests aborted with two steps in flight."""
     cache, scheduler = make(num_blocks, max_num_seqs, prefix)
     device = FakeDevice(cache)
     for request in workload(seed):
         scheduler.add_request(request)
-    outputs, pending, steps, ahead_steps = {}, None, 0, 0
+    outputs, pending, steps, ahead_steps, in_flight = {}, None, 0, 0, []
+
+    def abort(when):
+        for step, request_id, moment in aborts:
+            if step == steps and moment == when and scheduler.abort([request_id]) and when != "pending":
+                in_flight.append(request_id)
+
     while scheduler.has_unfinished() or pending is not None:
         if pending is None:
             plan = scheduler.schedule()
             assert plan is not None
             pending = (plan, device.launch(plan))
             steps += 1
-        for step, request_id in aborts:
-            if step == steps:
-                scheduler.abort([request_id])
+        abort("pending")
         plan, tokens = pending
         nxt = scheduler.schedule_ahead() if ahead else None
         if nxt is not None:  # launched before the pending step's tokens reach the host
             following = (nxt, device.launch(nxt, tokens))
             steps += 1
             ahead_steps += 1
+            abort("ahead")
         for request in scheduler.update(plan, tokens):
             outputs[request.request_id] = request.output_token_ids
         pending = following if nxt is not None else None
+        if pending is not None:
+            abort("between")
         check_prefix_cache(cache, device)
     assert cache.num_free_blocks == cache.num_blocks
-    return outputs, ahead_steps
+    return outputs, ahead_steps, in_flight
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix", [True, False])
 def test_scheduling_ahead_gives_the_tokens_of_one_step_at_a_time(seed, prefix):
-    want, none = serve(seed, ahead=False, prefix=prefix)
-    got, ahead_steps = serve(seed, ahead=True, prefix=prefix)
+    want, none, _ = serve(seed, ahead=False, prefix=prefix)
+    got, ahead_steps, _ = serve(seed, ahead=True, prefix=prefix)
     assert none == 0 and ahead_steps >= 10
     assert got == want
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_scheduling_ahead_with_a_small_cache_and_aborts(seed):
-    """Few blocks (preemption between the ahead runs) and aborts between schedule and update."""
-    aborts = [(9, 3), (14, 4), (22, 10)]
-    want, _ = serve(seed, ahead=False, num_blocks=40, max_num_seqs=6, aborts=aborts)
-    got, ahead_steps = serve(seed, ahead=True, num_blocks=40, max_num_seqs=6, aborts=aborts)
-    assert ahead_steps > 0
-    assert {k: v for k, v in got.items() if k not in (3, 4, 10)} == \
-        {k: v for k, v in want.items() if k not in (3, 4, 10)}
+    """Few blocks (preemption between the ahead runs) and aborts while one or two steps are in
+    flight: the other requests' tokens are unchanged and no block leaks."""
+    aborts = [(9, 3, "pending"), (14, 4, "ahead"), (22, 10, "between"), (30, 12, "ahead"), (41, 15, "between"),
+              (50, 17, "ahead"), (60, 19, "between")]
+    cut = {rid for _, rid, _ in aborts}
+    want, _, _ = serve(seed, ahead=False, num_blocks=40, max_num_seqs=6, aborts=aborts)
+    got, ahead_steps, in_flight = serve(seed, ahead=True, num_blocks=40, max_num_seqs=6, aborts=aborts)
+    assert ahead_steps > 0 and in_flight, "some abort must meet two steps in flight"
+    assert {k: v for k, v in got.items() if k not in cut} == {k: v for k, v in want.items() if k not in cut}
 
 
 def decoding_scheduler():
@@ -150,10 +162,12 @@ def test_schedule_ahead_needs_a_pending_decode_step_and_one_at_a_time():
 def test_rolling_back_the_step_ahead_leaves_the_pending_one():
     cache, scheduler = decoding_scheduler()
     step = scheduler.schedule()
-    slots = cache.num_free_blocks
+    ids = list(step.seq_ids)
+    free, slots = cache.num_free_blocks, [cache.num_slots(i) for i in ids]
     ahead = scheduler.schedule_ahead()
+    assert [cache.num_slots(i) for i in ids] == [n + 1 for n in slots]
     scheduler.rollback(ahead)
-    assert cache.num_free_blocks == slots
+    assert cache.num_free_blocks == free and [cache.num_slots(i) for i in ids] == slots
     scheduler.update(step, [8, 8, 8])
     again = scheduler.schedule()  # the same step the rolled back one was
     assert again.positions.tolist() == [4, 4, 4] and again.input_ids.tolist() == [8, 8, 8]
@@ -163,6 +177,20 @@ def test_rolling_back_the_step_ahead_leaves_the_pending_one():
         scheduler.rollback(again)
     scheduler.update(again, [9, 9, 9])
     assert [r.output_token_ids for r in scheduler.running] == [[5, 8, 9], [6, 8, 9], [7, 8, 9]]
+
+
+def test_rolling_back_a_step_ahead_that_opened_a_block_frees_it():
+    cache, scheduler = make(40, 4)
+    for i in range(2):
+        scheduler.add_request(Request(i, list(range(1 + i, 8 + i)), 10))  # 7 tokens, then 8: block 0 full
+    scheduler.update(scheduler.schedule(), [5, 6])
+    step = scheduler.schedule()  # position 7, the last slot of block 0
+    free = cache.num_free_blocks
+    ahead = scheduler.schedule_ahead()  # position 8: a new block each
+    assert ahead.positions.tolist() == [8, 8] and cache.num_free_blocks == free - 2
+    scheduler.rollback(ahead)
+    assert cache.num_free_blocks == free
+    scheduler.update(step, [1, 2])
 
 
 def test_no_step_ahead_when_it_could_not_be_a_decode_step_of_the_same_requests():
@@ -191,7 +219,7 @@ def test_a_decode_planner_builds_every_decode_only_step_the_rest_as_before():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
     from llama.cuda_graphs import DecodePadding
 
-    want, _ = serve(0, ahead=True)
+    want, _, _ = serve(0, ahead=True)
     cache, scheduler = make(121, 8)
     padding = DecodePadding(cache, [4, 8])
     built = []

@@ -250,13 +250,13 @@ class Engine:
         with self.stream if self.gpu else contextlib.nullcontext():
             previous, self._inflight = self._inflight, None
             if previous is not None:
-                ahead = self.scheduler.schedule_ahead()
-                if ahead is not None:
-                    try:
+                try:  # a failure here leaves the step in flight pending, read at the next step
+                    ahead = self.scheduler.schedule_ahead()
+                    if ahead is not None:
                         self._inflight, busy = self._launch(ahead, previous)
-                    except BaseException:
-                        self._inflight = previous  # still pending: read at the next step
-                        raise
+                except BaseException:
+                    self._inflight = previous
+                    raise
                 finished, waited = self._settle(previous)
                 busy += waited
             if self._inflight is None and self.scheduler.has_unfinished():
@@ -280,18 +280,18 @@ class Engine:
         from ``previous``' tokens on the device) and the tokens' transfer to the host; returns
         the step in flight and the host seconds spent.  A failure rolls the step back."""
         start = time.perf_counter()
-        graphed = getattr(plan, "graph_rows", None) is not None  # built by self.graphs.plan
-        live = [self._live[i] for i in (plan.seq_ids[:plan.graph_rows] if graphed else plan.seq_ids)]
-        sampling = live if graphed or len(plan.logits_indices) == len(live) else [
-            entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
-        params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
         timer = self._timers[self._flip]
-        inputs = None
-        if plan.input_ids_pending:
-            if previous is None or previous.tokens.shape != (len(live),):
-                raise RuntimeError("a step scheduled ahead needs the previous step's tokens, one per row")
-            inputs = previous.tokens
         try:
+            graphed = getattr(plan, "graph_rows", None) is not None  # built by self.graphs.plan
+            live = [self._live[i] for i in (plan.seq_ids[:plan.graph_rows] if graphed else plan.seq_ids)]
+            sampling = live if graphed or len(plan.logits_indices) == len(live) else [
+                entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
+            params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
+            inputs = None
+            if plan.input_ids_pending:
+                if previous is None or previous.tokens.shape != (len(live),):
+                    raise RuntimeError("a step scheduled ahead needs the previous step's tokens, one per row")
+                inputs = previous.tokens
             if graphed:
                 with timer.span("graph"):
                     logits, greedy = self.graphs.replay(plan, inputs)
@@ -303,6 +303,7 @@ class Engine:
                     logits = self.model.forward(plan, self.cache, timer)
                     tokens = sample_tokens(logits, params, generators)
         except BaseException:  # the forward pass failed: the step is undone and comes again next time
+            timer.discard()
             self.scheduler.rollback(plan)
             raise
         landing, done = tokens, None

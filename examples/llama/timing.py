@@ -72,6 +72,12 @@ class Timer:
         self._used = 0
 
 
+    def discard(self) -> None:
+        """Forget the pending spans (of work that failed before it was all enqueued)."""
+        self._pending.clear()
+        self._used = 0
+
+
 class NoTimer:
     """A stand-in with :class:`Timer`'s interface that times nothing (for warm-ups and captures)."""
 
@@ -82,4 +88,7 @@ class NoTimer:
         yield
 
     def collect(self) -> None:
+        pass
+
+    def discard(self) -> None:
         pass
