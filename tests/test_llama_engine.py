@@ -490,6 +490,30 @@ def test_cuda_graph_decode_tokens_equal_eager(graph_attention):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph_attention", ["decode", "ragged"])
+def test_async_cuda_graphs_with_stops_equal_synchronous_eager(graph_attention):
+    """Decode graphs scheduled ahead while requests stop on end-of-sequence ids the host learns a
+    step late (their rows in the step ahead dropped): every request's tokens equal synchronous
+    eager steps', greedy and sampled, and no block is left held."""
+    import cupy_paged
+
+    model, eager, _ = _gpu_engines([8])
+    requests = request_mix(count=9, vocab=1000, new_tokens=12) + [
+        GenerationRequest(f"s{r.request_id}", r.prompt, r.max_new_tokens, r.sampling)
+        for r in request_mix(seed=8, count=5, vocab=1000, new_tokens=12, sampled=True)]
+    requests = with_stops(requests, eager.run(requests))
+    kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
+    want = Engine(model, async_scheduling=False, **kwargs).run(requests)
+    graphed = Engine(model, cuda_graphs=True, graph_sizes=[2, 4, 6], graph_attention=graph_attention, **kwargs)
+    got = graphed.run(requests)
+    cupy_paged.check_errors()
+    assert graphed.async_scheduling and graphed.stats.graph_replays > 10
+    assert any(len(want[r.request_id]) < r.max_new_tokens for r in requests), "some request must stop early"
+    assert got == want
+    assert graphed.cache.num_free_blocks == graphed.cache.num_blocks - 1  # the graphs' padding block
+
+
+@pytest.mark.gpu
 def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
     """A decode batch padded to a larger captured size: its logits match the eager step's and
     the dense float64 forward within bfloat16 tolerance, and the padding records no device error."""
