@@ -9,6 +9,7 @@ top-k), each with its own seed.
 
     python examples/serve_llama.py                       # GPU defaults where a GPU answers, else CPU
     python examples/serve_llama.py --cuda-graphs         # decode steps as CUDA graph replays
+    python examples/serve_llama.py --sync                # no step scheduled ahead (the GPU default overlaps)
     python examples/serve_llama.py --checkpoint DIR      # a Hugging Face Llama folder (safetensors)
     CUDA_VISIBLE_DEVICES= python examples/serve_llama.py # the CPU reference backend
 """
@@ -63,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-chunk", type=int, help="most tokens of one prompt in a step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    p.add_argument("--sync", action="store_true",
+                   help="one step at a time: no decode step scheduled ahead of the previous step's tokens (GPU)")
     p.add_argument("--shape", help="random weights of this shape instead of the default model: "
                                     "LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB] (head dim HIDDEN / HEADS)")
     p.add_argument("--stats-json", type=pathlib.Path, help="also write the run's figures here (rank 0)")
@@ -180,7 +183,8 @@ def report(args, model, source, engine, load_seconds, warm_seconds) -> None:
                                   f"{s.prefix_queried_tokens} tokens)"),
         ("preemptions", f"{s.preemptions}"),
         ("peak cache use", f"{s.peak_blocks} of {s.num_blocks} blocks ({100 * s.peak_blocks / s.num_blocks:.1f}%)"),
-        ("time", ", ".join(f"{name} {sec:.2f} s ({100 * sec / total:.0f}%)" for name, sec in buckets)),
+        ("time", ", ".join(f"{name} {sec:.2f} s ({100 * sec / total:.0f}%)" for name, sec in buckets)
+         + (" (host work overlaps the device's with asynchronous scheduling)" if engine.async_scheduling else "")),
     ])
 
 
@@ -202,6 +206,7 @@ def main(argv=None) -> int:
                     max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
                     max_prefill_chunk=args.max_prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                     max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs,
+                    async_scheduling=False if args.sync else None,
                     ragged=not args.no_ragged, seed=args.seed, group=group)
     if group is not None and group.rank > 0:
         engine.follow()
