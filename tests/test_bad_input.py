@@ -605,7 +605,7 @@ def scheduler_state(scheduler) -> dict:
     requests = sorted(scheduler._live.values(), key=lambda r: str(r.request_id))
     return dict(cache=cache_state(scheduler.cache), waiting=[r.request_id for r in scheduler.waiting],
                 running=[r.request_id for r in scheduler.running], live=sorted(map(str, scheduler._live)),
-                planned=scheduler._planned, preemptions=scheduler.num_preemptions,
+                pending=(scheduler._step, scheduler._ahead), preemptions=scheduler.num_preemptions,
                 requests=[(r.request_id, list(r.token_ids), r.num_computed, r.status) for r in requests])
 
 

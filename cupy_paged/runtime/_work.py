@@ -176,9 +176,8 @@ def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, w
 # What the ragged launch reaches on the H200 (benchmarks/NOTES_mixed.md): K/V streamed at about
 # 4 TB/s, the tensor-core work of 16-row tiles at about 150 TFLOP/s.
 _READ_RATE, _TILE_FLOPS = 4.0e12, 150e12
-# Longest row the ragged launch takes (NOTES_mixed.md, 2026-12-01): beside 64-255 decodes, chunks of
-# 512 tokens ran 9% and 37% faster on the split path (decode kernel + prefill kernel), chunks of
-# 128 tokens 8% and 27% slower.
+# Longest row the ragged launch takes: longer chunks beside decodes run faster on the split path
+# (the measurements: benchmarks/NOTES_mixed.md).
 LONGEST_RAGGED_ROW = 256
 
 

@@ -81,9 +81,6 @@ class StepPlan:
     num_decodes : int or None
         Set by ``cupy_paged.Scheduler``: the first ``num_decodes`` sequences decode (one
         generated token each); the rest feed prompt (or recomputed) tokens.
-    host_input_ids : numpy.ndarray or None
-        Set by ``cupy_paged.Scheduler``: ``input_ids`` on the host (int64), read without a
-        device transfer.
     input_ids_pending : bool
         Set by ``cupy_paged.Scheduler.schedule_ahead``: the step was scheduled before the
         previous step's tokens were known, so ``input_ids`` hold zeros; row ``i`` feeds the
@@ -112,7 +109,6 @@ class StepPlan:
     sample_requests: list | None = None
     sample_rows: np.ndarray | None = None
     num_decodes: int | None = None
-    host_input_ids: np.ndarray | None = None
     input_ids_pending: bool = False
     work: object = None
     entries: object = None

@@ -73,8 +73,6 @@ class Scheduler(serving.Scheduler):
             raise ValueError(f"the buffers' block tables have {buffers.max_blocks_per_seq} columns but the "
                              f"cache's max_blocks_per_seq is {cache.max_blocks_per_seq}")
         self.buffers = buffers
-        self._planned: tuple[StepPlan, serving.ScheduledBatch] | None = None  # until update() takes it
-        self._planned_ahead: tuple[StepPlan, serving.ScheduledBatch] | None = None  # schedule_ahead()'s
 
     def schedule(self) -> StepPlan | None:
         """The serving scheduler's next batch (:meth:`serving.scheduler.Scheduler.schedule`) as the
@@ -87,10 +85,7 @@ class Scheduler(serving.Scheduler):
             :meth:`update` (or the plan to :meth:`rollback`) before the next call.
         """
         batch = super().schedule()
-        if batch is None:
-            return None
-        self._planned = (self._plan(batch), batch)
-        return self._planned[0]
+        return None if batch is None else self._plan(batch)
 
     def schedule_ahead(self) -> StepPlan | None:
         """The next decode step as a plan, built while the pending step still runs
@@ -109,12 +104,10 @@ class Scheduler(serving.Scheduler):
             then ``schedule()``.
         """
         batch = super().schedule_ahead()
-        if batch is None:
-            return None
-        self._planned_ahead = (self._plan(batch), batch)
-        return self._planned_ahead[0]
+        return None if batch is None else self._plan(batch)
 
     def _plan(self, batch: serving.ScheduledBatch) -> StepPlan:
+        """The batch's plan, kept on the batch (``update`` and ``rollback`` find the batch by it)."""
         try:
             plan = None
             if self.decode_planner is not None and batch.num_decodes == len(batch.seq_ids):
@@ -126,22 +119,21 @@ class Scheduler(serving.Scheduler):
             super().rollback(batch)
             raise
         plan.sample_requests, plan.sample_rows = batch.sample_requests, batch.sample_rows
-        plan.num_decodes, plan.host_input_ids = batch.num_decodes, batch.input_ids
-        plan.input_ids_pending = batch.input_ids_pending
+        plan.num_decodes, plan.input_ids_pending = batch.num_decodes, batch.input_ids_pending
+        batch._step_plan = plan
         return plan
 
     def _detach(self) -> None:
         super()._detach()
-        for planned in (self._planned, self._planned_ahead):
-            if planned is not None:  # the plan lists the batch's own requests, not the running batch's
-                plan, batch = planned
-                plan.sample_requests = batch.sample_requests
+        for batch in (self._step, self._ahead):
+            if batch is not None and batch._step_plan is not None:  # the batch's own requests now
+                batch._step_plan.sample_requests = batch.sample_requests
 
     def _batch_of(self, plan: StepPlan, verb: str) -> serving.ScheduledBatch:
-        if self._planned is None:
+        if self._step is None:
             raise RuntimeError(f"{verb}() needs a plan from schedule()")
-        for expected, batch in filter(None, (self._planned, self._planned_ahead)):
-            if plan is expected:
+        for batch in (self._step, self._ahead):
+            if batch is not None and batch._step_plan is plan:
                 return batch
         raise ValueError("plan is not the one the last schedule() returned")
 
@@ -162,9 +154,7 @@ class Scheduler(serving.Scheduler):
         list of Request
             Requests finished this step (their blocks are freed).
         """
-        finished = super().update(self._batch_of(plan, "update"), sampled_token_ids)
-        self._planned, self._planned_ahead = self._planned_ahead, None
-        return finished
+        return super().update(self._batch_of(plan, "update"), sampled_token_ids)
 
     def rollback(self, plan: StepPlan) -> None:
         """Undo the pending step, as :meth:`serving.scheduler.Scheduler.rollback` does.
@@ -175,7 +165,3 @@ class Scheduler(serving.Scheduler):
             The plan the last ``schedule()`` returned.
         """
         super().rollback(self._batch_of(plan, "rollback"))
-        if self._planned_ahead is not None:
-            self._planned_ahead = None
-        else:
-            self._planned = None

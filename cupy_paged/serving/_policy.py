@@ -229,15 +229,15 @@ class GeneralStep:
     def _update_general(self, batch, sampled: list) -> list:
         """``update`` of any step: aborted rows dropped, tokens appended, branches forked, stops."""
         self._detach()  # a step scheduled ahead keeps its rows while requests finish or fork
-        live = [r._cache is not None for r in batch.requests]  # False: aborted or finished after schedule()
-        if batch._computed:  # schedule_ahead() marked the step's tokens
-            live = []
-        elif self.cache.enable_prefix_caching:  # the cache hashes blocks this step fills: their tokens
-            self._running.flush_filling(self.cache.block_size)
-        if live and all(live):
-            self.cache.mark_computed(batch.seq_ids, rows=batch.rows)
-        elif any(live):
-            self.cache.mark_computed(list(itertools.compress(batch.seq_ids, live)), rows=batch.rows[np.array(live)])
+        if not batch._computed:  # (else schedule_ahead() marked the step's tokens)
+            live = [r._cache is not None for r in batch.requests]  # False: aborted or finished since
+            if self.cache.enable_prefix_caching:  # the cache hashes blocks this step fills: their tokens
+                self._running.flush_filling(self.cache.block_size)
+            if all(live):
+                self.cache.mark_computed(batch.seq_ids, rows=batch.rows)
+            elif any(live):
+                self.cache.mark_computed(list(itertools.compress(batch.seq_ids, live)),
+                                         rows=batch.rows[np.array(live)])
         finished = []
         for request, token in zip(batch.sample_requests, sampled):
             if request.is_done:

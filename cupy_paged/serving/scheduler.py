@@ -132,7 +132,7 @@ class Scheduler(StepsInFlight):
         self._arrivals = self._admissions = 0
         self._counters = Counters()
         self._cached_by_request: dict = {}
-        self._ones = self._zeros = np.ones(0, np.int64)
+        self._ones, self._zeros = np.ones(0, np.int64), np.zeros(0, np.int64)
         self.num_preemptions = 0
         # Blocks kept free when admitting; at least one so a decode can always take a block.
         self._margin = max(1, int(self.config.admission_margin * cache.num_blocks))
@@ -321,6 +321,7 @@ class Scheduler(StepsInFlight):
         batch._persistent = False
         batch._computed = False  # its tokens marked computed already (by schedule_ahead)
         batch._undo_log, batch._saved_state = [], None
+        batch._step_plan = None  # the public Scheduler's plan of it
         return batch
 
     def update(self, batch: ScheduledBatch, sampled_token_ids) -> list[Request]:

@@ -220,7 +220,7 @@ def shard(config, weights: dict, rank: int, tp: int):
 # --------------------------------------------------------------------------- plans between ranks
 
 # The scheduler's bookkeeping.
-_RANK_0_ONLY = ("seq_ids", "sample_requests", "sample_rows", "num_decodes", "host_input_ids")
+_RANK_0_ONLY = ("seq_ids", "sample_requests", "sample_rows", "num_decodes")
 
 
 def plan_message(plan) -> dict:
