@@ -1,17 +1,19 @@
 """Where a step of the Llama engine goes, on the GPU: the device time of each stage of a decode
-layer, the device time of a whole decode step replayed as a CUDA graph, and the host's share of
-a served run (cProfile of ``Engine.run`` with decode graphs), and the device time of the
-decode graph replays inside that run with the decode kernel and with the ragged launch.
+layer (kernels only), the host's share of a served run (cProfile of ``Engine.run`` with decode
+graphs), and the device time of the decode graph replays inside that run and inside a second one
+(not profiled) with the ragged launch in the graphs.
 
-Device times are of work captured in a CUDA graph ``--inner`` times and replayed ``--reps`` times
-between two events (median per call), so launch gaps do not count; the served run is the
-engine's GPU default (64 requests, prompts 128-1024, 256 new tokens), greedy.
+Stage times are of work captured in a CUDA graph ``--inner`` times and replayed ``--reps`` times
+between two events (median per call), so launch gaps do not count: a profile, not what a call
+costs a user (``bench_e2e.py`` times the served engine beside Hugging Face's).  The served run is
+the engine's GPU default (64 requests, prompts 128-1024, 256 new tokens), greedy.
 
     python benchmarks/profile_engine.py [--batch 64] [--requests 64] [--max-new-tokens 256]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -106,11 +108,11 @@ def stage_times(model, batch: int, inner: int, reps: int) -> tuple[dict, dict]:
             {name: graph_time(fn, inner, reps) for name, fn in fused.items()})
 
 
-def served_run(args, model, graph_attention: str = "decode"):
-    """Serve the default mix greedily with decode graphs under cProfile; the device time of the
-    decode graph replays of the full batch inside the run (events on each side of the launch,
-    median), with the graphs' attention on ``graph_attention``."""
-    import cupy
+def served_run(args, model, graph_attention: str = "decode", profile: bool = True):
+    """Serve the default mix greedily with decode graphs (the graphs' attention on
+    ``graph_attention``), under cProfile when ``profile``; the device time of a graph replay is the
+    engine's own ``graph`` bucket (CUDA events on each side of each replay and its sampling) over
+    its replays."""
     from llama import Engine, GenerationRequest
 
     rng = np.random.default_rng(1)
@@ -121,30 +123,18 @@ def served_run(args, model, graph_attention: str = "decode"):
     engine = Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
                     cuda_graphs=True, graph_attention=graph_attention)
     engine.warm_up()
-    size, replay, spans = engine.graphs.size_for(args.batch), engine.graphs.replay, []
-
-    def timed_replay(plan, device_input_ids=None):
-        if plan.batch_size != size:
-            return replay(plan, device_input_ids)
-        start = cupy.cuda.Event()
-        start.record(engine.stream)
-        out = replay(plan, device_input_ids)
-        spans.append((start, engine.stream.record()))
-        return out
-
-    engine.graphs.replay = timed_replay
-    profile = cProfile.Profile()
+    profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
-    profile.enable()
-    engine.run(requests)
-    profile.disable()
+    with profiler or contextlib.nullcontext():
+        engine.run(requests)
     wall = time.perf_counter() - start
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
-    times = [cupy.cuda.get_elapsed_time(a, b) * 1e3 for a, b in spans]
+    if profiler is not None:
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
     s = engine.stats
     return dict(wall_s=wall, tok_s=s.generated_tokens / wall, steps=dict(s.steps), seconds=dict(s.seconds),
-                graph_step_us=float(np.median(times)), graph_replays_timed=len(times)), text.getvalue()
+                graph_step_us=1e6 * s.seconds["graph"] / max(1, s.graph_replays),
+                graph_replays=s.graph_replays), text.getvalue()
 
 
 def main(argv=None) -> int:
@@ -163,13 +153,12 @@ def main(argv=None) -> int:
     model = LlamaModel(GPU_DEFAULT, random_weights(GPU_DEFAULT, 0, np.float32), cupy, BF16)
     stages, fused = stage_times(model, args.batch, args.inner, args.reps)
     layer_us = sum(v for k, v in stages.items() if k not in ("embed", "lm_head gemm + cast", "argmax"))
-    fused_layer_us = sum(fused.get(k, 0.0) for k in ("add_rms_norm", "rotary_split", "swiglu (fused)", "out gemm",
-                                                      "down gemm")) + fused.get("add_rms_norm", 0.0) + \
-        stages["qkv gemm"] + stages["gate_up gemm"]
+    fused_layer_us = (2 * fused["add_rms_norm"] + fused["rotary_split"] + fused["swiglu (fused)"] + fused["out gemm"]
+                      + fused["down gemm"] + stages["qkv gemm"] + stages["gate_up gemm"]) if fused else None
     run, profile_text = served_run(args, model)
-    ragged_run, _ = served_run(args, model, graph_attention="ragged")
+    ragged_run, _ = served_run(args, model, graph_attention="ragged", profile=False)
     print(profile_text)
-    print(f"device us per stage at batch {args.batch} (graph replay, median):")
+    print(f"device us per stage at batch {args.batch} (kernels only: a graph of --inner calls, median):")
     for name, value in stages.items():
         print(f"  {name:<24} {value:9.1f}")
     print(f"  {'layer without attention':<24} {layer_us:9.1f}  (x{GPU_DEFAULT.num_hidden_layers} layers; "
@@ -177,13 +166,15 @@ def main(argv=None) -> int:
     print("fused kernels (the model's GPU path):")
     for name, value in fused.items():
         print(f"  {name:<24} {value:9.1f}")
-    print(f"  {'layer without attention':<24} {fused_layer_us:9.1f}  (both RMSNorms counted)")
+    if fused_layer_us is not None:
+        print(f"  {'layer without attention':<24} {fused_layer_us:9.1f}  (both RMSNorms counted)")
     print(f"served: {run['tok_s']:.0f} tok/s, wall {run['wall_s']:.2f} s, steps {run['steps']}, "
           f"buckets {json.dumps({k: round(v, 3) for k, v in run['seconds'].items()})}")
     print(f"the same with the ragged launch in the graphs: {ragged_run['tok_s']:.0f} tok/s, "
           f"buckets {json.dumps({k: round(v, 3) for k, v in ragged_run['seconds'].items()})}")
-    print(f"decode step graph at batch {args.batch}, inside the run: {run['graph_step_us']:.1f} us (decode kernel, "
-          f"{run['graph_replays_timed']} replays), {ragged_run['graph_step_us']:.1f} us (ragged launch)")
+    print(f"decode graph replay inside the run, mean of every replay (most at batch {args.batch}): "
+          f"{run['graph_step_us']:.1f} us (decode kernel, {run['graph_replays']} replays), "
+          f"{ragged_run['graph_step_us']:.1f} us (ragged launch)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(batch=args.batch, stages_us=stages, fused_us=fused, run=run,
                                         ragged_run=ragged_run), indent=1) + "\n")

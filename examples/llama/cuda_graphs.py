@@ -68,6 +68,7 @@ class DecodePadding:
         self.path = "decode" if num_heads is None else "ragged"
         if PAD_ID not in cache:
             cache.allocate(PAD_ID, [0])
+        self._pad_row = int(cache.rows([PAD_ID])[0])  # its row until release()
 
     def size_for(self, batch: int) -> int | None:
         """The size a decode batch of ``batch`` pads to, or None when it is too large."""
@@ -85,13 +86,9 @@ class DecodePadding:
         ids = np.zeros(size, np.int32)
         ids[:len(seq_ids)] = input_ids
         if rows is not None:
-            rows = np.concatenate([rows, np.full(pad, self.cache.rows([PAD_ID])[0], rows.dtype)])
-        plan = cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, rows=rows,
-                                     buffers=self.buffers, num_heads=self.num_heads,
-                                     path=None if self.num_heads is None else "ragged")
-        if plan.path != self.path:
-            raise RuntimeError(f"a padded decode plan must take the {self.path} path; got {plan.path!r}")
-        return plan
+            rows = np.concatenate([rows, np.full(pad, self._pad_row, rows.dtype)])
+        return cupy_paged.build_plan(self.cache, list(seq_ids) + [PAD_ID] * pad, 1, ids, rows=rows,
+                                     buffers=self.buffers, num_heads=self.num_heads, path=self.path)
 
     def release(self) -> None:
         """Give the padding sequence's block back to the cache."""
@@ -159,16 +156,8 @@ class DecodeGraphs:
         plan.graph_rows = len(seq_ids)
         return plan
 
-    def replay(self, plan, device_input_ids=None):
+    def replay(self, plan):
         """Replay the graph of ``plan`` (from :meth:`plan`; captured on first use).
-
-        Parameters
-        ----------
-        plan : cupy_paged.StepPlan
-        device_input_ids : cupy.ndarray, optional
-            ``[plan.graph_rows]`` the new tokens on the device instead of the plan's (the
-            previous step's samples, for a step scheduled ahead): copied into the plan's inputs on
-            the stream, before the replay.
 
         Returns
         -------
@@ -177,24 +166,12 @@ class DecodeGraphs:
             graph's outputs: read them (in stream order) before the next replay of this size.
         """
         size, b = plan.batch_size, plan.graph_rows
-        if device_input_ids is not None:
-            if device_input_ids.shape != (b,):
-                raise ValueError(f"device_input_ids must have shape [{b}]; got {device_input_ids.shape}")
-            plan.input_ids[:b] = device_input_ids  # padding rows keep their zeros
         if size not in self.graphs:
             self.graphs[size] = self._capture(plan)
         graph, logits, tokens = self.graphs[size]
         graph.launch(stream=self.stream)
         self.replays += 1
         return logits[:b], tokens[:b]
-
-    def run(self, seq_ids: list, input_ids: list, device_input_ids=None):
-        """:meth:`plan` and :meth:`replay` of one decode step of ``seq_ids`` (``[b]`` ids in the
-        scheduler's plan order, ``b <= max_batch``; ``input_ids [b]`` their new tokens)."""
-        plan = self.plan(seq_ids, input_ids)
-        if plan is None:
-            raise ValueError(f"a decode batch of {len(seq_ids)} is larger than the largest size {self.padding.sizes[-1]}")
-        return self.replay(plan, device_input_ids)
 
     def capture_all(self) -> None:
         """Capture every size now (over plans of padding rows only), before a timed run."""
@@ -207,15 +184,15 @@ class DecodeGraphs:
         each row's argmax."""
         import cupy
 
-        from .sampling import row_argmax as argmax_rows
+        from .sampling import row_argmax
 
         with cupy.cuda.using_allocator(self.pool.malloc):
-            argmax_rows(self.model.forward(plan, self.cache, NoTimer(), all_rows=True))
+            row_argmax(self.model.forward(plan, self.cache, NoTimer(), all_rows=True))
             self.stream.synchronize()
             self.stream.begin_capture()
             try:
                 logits = self.model.forward(plan, self.cache, NoTimer(), all_rows=True)
-                tokens = argmax_rows(logits)
+                tokens = row_argmax(logits)
             finally:
                 graph = self.stream.end_capture()
         return graph, logits, tokens

@@ -201,7 +201,7 @@ class Engine:
         self._seconds: collections.Counter = collections.Counter()  # the buckets of EngineStats.seconds
         # Two of each: a step in flight and the one launched behind it.
         self._timers = [Timer(gpu=self.gpu, seconds=self._seconds) for _ in range(2)]
-        self._landing = [np.zeros(max_num_seqs, np.int64) for _ in range(2)]  # sampled tokens on the host
+        self._landing = []  # the sampled tokens on the host, pinned (on the CPU the tokens themselves)
         if self.gpu:
             import cupy
 
@@ -221,7 +221,7 @@ class Engine:
             raise ValueError(f"request {request.request_id!r} may reach {tracked.max_tokens} tokens, past the "
                              f"model's {self.model.max_positions} positions")
         vocab = self.model.config.vocab_size
-        if tracked.prompt_token_ids and not 0 <= min(tracked.prompt_token_ids) <= max(tracked.prompt_token_ids) < vocab:
+        if max(tracked.prompt_token_ids) >= vocab:  # Request checked they are ints >= 0, at least one
             raise ValueError(f"request {request.request_id!r} has prompt token ids outside [0, {vocab})")
         self.scheduler.add_request(tracked)
         self._live[request.request_id] = (tracked, request, self._generator(request))
@@ -283,22 +283,18 @@ class Engine:
         timer = self._timers[self._flip]
         try:
             graphed = getattr(plan, "graph_rows", None) is not None  # built by self.graphs.plan
-            live = [self._live[i] for i in (plan.seq_ids[:plan.graph_rows] if graphed else plan.seq_ids)]
-            sampling = live if graphed or len(plan.logits_indices) == len(live) else [
-                entry for entry, s in zip(live, np.asarray(plan.sample_mask).tolist()) if s]
+            rows = plan.graph_rows if graphed else plan.batch_size
+            sampling = [self._live[r.request_id] for r in plan.sample_requests]
             params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
-            inputs = None
-            if plan.input_ids_pending:
-                if previous is None or previous.tokens.shape != (len(live),):
+            if plan.input_ids_pending:  # the previous step's samples, moved on the device
+                if previous is None or previous.tokens.shape != (rows,):
                     raise RuntimeError("a step scheduled ahead needs the previous step's tokens, one per row")
-                inputs = previous.tokens
+                plan.input_ids[:rows] = previous.tokens
             if graphed:
                 with timer.span("graph"):
-                    logits, greedy = self.graphs.replay(plan, inputs)
+                    logits, greedy = self.graphs.replay(plan)
                     tokens = sample_tokens(logits, params, generators, greedy)
             else:
-                if inputs is not None:
-                    plan.input_ids[:len(live)] = inputs
                 with timer.span("model"):
                     logits = self.model.forward(plan, self.cache, timer)
                     tokens = sample_tokens(logits, params, generators)
@@ -312,7 +308,7 @@ class Engine:
             tokens.get(stream=self.stream, out=landing, blocking=False)
             done = self.stream.record()
         self._flip ^= 1
-        self._count_step(plan, len(live))
+        self._count_step(plan, rows)
         return _InFlight(plan, tokens, landing, done, timer), time.perf_counter() - start
 
     def _settle(self, record: "_InFlight") -> tuple[list, float]:
@@ -373,8 +369,8 @@ class Engine:
         stats, decodes = self.stats, plan.num_decodes
         stats.steps["decode" if decodes == rows else "prefill" if decodes == 0 else "mixed"] += 1
         stats.kernel_paths[plan.path] += 1
-        stats.computed_prompt_tokens += (plan.num_tokens - (plan.batch_size - rows)) - decodes
         now, before = self.scheduler.stats(), self._stats_before  # O(1): the scheduler keeps the totals
+        stats.computed_prompt_tokens = now.prefill_tokens - before.prefill_tokens
         stats.prefix_queried_tokens = now.prompt_tokens - before.prompt_tokens
         stats.prefix_hit_tokens = now.cached_prompt_tokens - before.cached_prompt_tokens
         stats.peak_blocks = max(stats.peak_blocks, now.blocks_used)
