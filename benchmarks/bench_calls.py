@@ -51,6 +51,7 @@ import argparse
 import cProfile
 import dataclasses
 import functools
+import gc
 import datetime
 import json
 import pathlib
@@ -70,6 +71,7 @@ import bench_decode  # noqa: E402  (inputs and names shared with the decode benc
 import bench_varlen  # noqa: E402  (inputs and the FlashAttention-2 peer of the varlen benchmark)
 
 import cupy_paged  # noqa: E402
+from cupy_paged._core.arrays import gpu_available  # noqa: E402
 from cupy_paged._core.types import BF16  # noqa: E402
 
 HEADS, KV_HEADS, DIM = bench_decode.HEADS, bench_decode.KV_HEADS, bench_decode.DIM
@@ -292,18 +294,20 @@ def random_cache_fill(cache) -> None:
             array[...] = bench_decode.randn_bf16(array.shape)
 
 
-def filled_cache(cached, new, shuffle_seed=None):
-    """``(cache, ids)``: a one-layer CUDA cache of random bf16 holding sequences ``0..`` with
-    ``cached[b]`` computed tokens and ``new[b]`` reserved; blocks in allocation order, or with
+def sequences_cache(cached, new, shuffle_seed=None, *, block_size=BLOCK, kv_heads=KV_HEADS, head_dim=DIM,
+                    dtype=BF16, device="cuda", num_blocks=None):
+    """``(cache, ids)``: a one-layer cache holding sequences ``0..`` with ``cached[b]`` computed
+    tokens and ``new[b]`` reserved (its K/V as allocated); blocks in allocation order, or with
     ``shuffle_seed`` from a shuffled free list (scattered tables, as after hours of serving)."""
     import random
 
     from cupy_paged.serving.kv_cache import PagedAttentionCache
 
     totals = [c + n for c, n in zip(cached, new)]
-    blocks = [-(-t // BLOCK) for t in totals]
-    cache = PagedAttentionCache(1, KV_HEADS, DIM, block_size=BLOCK, num_blocks=sum(blocks) + 1, dtype=BF16,
-                                device="cuda", max_seqs=len(totals), max_blocks_per_seq=max(blocks),
+    blocks = [-(-t // block_size) for t in totals]
+    cache = PagedAttentionCache(1, kv_heads, head_dim, block_size=block_size,
+                                num_blocks=sum(blocks) + 1 if num_blocks is None else num_blocks, dtype=dtype,
+                                device=device, max_seqs=len(totals), max_blocks_per_seq=max(blocks),
                                 enable_prefix_caching=False)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(cache.pool._free)
@@ -311,6 +315,12 @@ def filled_cache(cached, new, shuffle_seed=None):
     for seq, total in zip(ids, totals):
         cache.allocate(seq, list(range(total)))
     cache.mark_computed(ids, list(cached))
+    return cache, ids
+
+
+def filled_cache(cached, new, shuffle_seed=None):
+    """:func:`sequences_cache` on the GPU, bf16, its K/V random."""
+    cache, ids = sequences_cache(cached, new, shuffle_seed)
     random_cache_fill(cache)
     return cache, ids
 
@@ -336,12 +346,21 @@ def lognormal_lengths(count: int = 40, seed: int = 7) -> list:
 
 
 def release() -> None:
-    """Hand the freed memory of the last case back (the next case's K/V need it)."""
-    import cupy
-    import torch
+    """Hand the freed memory of the last case back to the device, CuPy's pool and torch's (the
+    next case needs it); without a GPU, only the garbage collection."""
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    if gpu_available():
+        import cupy
 
-    cupy.get_default_memory_pool().free_all_blocks()
-    torch.cuda.empty_cache()
+        cupy.cuda.Device().synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 # --------------------------------------------------------------------------- cases

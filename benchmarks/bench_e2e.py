@@ -72,7 +72,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import gc
 import importlib.util
 import inspect
 import json
@@ -80,7 +79,6 @@ import logging
 import math
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -103,9 +101,10 @@ from _util import common_prefix  # noqa: E402  (tests/_util.py, shared with the 
 
 sys.path.insert(0, str(HERE))
 import bench_calls  # noqa: E402  (device name and versions, as every benchmark reports them)
+from bench_host import cpu_name  # noqa: E402
+from bench_mixed import READ_TBS  # noqa: E402  (the H200's read ceiling the other floors use)
 
 RESULTS = HERE / "results" / "e2e.json"
-READ_TBS = 4.44e12
 PAD, BOS, EOS = 0, 1, 2
 FIRST_TOKEN = 3  # prompt ids avoid the special tokens
 
@@ -248,7 +247,7 @@ def build_checkpoint(args, folder: pathlib.Path) -> dict:
         raise RuntimeError(f"HF's initialisation gives out-of-scale logits: {check}")
     model.save_pretrained(folder)
     del model, out
-    _release()
+    bench_calls.release()
     return check
 
 
@@ -293,25 +292,6 @@ def floor_bytes(config, itemsize: int) -> tuple[int, int]:
     layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
     weights = (config.num_hidden_layers * layer + h * config.vocab_size) * itemsize
     return weights, config.num_hidden_layers * 2 * kv * itemsize
-
-
-def _release() -> None:
-    """Give cached device memory back (CuPy's pool and torch's), so the next run finds it."""
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
-    if gpu_available():
-        import cupy
-
-        cupy.cuda.Device().synchronize()
-        cupy.get_default_memory_pool().free_all_blocks()
-        cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -421,7 +401,7 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     if short:
         raise RuntimeError(f"ours: requests {short[:8]} generated other than {args.max_new_tokens} tokens")
     del engine, log
-    _release()
+    bench_calls.release()
     return Run(spec, n, wall, warm, tokens, detail)
 
 
@@ -465,15 +445,17 @@ def hf_generate(model, prompts, new_tokens: int, options: dict, persistent: bool
 
 
 def _in_order(results: dict, n: int) -> list:
-    """The outputs in the order of the prompts (ids ``req_<k>`` count up in that order)."""
-    def number(key):
+    """The outputs in the order of the prompts: ``generate_batch`` names its requests ``req_<k>``,
+    ``k`` counting up in submission order (on across the calls of one manager)."""
+    def number(key) -> int:
         tail = str(key).rsplit("_", 1)[-1]
-        return int(tail) if tail.isdigit() else -1
+        if not tail.isdigit():
+            raise RuntimeError(f"generate_batch returned request id {key!r}, not req_<number>")
+        return int(tail)
 
-    keys = sorted(results, key=number) if all(number(k) >= 0 for k in results) else list(results)
-    if len(keys) != n:
-        raise RuntimeError(f"generate_batch returned {len(keys)} results for {n} requests")
-    return [results[k] for k in keys]
+    if len(results) != n:
+        raise RuntimeError(f"generate_batch returned {len(results)} results for {n} requests")
+    return [results[k] for k in sorted(results, key=number)]
 
 
 def _hf_tokens(results: dict, n: int, new_tokens: int) -> tuple[list, bool | None]:
@@ -522,7 +504,7 @@ def run_hf(bench, spec: Spec, n: int, prompts: list) -> Run:
         wall, timed = _served_seconds(results, start, call)
     finally:
         _destroy_manager(model)
-        _release()
+        bench_calls.release()
     how = (f"untimed generate_batch of {'prompts of the same lengths' if spec.graphs else 'two such prompts'} "
            "(other tokens), "
            f"{args.hf_warmup_tokens} new tokens each, on a persistent manager reused by the timed call"
@@ -680,7 +662,7 @@ class Bench:
             traceback.print_exc()
             self.failed[name] = f"{type(error).__name__}: {str(error)[:400]}"
             self.log(f"{name}: FAILED ({self.failed[name][:200]})")
-            _release()
+            bench_calls.release()
             return
         self.runs[(key, n)] = run
         agree = self.agreement(key, n)
@@ -769,9 +751,7 @@ class Bench:
 
 
 def device_name(args) -> str:
-    if args.device == "gpu":
-        return bench_calls.device_name()
-    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    return bench_calls.device_name() if args.device == "gpu" else cpu_name()
 
 
 def versions() -> dict:
@@ -827,16 +807,17 @@ def print_tables(report: dict) -> None:
     """The markdown tables: every run (``ours / this``: ours with graphs where it ran, else without),
     the targets, ours' decode steps against their floor."""
     tok = {(c["config"], c["concurrency"]): c["value"] for c in report["cases"]}
-    print("\n| requests | configuration | tok/s | wall s | ours / this | common prefix vs sdpa "
+    print("\n| requests | configuration | tok/s | wall s | whole call s | ours / this | common prefix vs sdpa "
           "(median of tokens) | fully equal |")
-    print("| ---: | --- | ---: | ---: | ---: | --- | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for c in report["cases"]:
         best = tok.get(("ours-graphs", c["concurrency"])) or tok.get(("ours", c["concurrency"]))
         a = c["agreement"]
         agree = "-" if a is None else f"{a['median_common_prefix']:g} of {a['of_tokens']} ({a['vs']})"
         equal = "-" if a is None else f"{100 * a['fraction_equal']:.0f}%"
         print(f"| {c['concurrency']} | {SPECS[c['config']].label} | {_fmt(c['value'])} | {c['wall_s']:.2f} "
-              f"| {_fmt(best / c['value'] if best else None, 2)} | {agree} | {equal} |")
+              f"| {c.get('call_wall_s', c['wall_s']):.2f} | {_fmt(best / c['value'] if best else None, 2)} "
+              f"| {agree} | {equal} |")
     if report["targets"]:
         print("\n| target | value | met? |\n| --- | ---: | --- |")
         for t in report["targets"]:

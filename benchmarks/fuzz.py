@@ -49,6 +49,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cupy_paged  # noqa: E402
 from cupy_paged._core.types import BLOCK_SIZES, HEAD_DIMS  # noqa: E402
@@ -292,20 +293,12 @@ def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, 
     """One layer of :meth:`cupy_paged.StepPlan.attention` over a one-layer cache (NumPy: the CPU
     backend; CuPy: the GPU) whose blocks come from a free list shuffled by ``shuffle`` and hold
     ``k_cache``/``v_cache``'s values; the caches after the step (the appends) are written back."""
-    import random
+    from bench_calls import sequences_cache
 
-    device = "cpu" if isinstance(q, np.ndarray) else "cuda"
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    totals = [c + n for c, n in zip(cached, new)]
-    cache = cupy_paged.PagedAttentionCache(
-        1, kv_heads, head_dim, block_size=block_size, num_blocks=num_blocks, dtype=q.dtype, device=device,
-        max_seqs=len(totals), max_blocks_per_seq=max(-(-t // block_size) for t in totals),
-        enable_prefix_caching=False)
-    random.Random(shuffle).shuffle(cache.pool._free)
-    ids = list(range(len(totals)))
-    for seq, total in zip(ids, totals):
-        cache.allocate(seq, list(range(total)))
-    cache.mark_computed(ids, list(cached))
+    cache, ids = sequences_cache(cached, new, shuffle, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
+                                 dtype=q.dtype, device="cpu" if isinstance(q, np.ndarray) else "cuda",
+                                 num_blocks=num_blocks)
     layer_k, layer_v = cache.layer(0)
     layer_k[...], layer_v[...] = k_cache, v_cache
     plan = cupy_paged.build_plan(cache, ids, list(new), num_heads=num_heads if path in (None, "ragged") else None,
