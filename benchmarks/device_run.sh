@@ -11,7 +11,8 @@
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
-#   fuzz (T_FUZZ, FUZZ_ARGS)
+#   fuzz (T_FUZZ, FUZZ_ARGS), ncu_graph (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
+#   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS)
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
@@ -88,9 +89,20 @@ for step in $steps; do
     profile_engine)  # where a decode step of the engine goes (stage device times, host profile)
       run_step profile_engine profile_engine "${T_PROFILE_ENGINE:-200}" python3 benchmarks/profile_engine.py ${PROFILE_ENGINE_ARGS:-}
       cp benchmarks/results/profile_engine.json "$OUT/" 2>/dev/null ;;
+    sanitize_suite)  # benchmarks/sanitize.sh over SUITE_TOOLS (default memcheck) and SUITE_FILES (default all)
+      run_step sanitize_suite sanitize_suite "${T_SANITIZE_SUITE:-600}" bash benchmarks/sanitize.sh "${SUITE_TOOLS:-memcheck}" ${SUITE_FILES:-}
+      cp benchmarks/results/sanitizer.json "$OUT/" 2>/dev/null ;;
+    load)  # benchmarks/load.py: 10,000 requests through the kernels, each against its run alone
+      run_step load load "${T_LOAD:-200}" python3 benchmarks/load.py ${LOAD_ARGS:-}
+      cp benchmarks/results/load.json "$OUT/" 2>/dev/null ;;
+    ncu_graph)  # Nsight Compute over one decode step's graph replay inside a served run (NCU_ARGS: profile_engine's)
+      run_step ncu_graph ncu_graph "${T_NCU:-240}" ncu --clock-control none --profile-from-start off --csv --page raw \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread \
+        python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
+      run_step ncu_table ncu_table 30 python3 benchmarks/ncu_table.py "$OUT/ncu_graph.log" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_engine kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_engine ncu_graph sanitize_suite load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -9,6 +9,11 @@ costs a user (``bench_e2e.py`` times the served engine beside Hugging Face's).  
 the engine's GPU default (64 requests, prompts 128-1024, 256 new tokens), greedy.
 
     python benchmarks/profile_engine.py [--batch 64] [--requests 64] [--max-new-tokens 256]
+
+``--ncu``: serve the same mix until every request runs and ``--ncu-after`` decode graphs have
+been replayed, then profile one step (its one graph replay) between ``cudaProfilerStart`` and
+``cudaProfilerStop`` and exit; run it under Nsight Compute with ``--profile-from-start off``
+(``device_run.sh``'s ``ncu_graph`` step), which reports each kernel node of the replay.
 """
 from __future__ import annotations
 
@@ -108,20 +113,58 @@ def stage_times(model, batch: int, inner: int, reps: int) -> tuple[dict, dict]:
             {name: graph_time(fn, inner, reps) for name, fn in fused.items()})
 
 
+def _requests(args, vocab_size: int) -> list:
+    from llama import GenerationRequest
+
+    rng = np.random.default_rng(1)
+    return [GenerationRequest(i, rng.integers(0, vocab_size, int(rng.integers(128, 1025))).tolist(),
+                              args.max_new_tokens) for i in range(args.requests)]
+
+
+def _engine(args, model, graph_attention: str):
+    from llama import Engine
+
+    blocks = max(8192, args.requests * -(-(1024 + args.max_new_tokens) // 16))
+    return Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
+                  cuda_graphs=True, graph_attention=graph_attention)
+
+
+def ncu_step(args, model) -> dict:
+    """Serve the mix until all requests run and ``args.ncu_after`` graphs were replayed, then one
+    step inside the profiler's range; returns what that step was."""
+    import cupy
+
+    engine = _engine(args, model, args.graph_attention)
+    engine.warm_up()
+    for request in _requests(args, model.config.vocab_size):
+        engine.add_request(request)
+    graphs = engine.graphs
+    while engine.has_unfinished():
+        stats = engine.scheduler.stats()
+        if stats.num_waiting == 0 and graphs.replays >= args.ncu_after:
+            break
+        engine.step()
+    else:
+        raise RuntimeError("the run ended before the profiled step")
+    contexts = [r.num_tokens for r in engine.scheduler.running]
+    replays = graphs.replays
+    engine.stream.synchronize()
+    cupy.cuda.profiler.start()
+    engine.step()
+    engine.stream.synchronize()
+    cupy.cuda.profiler.stop()
+    return dict(graph_replays_in_range=graphs.replays - replays, running=len(contexts),
+                mean_context=float(np.mean(contexts)), max_context=int(max(contexts)),
+                graph_attention=args.graph_attention)
+
+
 def served_run(args, model, graph_attention: str = "decode", profile: bool = True):
     """Serve the default mix greedily with decode graphs (the graphs' attention on
     ``graph_attention``), under cProfile when ``profile``; the device time of a graph replay is the
     engine's own ``graph`` bucket (CUDA events on each side of each replay and its sampling) over
     its replays."""
-    from llama import Engine, GenerationRequest
-
-    rng = np.random.default_rng(1)
-    requests = [GenerationRequest(i, rng.integers(0, model.config.vocab_size,
-                                                  int(rng.integers(128, 1025))).tolist(), args.max_new_tokens)
-                for i in range(args.requests)]
-    blocks = max(8192, args.requests * -(-(1024 + args.max_new_tokens) // 16))
-    engine = Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
-                    cuda_graphs=True, graph_attention=graph_attention)
+    requests = _requests(args, model.config.vocab_size)
+    engine = _engine(args, model, graph_attention)
     engine.warm_up()
     profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
@@ -145,12 +188,18 @@ def main(argv=None) -> int:
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results" / "profile_engine.json")
+    p.add_argument("--ncu", action="store_true", help="profile one decode step's graph replay, then exit")
+    p.add_argument("--ncu-after", type=int, default=32, help="graph replays before the profiled step")
+    p.add_argument("--graph-attention", choices=("decode", "ragged"), default="decode", help="with --ncu")
     args = p.parse_args(argv)
     import cupy
     from llama import GPU_DEFAULT, LlamaModel, random_weights
     from llama.weights import BF16
 
     model = LlamaModel(GPU_DEFAULT, random_weights(GPU_DEFAULT, 0, np.float32), cupy, BF16)
+    if args.ncu:
+        print(json.dumps(ncu_step(args, model)))
+        return 0
     stages, fused = stage_times(model, args.batch, args.inner, args.reps)
     layer_us = sum(v for k, v in stages.items() if k not in ("embed", "lm_head gemm + cast", "argmax"))
     fused_layer_us = (2 * fused["add_rms_norm"] + fused["rotary_split"] + fused["swiglu (fused)"] + fused["out gemm"]

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU suite under compute-sanitizer, one process per (tool, test file), so that a long suite
+# can be split over device calls: each pair's result is merged into the results file, which keeps
+# the pairs of earlier calls (with their dates) until they are run again.
+#   usage (repository root, on the GPU): bash benchmarks/sanitize.sh TOOL[,TOOL...] [FILE ...]
+#     TOOL: memcheck racecheck initcheck synccheck (or "all"); FILE: test files (default: every
+#     file with GPU tests); SANITIZE_K: a pytest -k expression; SANITIZE_T: seconds per pair
+#     (default 600); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json)
+#   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
+#   its hazards), peers {} ; the test outcome, seconds and date beside it.
+set -uo pipefail
+tools=${1:?usage: sanitize.sh TOOL[,TOOL...] [FILE ...]}; shift
+[[ $tools == all ]] && tools=memcheck,racecheck,initcheck,synccheck
+files=("$@")
+if [ ${#files[@]} -eq 0 ]; then
+  mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py)
+fi
+results=${SANITIZE_OUT:-benchmarks/results/sanitizer.json}
+logs=${OUT:-/tmp}/sanitize_logs
+mkdir -p "$logs" "$(dirname "$results")"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+for tool in ${tools//,/ }; do
+  extra=()
+  [[ $tool == initcheck ]] && extra=(--track-unused-memory no)
+  for file in "${files[@]}"; do
+    log=$logs/${tool}_$(basename "$file" .py).log
+    start=$SECONDS
+    timeout "${SANITIZE_T:-600}" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+      "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -x "$file" ${SANITIZE_K:+-k "$SANITIZE_K"} >"$log" 2>&1
+    rc=$?
+    python3 - "$results" "$tool" "$file" "$rc" $((SECONDS - start)) "$log" <<'PY'
+import datetime, json, pathlib, re, sys
+path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+text = pathlib.Path(log).read_text(errors="replace")
+found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
+errors = int(found[-1]) if found else None   # None: the tool wrote no summary (cut short, or no GPU)
+outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
+p = pathlib.Path(path)
+report = json.loads(p.read_text()) if p.exists() else {"cases": []}
+name = f"{tool}:{file}"
+report["cases"] = [c for c in report["cases"] if c["name"] != name]
+report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
+                            seconds=seconds, date=datetime.date.today().isoformat()))
+report["cases"].sort(key=lambda c: c["name"])
+p.write_text(json.dumps(report, indent=1) + "\n")
+print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.strip()}")
+PY
+  done
+done
