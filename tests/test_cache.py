@@ -192,6 +192,48 @@ def test_failed_allocate_and_grow_change_nothing():
     assert_same(before, bookkeeping(cache))
 
 
+def test_decode_grow_takes_the_general_paths_blocks():
+    """``grow(ids, 1)``'s one numba pass (new blocks popped off the free stack) leaves the cache as
+    the general growth does: from plain free blocks, from evicted cached ones once those run out,
+    with a reserve, and a CacheFull that changes nothing."""
+    def build():
+        cache = small_cache(num_blocks=12)
+        for name, n in (("old", 24), ("a", 8), ("b", 15), ("c", 24)):
+            cache.allocate(name, list(range(100 * len(name) + n, 100 * len(name) + 2 * n)))
+            cache.mark_computed([name])
+        cache.free("old")  # three cached free blocks
+        return cache
+
+    fast, general = build(), build()
+    live, seen = ["a", "b", "c"], set()
+    for step in range(12):
+        before, cached = bookkeeping(fast), fast.pool.num_cached
+        outcomes = []
+        for cache, counts in ((fast, 1), (general, [1] * len(live))):
+            try:
+                cache.grow(live, counts, reserve=int(step % 3 == 2))
+                cache.mark_computed(live)
+                outcomes.append("grew")
+            except CacheFull:
+                outcomes.append("full")
+        assert outcomes[0] == outcomes[1]
+        assert_same(bookkeeping(fast), bookkeeping(general))
+        if outcomes[0] == "full":
+            assert_same(before, bookkeeping(fast))
+            for cache in (fast, general):
+                cache.free(live[-1])
+            live.pop()
+        else:
+            seen.add("evicted" if fast.pool.num_cached < cached else "grew")
+        if not live:
+            break
+        if fast.num_free_blocks >= len(live):  # a few more tokens each, so blocks fill at other steps
+            for cache in (fast, general):
+                cache.grow(live, 3)
+                cache.mark_computed(live)
+    assert seen == {"grew", "evicted"} and len(live) < 3  # every kind of step happened
+
+
 def test_grow_checks_its_arguments():
     cache = small_cache(num_blocks=4, max_blocks_per_seq=2)
     cache.allocate("a", [1, 2])

@@ -84,3 +84,54 @@ def test_cuda_plan_attention_from_host_or_device_plan(uploaded):
         np.testing.assert_array_equal(cache.layer(layer)[0].get(), host.layer(layer)[0])  # the same writes
     if not uploaded:  # one device buffer holds every index array
         assert plan.block_table.data.mem is plan.positions.data.mem is plan.cu_seqlens_k.data.mem
+
+
+PLAN_ARRAYS = ("input_ids", "positions", "query_lens", "cache_seqlens", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
+               "slot_mapping", "block_table", "logits_indices", "tail_cu_seqlens_q", "sample_mask")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_pass_equals_the_general_plan(seed):
+    """``build_plan(..., 1, buffers=...)`` takes the one-pass decode fill; over steps that grow,
+    fork, free and reorder rows, padded or not, with or without input ids, each plan equals the
+    general fill's (query lengths given as an array) in buffers of its own, and an unreserved slot
+    gets the general path's error."""
+    rng = np.random.default_rng(seed)
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=64, dtype="float32", device="cpu",
+                                max_blocks_per_seq=8)
+    fast, general = (PlanBuffers(max_batch=8, max_tokens=8, max_blocks_per_seq=8) for _ in range(2))
+    live, tokens = [], {}
+    for step in range(40):
+        if len(live) < 6 and rng.random() < 0.4:
+            name = f"s{step}"
+            tokens[name] = rng.integers(0, 9, int(rng.integers(1, 30))).tolist()
+            cache.allocate(name, tokens[name])
+            cache.mark_computed([name])
+            live.append(name)
+        elif len(live) > 1 and rng.random() < 0.15:
+            cache.free(live.pop(int(rng.integers(0, len(live)))))
+        elif live and rng.random() < 0.15:
+            parent = live[int(rng.integers(0, len(live)))]
+            tokens[f"f{step}"] = list(tokens[parent])
+            cache.fork(parent, f"f{step}", tokens[f"f{step}"])
+            live.append(f"f{step}")
+        if not live:
+            continue
+        batch = [live[i] for i in rng.permutation(len(live))[:int(rng.integers(1, len(live) + 1))]]
+        cache.grow(batch, 1)
+        for name in batch:
+            tokens[name].append(int(rng.integers(0, 9)))
+        ids = rng.integers(0, 100, len(batch)) if rng.random() < 0.7 else None
+        size = int(rng.integers(len(batch), 9)) if rng.random() < 0.5 else None
+        one = build_plan(cache, batch, 1, ids, buffers=fast, batch_size=size, num_tokens=size)
+        ref = build_plan(cache, batch, np.ones(len(batch), np.int64), ids, buffers=general, batch_size=size,
+                         num_tokens=size)
+        assert one.path == ref.path == "decode" and one.seq_ids == ref.seq_ids
+        assert (one.max_seqlen_q, one.max_seqlen_k, one.num_split) == (ref.max_seqlen_q, ref.max_seqlen_k, 0)
+        for name in PLAN_ARRAYS:
+            a, b = getattr(one, name), getattr(ref, name)
+            assert (a is None) == (b is None), name
+            assert a is None or np.array_equal(a, b), name
+        cache.mark_computed(batch)
+    with pytest.raises(ValueError, match=r"query_lens\[0\] = 1 must be >= 1 and fit the 0 slots reserved"):
+        build_plan(cache, live[:1], 1, buffers=fast)

@@ -17,7 +17,7 @@ from .._core.paging import gather_slots
 from ..api.decode import flash_attn_with_kvcache
 from ..api.kv_write import write_kv_cache
 from ..api.varlen import flash_attn_varlen_func
-from ._fill import UNKNOWN_ROW, check_reserved, fill_plan, query_lengths
+from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
 from ._layer import LayerLaunch
 from ._work import DECODE, RAGGED, SPLIT, VARLEN, choose_path, final_path, fill_work, plan_work
 from .buffers import PlanBuffers, layout, views
@@ -291,6 +291,11 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     """
     seq_ids = list(seq_ids)
     rows = cache.rows(seq_ids) if rows is None else rows
+    if (buffers is not None and sample_mask is None and type(query_lens) is int and query_lens == 1
+            and (path == DECODE or (path is None and num_heads is None)) and rows.size):
+        fields = decode_plan_fields(cache, seq_ids, rows, input_ids, buffers, batch_size, num_tokens)
+        if fields is not None:
+            return StepPlan(**fields)
     view = cache.plan_view(rows)
     batch = rows.size
     query = query_lengths(query_lens, batch)

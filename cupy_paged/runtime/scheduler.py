@@ -110,10 +110,11 @@ class Scheduler(serving.Scheduler):
         """The batch's plan, kept on the batch (``update`` and ``rollback`` find the batch by it)."""
         try:
             plan = None
-            if self.decode_planner is not None and batch.num_decodes == len(batch.seq_ids):
+            decodes = batch.num_decodes == len(batch.seq_ids)
+            if self.decode_planner is not None and decodes:
                 plan = self.decode_planner(batch)
-            if plan is None:
-                plan = build_plan(self.cache, batch.seq_ids, batch.num_new_tokens, batch.input_ids,
+            if plan is None:  # one token each given as 1: build_plan's decode pass
+                plan = build_plan(self.cache, batch.seq_ids, 1 if decodes else batch.num_new_tokens, batch.input_ids,
                                   batch.sample_mask, rows=batch.rows, buffers=self.buffers, num_heads=self.num_heads)
         except Exception:
             super().rollback(batch)

@@ -22,8 +22,8 @@ class PlanView(NamedTuple):
     block_size: int
     max_blocks_per_seq: int
     device: str  # "cpu" or "cuda": where the storage, and so the plan, lives
-    num_computed: np.ndarray  # [batch] int64 tokens of each row whose K/V is in the cache
-    num_slots: np.ndarray  # [batch] int64 positions of each row with a reserved slot
+    num_computed: np.ndarray  # [batch] int64 tokens of each row whose K/V is in the cache ([max_seqs] by row for rows=None)
+    num_slots: np.ndarray  # [batch] int64 positions of each row with a reserved slot (likewise)
 
 
 class BatchViews:
@@ -226,13 +226,14 @@ class BatchViews:
         gather_slots(self.tables, rows, starts, counts, self.block_size, out)
         return out
 
-    def plan_view(self, rows: np.ndarray) -> PlanView:
+    def plan_view(self, rows: np.ndarray | None) -> PlanView:
         """What a step plan reads from the cache for the sequences in ``rows`` (``rows(seq_ids)``).
 
         Parameters
         ----------
-        rows : numpy.ndarray
-            ``[batch]`` int64 rows of live sequences.
+        rows : numpy.ndarray or None
+            ``[batch]`` int64 rows of live sequences; None for the lengths of every row, the
+            cache's own arrays (indexed by row, not by batch position).
 
         Returns
         -------
@@ -250,5 +251,8 @@ class BatchViews:
         >>> view.num_computed.tolist(), view.num_slots.tolist(), view.tables[0, :2].tolist()
         ([0], [10], [0, 1])
         """
+        if rows is None:
+            return PlanView(self.tables, self.table_versions, self.block_size, self.max_blocks_per_seq, self.device,
+                            self._num_computed, self._num_slots)
         return PlanView(self.tables, self.table_versions, self.block_size, self.max_blocks_per_seq, self.device,
                         self._num_computed[rows], self._num_slots[rows])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._tables import append_blocks, count_decode_growth, grow_decodes
+from .._core.types import check_int
+from ._tables import append_blocks, count_decode_growth, grow_decodes, grow_decodes_from_stack
 from .requests import token_array
 
 _NO_BLOCKS = np.empty(0, np.int32)
@@ -119,14 +120,23 @@ class Growth:
         self.table_versions[rows[need > 0]] += 1
 
     def _grow_decodes(self, rows: np.ndarray, reserve: int) -> bool:
-        """``grow(rows, 1)`` in two numba passes, the decode step's case; False (nothing changed) when
+        """``grow(rows, 1)`` in one numba pass, the decode step's case; False (nothing changed) when
         the general path must take it: a row listed twice, too long, or a copy-on-write."""
         if self._seen.size < self._num_slots.size:
             self._seen = np.zeros(self._num_slots.size, bool)
-        need = count_decode_growth(self.tables, rows, self._num_blocks, self._num_slots, self.pool.ref_counts,
-                                   self.block_size, self.max_blocks_per_seq, self._seen)
-        if need < 0:
+        pool = self.pool
+        if type(reserve) is not int:
+            reserve = check_int(reserve, "reserve")
+        taken = grow_decodes_from_stack(self.tables, rows, self._num_blocks, self._num_slots, pool.ref_counts,
+                                        self.table_versions, self.block_size, self.max_blocks_per_seq, self._seen,
+                                        pool._stack, pool._top, pool.num_free - reserve)
+        if taken >= 0:
+            pool._top -= taken
+            return True
+        if taken > -4:
             return False
+        need = count_decode_growth(self.tables, rows, self._num_blocks, self._num_slots, pool.ref_counts,
+                                   self.block_size, self.max_blocks_per_seq, self._seen)
         self._check_room(need, reserve)
         fresh = self.pool.allocate(need) if need else _NO_BLOCKS
         grow_decodes(self.tables, rows, self._num_blocks, self._num_slots, self.table_versions, fresh,

@@ -47,6 +47,35 @@ def count_decode_growth(table, rows, num_blocks, num_slots, ref_counts, block_si
 
 
 @numba.njit(cache=True, nogil=True)
+def grow_decodes_from_stack(table, rows, num_blocks, num_slots, ref_counts, versions, block_size, max_blocks,
+                            seen, stack, top, room):
+    """:func:`count_decode_growth` then :func:`grow_decodes` with the new blocks popped from the
+    pool's free ``stack`` (its first ``top`` entries), in one pass each.  Returns the blocks taken,
+    or without changing anything: ``count_decode_growth``'s codes, -4 when they would be more than
+    ``room`` (the free blocks less the reserve), -5 when more than the plain free ``top`` (the
+    prefix cache's free blocks must be evicted: the caller's path)."""
+    need = count_decode_growth(table, rows, num_blocks, num_slots, ref_counts, block_size, max_blocks, seen)
+    if need < 0:
+        return need
+    if need > room:
+        return -4
+    if need > top:
+        return -5
+    taken = 0
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        if num_slots[row] % block_size == 0:
+            block = stack[top - 1 - taken]
+            ref_counts[block] = 1
+            table[row, num_blocks[row]] = block
+            num_blocks[row] += 1
+            versions[row] += 1
+            taken += 1
+        num_slots[row] += 1
+    return taken
+
+
+@numba.njit(cache=True, nogil=True)
 def grow_decodes(table, rows, num_blocks, num_slots, versions, fresh, block_size):
     """One more slot for every row; a row whose last block is full takes the next of ``fresh``."""
     taken = 0

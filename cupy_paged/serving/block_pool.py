@@ -60,15 +60,23 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
         self.ref_counts = np.zeros(num_blocks, np.int32)
-        # A stack popped from the end: block 0 is handed out first, which keeps small tests readable.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # The plain free blocks, a stack of its first `_top` entries popped from the end (so the
+        # decode step's numba pass can take blocks too): block 0 is handed out first, which keeps
+        # small tests readable.
+        self._stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._top = num_blocks
+
+    @property
+    def _free(self) -> np.ndarray:
+        """The plain free blocks, next handed out last (a view of the stack)."""
+        return self._stack[:self._top]
 
     # ------------------------------------------------------------------ counts
 
     @property
     def num_free(self) -> int:
         """Blocks an :meth:`allocate` call can hand out now (plain free plus cached free)."""
-        return len(self._free) + self.num_cached_free
+        return self._top + self.num_cached_free
 
     @property
     def num_cached_free(self) -> int:
@@ -114,11 +122,12 @@ class BlockPool:
         if count > self.num_free:
             raise CacheFull(f"need {count} free blocks but only {self.num_free} of "
                             f"{self.num_blocks} are free")
-        take = min(count, len(self._free))
-        blocks = self._free[len(self._free) - take:][::-1]
-        del self._free[len(self._free) - take:]
-        blocks.extend(self.prefix_cache.evict() for _ in range(count - take))
-        blocks = np.asarray(blocks, dtype=np.int32)
+        take = min(count, self._top)
+        blocks = np.empty(count, np.int32)
+        blocks[:take] = self._stack[self._top - take:self._top][::-1]
+        self._top -= take
+        for i in range(take, count):
+            blocks[i] = self.prefix_cache.evict()
         self.ref_counts[blocks] = 1
         return blocks
 
@@ -178,4 +187,5 @@ class BlockPool:
             if prefix is not None and prefix.holds(block):
                 prefix.release(block)
             else:
-                self._free.append(block)
+                self._stack[self._top] = block
+                self._top += 1
