@@ -21,3 +21,36 @@ def test_docstring_examples(name):
     assert result.failed == 0
     if name in WITH_EXAMPLES:
         assert result.attempted > 0, f"{name} has no docstring example"
+
+
+def _serving_classes():
+    from cupy_paged.runtime.scheduler import Scheduler
+    from cupy_paged.serving import scheduler as serving
+    from cupy_paged.serving.block_pool import BlockPool
+    from cupy_paged.serving.kv_cache import PagedAttentionCache
+    from cupy_paged.serving.prefix_cache import PrefixCache
+
+    return [PagedAttentionCache, serving.Scheduler, Scheduler, BlockPool, PrefixCache]
+
+
+@pytest.mark.parametrize("cls", _serving_classes(), ids=lambda c: f"{c.__module__}.{c.__name__}")
+def test_cache_and_scheduler_methods_have_numpydoc_sections(cls):
+    """Every public method of the cache, the schedulers, the block pool and the prefix cache
+    documents its arguments (a Parameters section) and, when annotated to return something, what
+    it returns (Returns, or Yields)."""
+    import inspect
+
+    missing = []
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or isinstance(member, property) or not inspect.isfunction(member):
+            continue
+        doc = inspect.getdoc(member) or ""
+        signature = inspect.signature(member)
+        takes = [p for p in signature.parameters if p not in ("self", "cls")]
+        gives = signature.return_annotation not in (inspect.Signature.empty, None, "None")
+        if takes and "Parameters\n----------" not in doc:
+            missing.append(f"{name}: Parameters")
+        if gives and not any(f"{word}\n{'-' * len(word)}" in doc for word in ("Returns", "Yields")) \
+                and "(Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert missing == []

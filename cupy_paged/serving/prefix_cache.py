@@ -86,7 +86,16 @@ class PrefixCache:
         return len(self._unowned)
 
     def holds(self, block: int) -> bool:
-        """Whether ``block`` is registered."""
+        """Whether ``block`` is registered.
+
+        Parameters
+        ----------
+        block : int
+
+        Returns
+        -------
+        bool
+        """
         return block in self._key_of_block
 
     def lookup(self, block_hash: int, tokens: tuple) -> int:
@@ -124,6 +133,15 @@ class PrefixCache:
         The caller owns ``block`` (it sits in a live block table): a block registered while
         free would be handed out again still registered.
 
+        Parameters
+        ----------
+        block : int
+            The block id.
+        block_hash : int
+            ``chain_hash`` of the prefix up to and including the block.
+        tokens : tuple of int
+            The block's tokens.
+
         Returns
         -------
         bool
@@ -147,18 +165,45 @@ class PrefixCache:
     # ------------------------------------------------------------------ unowned blocks (the pool's calls)
 
     def release(self, block: int) -> None:
-        """``block``, registered, lost its last owner: keep it, as the most recently released."""
+        """``block``, registered, lost its last owner: keep it, as the most recently released.
+
+        Parameters
+        ----------
+        block : int
+            A registered block id.
+        """
         self._unowned[block] = None
 
     def take_back(self, block: int) -> bool:
-        """An unowned ``block`` gets an owner again; False when it is not an unowned registered block."""
+        """An unowned ``block`` gets an owner again.
+
+        Parameters
+        ----------
+        block : int
+
+        Returns
+        -------
+        bool
+            False (nothing changed) when it is not an unowned registered block.
+        """
         if block not in self._unowned:
             return False
         del self._unowned[block]
         return True
 
     def evict(self) -> int:
-        """Forget the least recently released unowned block and return it (a plain free block now)."""
+        """Forget the least recently released unowned block (a plain free block now).
+
+        Returns
+        -------
+        int
+            Its id.
+
+        Raises
+        ------
+        KeyError
+            When no block is unowned.
+        """
         block, _ = self._unowned.popitem(last=False)
         block_hash, _ = self._key_of_block.pop(block)
         del self._block_of_hash[block_hash]
@@ -167,8 +212,21 @@ class PrefixCache:
     # ------------------------------------------------------------------ hashing and matching
 
     def block_hashes(self, token_ids, first: int, last: int, parent):
-        """(index, tokens, chained hash) of full blocks ``first .. last - 1`` of ``token_ids``,
-        the chain starting from ``parent`` (the hash of block ``first - 1``, or None)."""
+        """The full blocks ``first .. last - 1`` of ``token_ids`` with their chained hashes.
+
+        Parameters
+        ----------
+        token_ids : sequence of int
+        first, last : int
+            Block indices, ``last`` excluded.
+        parent : int or None
+            The hash of block ``first - 1`` (None for the first block).
+
+        Yields
+        ------
+        (int, tuple, int)
+            Block index, its tokens, its chained hash.
+        """
         bs = self.block_size
         for j in range(first, last):
             tokens = _token_tuple(token_ids, j * bs, (j + 1) * bs)
@@ -176,10 +234,18 @@ class PrefixCache:
             yield j, tokens, parent
 
     def match(self, token_ids) -> tuple[list, int | None]:
-        """The registered blocks of the longest cached prefix of ``token_ids`` and the last
-        matched hash (None when nothing matched).
+        """The registered blocks of the longest cached prefix of ``token_ids``.
 
         Whole blocks only, and never the last token: its logits must be computed.
+
+        Parameters
+        ----------
+        token_ids : sequence of int
+
+        Returns
+        -------
+        (list of int, int or None)
+            The block ids and the last matched hash (None when nothing matched).
         """
         blocks, parent = [], None
         if not self.enabled:
@@ -193,16 +259,37 @@ class PrefixCache:
         return blocks, parent
 
     def num_cached_tokens(self, token_ids) -> int:
-        """How many leading tokens of ``token_ids`` the cache holds (a multiple of ``block_size``)."""
-        return len(self.match(token_ids)[0]) * self.block_size
+        """How many leading tokens of ``token_ids`` the cache holds.
 
-    def register_blocks(self, token_ids, table_row, first: int, last: int, parent):
-        """Register full blocks ``first .. last - 1`` of a sequence, ``table_row[j]`` holding block
-        ``j`` of ``token_ids``; ``parent`` is the hash of block ``first - 1`` (None for the first).
+        Parameters
+        ----------
+        token_ids : sequence of int
 
         Returns
         -------
-        The hash of block ``last - 1``, where the sequence's chain continues.
+        int
+            A multiple of ``block_size``.
+        """
+        return len(self.match(token_ids)[0]) * self.block_size
+
+    def register_blocks(self, token_ids, table_row, first: int, last: int, parent):
+        """Register full blocks ``first .. last - 1`` of a sequence (nothing when disabled).
+
+        Parameters
+        ----------
+        token_ids : sequence of int
+            The sequence's tokens.
+        table_row : array_like of int
+            Its block table row: ``table_row[j]`` holds block ``j``.
+        first, last : int
+            Block indices, ``last`` excluded.
+        parent : int or None
+            The hash of block ``first - 1`` (None for the first block).
+
+        Returns
+        -------
+        int or None
+            The hash of block ``last - 1``, where the sequence's chain continues.
         """
         if not self.enabled:
             return parent
