@@ -81,11 +81,11 @@ for step in $steps; do
       rm -f benchmarks/results/e2e.json benchmarks/results/e2e.png
       run_step bench_e2e bench_e2e "${T_BENCH_E2E:-420}" python3 benchmarks/bench_e2e.py ${BENCH_E2E_ARGS:-}
       cp benchmarks/results/e2e.png benchmarks/results/e2e.json "$OUT/" 2>/dev/null ;;
-    fuzz)  # random configurations of every kernel against the CPU reference (FUZZ_ARGS: e.g. --kernels step)
-      rm -f benchmarks/results/fuzz.json
+    fuzz)  # random configurations of every kernel against the CPU reference (FUZZ_ARGS: e.g. --kernels step, or --hostile)
+      rm -f benchmarks/results/fuzz.json benchmarks/results/fuzz_hostile.json
       run_step fuzz fuzz "${T_FUZZ:-300}" python3 benchmarks/fuzz.py --time-limit "$(( ${T_FUZZ:-300} - 30 ))" \
         --log "$OUT/fuzz_configs.log" ${FUZZ_ARGS:-}
-      cp benchmarks/results/fuzz.json "$OUT/" 2>/dev/null ;;
+      cp benchmarks/results/fuzz.json benchmarks/results/fuzz_hostile.json "$OUT/" 2>/dev/null ;;
     profile_engine)  # where a decode step of the engine goes (stage device times, host profile)
       run_step profile_engine profile_engine "${T_PROFILE_ENGINE:-200}" python3 benchmarks/profile_engine.py ${PROFILE_ENGINE_ARGS:-}
       cp benchmarks/results/profile_engine.json "$OUT/" 2>/dev/null ;;

@@ -20,6 +20,12 @@ NaN, the infinities agree and the norm-wise relative error is under the dtype's 
 ``tests/_util.py`` (bfloat16 2e-2, float16 5e-3, float32 1e-5) with every element within 8x
 that of the largest reference value; caches written by ``write_kv_cache`` must be equal bit for bit.
 
+``--hostile`` draws another stream of configurations, each with bad index values as device arrays
+bring them (``fuzz_hostile.py``: block ids outside the cache, lengths past the table, negative
+or decreasing lengths, cache rows and left pads outside the cache, slots past it, a bad id in a
+step's own table); the outputs are compared as always and the error word must name the argument
+(and the sequence).  Its report goes to ``results/fuzz_hostile.json`` (cases ``<kernel> hostile``).
+
 ``--dry-run`` needs no GPU: it draws the configurations and runs the reference side twice, on the
 case's own dtype (standing in for the device) and on float32 -- the configuration drawing, the
 reference side and the comparison, tested by ``tests/test_fuzz_config.py``.
@@ -28,6 +34,7 @@ reference side and the comparison, tested by ``tests/test_fuzz_config.py``.
     python benchmarks/fuzz.py --configs 200 --kernels decode merge --time-limit 300
     python benchmarks/fuzz.py --seed 0 --kernels decode --only 17   # replay one configuration
     python benchmarks/fuzz.py --dry-run --configs 20 --out /tmp/fuzz.json
+    python benchmarks/fuzz.py --hostile            # 1000 hostile configurations per kernel but merge
 
 Writes ``benchmarks/results/fuzz.json``: ``{"device", "date", "versions", "cases": [{"name":
 kernel, "metric": "configs" | "mismatches" | "worst_rel_err_<dtype>", "value", "peers": {}}]}``.
@@ -54,6 +61,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import cupy_paged  # noqa: E402
 from cupy_paged._core.types import BLOCK_SIZES, HEAD_DIMS  # noqa: E402
 from _util import RTOL  # noqa: E402  (the tests' tolerances, one source)
+from fuzz_hostile import CORRUPT  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -289,10 +297,11 @@ def draw_step(rng) -> dict:
                 in_place=("k_cache", "v_cache"), lse_key=None)
 
 
-def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, out=None, **kwargs):
+def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, out=None, corrupt=None, **kwargs):
     """One layer of :meth:`cupy_paged.StepPlan.attention` over a one-layer cache (NumPy: the CPU
     backend; CuPy: the GPU) whose blocks come from a free list shuffled by ``shuffle`` and hold
-    ``k_cache``/``v_cache``'s values; the caches after the step (the appends) are written back."""
+    ``k_cache``/``v_cache``'s values; the caches after the step (the appends) are written back.
+    ``corrupt = (sequence, column, block id)``: written into the cache's table before the plan."""
     from bench_calls import sequences_cache
 
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
@@ -301,6 +310,10 @@ def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, 
                                  num_blocks=num_blocks)
     layer_k, layer_v = cache.layer(0)
     layer_k[...], layer_v[...] = k_cache, v_cache
+    if corrupt is not None:
+        row = cache.rows([ids[corrupt[0]]])[0]
+        cache.tables[row, corrupt[1]] = corrupt[2]
+        cache.table_versions[row] += 1
     plan = cupy_paged.build_plan(cache, ids, list(new), num_heads=num_heads if path in (None, "ragged") else None,
                                  path=path)
     result = plan.attention(q, k, v, layer_k, layer_v, out=out, **kwargs)
@@ -311,14 +324,21 @@ def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, 
 RUNNERS = {"plan_step": plan_step}
 
 
-def draw(kernel: str, seed: int, index: int) -> dict:
+def draw(kernel: str, seed: int, index: int, hostile: bool = False) -> dict:
     """Configuration ``index`` of ``kernel``: a dict (function, dtype, args of NumPy arrays in the
-    case's dtype, out_shape, holes, in_place outputs...)."""
-    rng = np.random.default_rng([seed, KERNELS.index(kernel), index])
-    case = {"varlen": lambda: draw_varlen(rng, False), "varlen_paged": lambda: draw_varlen(rng, True),
-            "decode": lambda: draw_decode(rng), "write_kv_cache": lambda: draw_write(rng),
-            "merge": lambda: draw_merge(rng), "step": lambda: draw_step(rng)}[kernel]()
-    case.update(kernel=kernel, seed=seed, index=index)
+    case's dtype, out_shape, holes, in_place outputs...).  ``hostile``: another stream of draws,
+    each with bad index values (``fuzz_hostile.py``; drawn again until one can be made bad)."""
+    rng = np.random.default_rng([seed, KERNELS.index(kernel), index] + ([1] if hostile else []))
+    drawer = {"varlen": lambda: draw_varlen(rng, False), "varlen_paged": lambda: draw_varlen(rng, True),
+              "decode": lambda: draw_decode(rng), "write_kv_cache": lambda: draw_write(rng),
+              "merge": lambda: draw_merge(rng), "step": lambda: draw_step(rng)}[kernel]
+    case = drawer()
+    if hostile:
+        if kernel not in CORRUPT:
+            raise ValueError(f"--hostile has no bad index values for {kernel} (kernels: {sorted(CORRUPT)})")
+        while not CORRUPT[kernel](case, rng):
+            case = drawer()
+    case.update(kernel=kernel, seed=seed, index=index, hostile=hostile)
     return case
 
 
@@ -412,15 +432,26 @@ def compare(actual: np.ndarray, expected: np.ndarray, dtype, exact: bool = False
 
 def _error_word(case: dict, dry_run: bool) -> str | None:
     """The kernels' error word after the call: empty for a clean configuration; for one with holes
-    it may name ``block_table`` and nothing else.  None when fine, else why not."""
+    it may name ``block_table`` and nothing else; a hostile one must be reported, naming one of the
+    arguments it may trip (and the sequence or token, when one alone is bad).  None when fine, else
+    why not."""
     if dry_run:
         return None
     try:
         cupy_paged.check_errors()
     except ValueError as error:
-        if case["holes"] and str(error).startswith("block_table"):
+        text = str(error)
+        if case.get("hostile"):
+            if not text.startswith(case["expect"]):
+                return f"check_errors named another argument than {case['expect']}: {text}"
+            if case["where"] and case["where"] not in text:
+                return f"check_errors did not name {case['where']}: {text}"
             return None
-        return f"check_errors: {error}"
+        if case["holes"] and text.startswith("block_table"):
+            return None
+        return f"check_errors: {text}"
+    if case.get("hostile"):
+        return f"check_errors raised nothing: the kernels did not report the bad {case['expect'][0]}"
     return None
 
 
@@ -451,7 +482,8 @@ def check_case(case: dict, dry_run: bool) -> tuple[dict, list]:
 
 
 def replay(case: dict) -> str:
-    return f"--seed {case['seed']} --kernels {case['kernel']} --only {case['index']}"
+    return f"--seed {case['seed']} --kernels {case['kernel']} --only {case['index']}" + \
+        (" --hostile" if case.get("hostile") else "")
 
 
 # --------------------------------------------------------------------------- the run and the report
@@ -461,7 +493,7 @@ def dtype_label(dtype) -> str:
 
 
 def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bool, only: int | None = None,
-         log=None, quiet: bool = False) -> dict:
+         log=None, quiet: bool = False, hostile: bool = False) -> dict:
     """Draw and check configurations kernel by kernel.  Returns {kernel: {"configs", "mismatches",
     "worst": {dtype: rel err}, "failed": [replay arguments]}}; stops drawing at ``time_limit``
     seconds (what ran is reported)."""
@@ -474,7 +506,7 @@ def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bo
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 entry["stopped"] = True
                 break
-            case = draw(kernel, seed, index)
+            case = draw(kernel, seed, index, hostile)
             errors, failures = check_case(case, dry_run)
             entry["configs"] += 1
             label = dtype_label(case["dtype"])
@@ -496,7 +528,7 @@ def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bo
     return stats
 
 
-def report(stats: dict, dry_run: bool) -> dict:
+def report(stats: dict, dry_run: bool, hostile: bool = False) -> dict:
     """The results file's content (``{"device", "date", "versions", "cases"}``)."""
     versions = {"python": platform.python_version(), "numpy": np.__version__, "cupy_paged": cupy_paged.__version__}
     device = "CPU reference only (--dry-run)"
@@ -509,10 +541,11 @@ def report(stats: dict, dry_run: bool) -> dict:
         device = name.decode() if isinstance(name, bytes) else name
     cases = []
     for kernel, entry in stats.items():
-        cases.append({"name": kernel, "metric": "configs", "value": entry["configs"], "peers": {}})
-        cases.append({"name": kernel, "metric": "mismatches", "value": entry["mismatches"], "peers": {}})
+        name = f"{kernel} hostile" if hostile else kernel
+        cases.append({"name": name, "metric": "configs", "value": entry["configs"], "peers": {}})
+        cases.append({"name": name, "metric": "mismatches", "value": entry["mismatches"], "peers": {}})
         for label, worst in sorted(entry["worst"].items()):
-            cases.append({"name": kernel, "metric": f"worst_rel_err_{label}", "value": float(f"{worst:.4g}"),
+            cases.append({"name": name, "metric": f"worst_rel_err_{label}", "value": float(f"{worst:.4g}"),
                           "peers": {}})
     return {"device": device, "date": datetime.date.today().isoformat(), "versions": versions, "cases": cases}
 
@@ -522,22 +555,31 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", type=int, default=1000, help="configurations per kernel (default 1000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=None,
+                        help="default: all (with --hostile, all but merge)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop drawing after this many seconds")
     parser.add_argument("--only", type=int, default=None, help="replay configuration ONLY alone")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: draw and run the reference side only")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz.json"))
+    parser.add_argument("--hostile", action="store_true",
+                        help="every configuration with bad index values (fuzz_hostile.py; not merge); "
+                             "default --out results/fuzz_hostile.json")
+    parser.add_argument("--out", default=None, help="default results/fuzz.json (--hostile: results/fuzz_hostile.json)")
     parser.add_argument("--log", default=str(ROOT / "benchmarks" / "logs" / "fuzz.log"),
                         help="every configuration's seed, shapes and result")
     args = parser.parse_args(argv)
+    if args.kernels is None:
+        args.kernels = [k for k in KERNELS if not args.hostile or k in CORRUPT]
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks" / "results" / ("fuzz_hostile.json" if args.hostile else "fuzz.json"))
     if args.configs < 1 or args.seed < 0 or (args.only is not None and args.only < 0):
         parser.error("--configs must be >= 1, --seed and --only >= 0")
     if not args.dry_run and not cupy_paged._core.arrays.gpu_available():
         parser.error("no CUDA GPU answers: run on the GPU, or pass --dry-run")
     pathlib.Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     with open(args.log, "w") as log:
-        stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log)
-    result = report(stats, args.dry_run)
+        stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log,
+                     hostile=args.hostile)
+    result = report(stats, args.dry_run, args.hostile)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     total = sum(entry["mismatches"] for entry in stats.values())
