@@ -36,7 +36,8 @@ reference side and the comparison, tested by ``tests/test_fuzz_config.py``.
     python benchmarks/fuzz.py --dry-run --configs 20 --out /tmp/fuzz.json
     python benchmarks/fuzz.py --hostile            # 1000 hostile configurations per kernel but merge
 
-Writes ``benchmarks/results/fuzz.json``: ``{"device", "date", "versions", "cases": [{"name":
+Writes ``benchmarks/results/fuzz.json`` (keeping the cases of kernels not drawn this time, when
+the file is of the same device): ``{"device", "date", "versions", "cases": [{"name":
 kernel, "metric": "configs" | "mismatches" | "worst_rel_err_<dtype>", "value", "peers": {}}]}``.
 """
 from __future__ import annotations
@@ -550,6 +551,19 @@ def report(stats: dict, dry_run: bool, hostile: bool = False) -> dict:
     return {"device": device, "date": datetime.date.today().isoformat(), "versions": versions, "cases": cases}
 
 
+def merged(result: dict, path: pathlib.Path) -> dict:
+    """``result`` with the cases of kernels this run did not draw kept from the results file at
+    ``path`` (a run of some kernels replaces only theirs), when that file is of the same device."""
+    if not path.exists():
+        return result
+    earlier = json.loads(path.read_text())
+    if earlier.get("device") != result["device"]:
+        return result
+    ran = {case["name"] for case in result["cases"]}
+    kept = [case for case in earlier.get("cases", []) if case["name"] not in ran]
+    return dict(result, cases=kept + result["cases"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -579,7 +593,7 @@ def main(argv=None) -> int:
     with open(args.log, "w") as log:
         stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log,
                      hostile=args.hostile)
-    result = report(stats, args.dry_run, args.hostile)
+    result = merged(report(stats, args.dry_run, args.hostile), pathlib.Path(args.out))
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     total = sum(entry["mismatches"] for entry in stats.values())

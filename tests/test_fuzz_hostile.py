@@ -102,3 +102,14 @@ def test_hostile_configurations_on_the_gpu():
     stats = fuzz.fuzz(HOSTILE, 40, 11, None, dry_run=False, quiet=True, hostile=True)
     failed = {k: v["failed"][:3] for k, v in stats.items() if v["mismatches"]}
     assert failed == {}
+
+
+def test_a_run_of_some_kernels_keeps_the_others_results(tmp_path):
+    out = tmp_path / "fuzz.json"
+    first = fuzz.report(fuzz.fuzz(["merge"], 2, 0, None, dry_run=True, quiet=True), True)
+    out.write_text(fuzz.json.dumps(first))
+    second = fuzz.merged(fuzz.report(fuzz.fuzz(["write_kv_cache"], 2, 0, None, dry_run=True, quiet=True), True), out)
+    assert {c["name"] for c in second["cases"]} == {"merge", "write_kv_cache"}
+    other = dict(second, device="another")
+    out.write_text(fuzz.json.dumps(other))
+    assert {c["name"] for c in fuzz.merged(first, out)["cases"]} == {"merge"}
