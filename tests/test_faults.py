@@ -100,6 +100,16 @@ def test_a_block_allocation_failing_inside_schedule(step, nth):
     assert got == clean
 
 
+@pytest.mark.parametrize("step", [4, 8, 12])
+def test_the_decode_steps_block_growth_failing(step):
+    """The decode-only step's numba growth (which pops the free stack itself) raising: nothing changed."""
+    from cupy_paged.serving import _growth
+
+    clean = drive(small())
+    got = drive(small(), step, lambda s: _Patch(_growth, "grow_decodes_from_stack"))
+    assert got == clean
+
+
 @pytest.mark.parametrize("step", [0, 3, 7])
 def test_a_plan_build_or_upload_failing(step):
     clean = drive(small())
