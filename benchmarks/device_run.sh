@@ -90,13 +90,14 @@ for step in $steps; do
       run_step profile_engine profile_engine "${T_PROFILE_ENGINE:-200}" python3 benchmarks/profile_engine.py ${PROFILE_ENGINE_ARGS:-}
       cp benchmarks/results/profile_engine.json "$OUT/" 2>/dev/null ;;
     sanitize_suite)  # benchmarks/sanitize.sh over SUITE_TOOLS (default memcheck) and SUITE_FILES (default all)
+      export SANITIZE_TOTAL=$(( ${T_SANITIZE_SUITE:-600} - 10 ))
       run_step sanitize_suite sanitize_suite "${T_SANITIZE_SUITE:-600}" bash benchmarks/sanitize.sh "${SUITE_TOOLS:-memcheck}" ${SUITE_FILES:-}
       cp benchmarks/results/sanitizer.json "$OUT/" 2>/dev/null ;;
     load)  # benchmarks/load.py: 10,000 requests through the kernels, each against its run alone
       run_step load load "${T_LOAD:-200}" python3 benchmarks/load.py ${LOAD_ARGS:-}
       cp benchmarks/results/load.json "$OUT/" 2>/dev/null ;;
     ncu_graph)  # Nsight Compute over one decode step's graph replay inside a served run (NCU_ARGS: profile_engine's)
-      run_step ncu_graph ncu_graph "${T_NCU:-240}" ncu --clock-control none --profile-from-start off --csv --page raw \
+      run_step ncu_graph ncu_graph "${T_NCU:-240}" ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread \
         python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
       run_step ncu_table ncu_table 30 python3 benchmarks/ncu_table.py "$OUT/ncu_graph.log" ;;

@@ -48,6 +48,7 @@ import json
 import math
 import pathlib
 import platform
+import re
 import sys
 import time
 
@@ -337,7 +338,7 @@ def draw(kernel: str, seed: int, index: int, hostile: bool = False) -> dict:
     if hostile:
         if kernel not in CORRUPT:
             raise ValueError(f"--hostile has no bad index values for {kernel} (kernels: {sorted(CORRUPT)})")
-        while not CORRUPT[kernel](case, rng):
+        while case["holes"] or not CORRUPT[kernel](case, rng):  # one bad value: its report alone
             case = drawer()
     case.update(kernel=kernel, seed=seed, index=index, hostile=hostile)
     return case
@@ -445,7 +446,7 @@ def _error_word(case: dict, dry_run: bool) -> str | None:
         if case.get("hostile"):
             if not text.startswith(case["expect"]):
                 return f"check_errors named another argument than {case['expect']}: {text}"
-            if case["where"] and case["where"] not in text:
+            if case["where"] and not re.search(rf"\b{case['where']}\b", text):
                 return f"check_errors did not name {case['where']}: {text}"
             return None
         if case["holes"] and text.startswith("block_table"):
@@ -469,6 +470,11 @@ def check_case(case: dict, dry_run: bool) -> tuple[dict, list]:
         if not dry_run:
             device_xp.cuda.get_current_stream().synchronize()
     except Exception as error:  # a valid configuration must run: any exception is a failure
+        if not dry_run:
+            try:  # the next configuration must not read this one's report
+                cupy_paged.check_errors()
+            except ValueError:
+                pass
         return {}, [f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"]
     word = _error_word(case, dry_run)
     if word:

@@ -19,7 +19,7 @@ alone's:
   within twice that tolerance of each other (a near tie, which either token may win) the rest
   is not compared;
 * a completed request has the run alone's length (its stop token or ``max_new_tokens``), an aborted
-  one at most that length;
+  one at most that length; every branch comes back once, completed or aborted;
 * at the end no request is live, every block is free and no block has a reference left.
 
     python benchmarks/load.py                     # 10,000 requests on the GPU
@@ -292,6 +292,9 @@ def run(device: str, num_requests: int, seed: int = 0, abort_rate: float = 0.05,
     alone = run_alone(model, requests, xp)
     alone_s = time.perf_counter() - start
     report = check(served, alone, rtol)
+    wanted = {r.request_id for r in requests} | {(r.request_id, k) for r in requests for k in range(1, r.sampling.n)}
+    came = [b.request_id for b in served["finished"] + served["aborted"]]
+    report["counts"].update(lost=len(wanted - set(came)), returned_twice=len(came) - len(set(came)))
     stats = scheduler.stats()
     leaks = dict(live=len(cache), free_blocks=cache.num_free_blocks, num_blocks=cache.num_blocks,
                  referenced_blocks=int((cache.pool.ref_counts != 0).sum()))
@@ -315,7 +318,7 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "failures"}, indent=1))
     for line in report["failures"][:20]:
         print("FAILED", line)
-    ok = not report["failures"] and report["leaks"]["live"] == 0 and report["leaks"]["referenced_blocks"] == 0 \
+    ok = not report["failures"] and not c["lost"] and not c["returned_twice"] and report["leaks"]["live"] == 0 and report["leaks"]["referenced_blocks"] == 0 \
         and report["leaks"]["free_blocks"] == report["leaks"]["num_blocks"]
     cases = [dict(name="load", metric=k, value=v, peers={}) for k, v in c.items()]
     cases += [dict(name="load", metric=k, value=report[k], peers={})

@@ -13,8 +13,11 @@ import pathlib
 import sys
 
 TIME, READ = "gpu__time_duration.sum", "dram__bytes_read.sum"
-SCALE = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3,
-         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+# Times to microseconds, bytes to bytes (device_run.sh asks ncu for base units: ns and byte).
+SCALE = {TIME: {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+                "second": 1e6},
+         READ: {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "KB": 1e3, "MB": 1e6,
+                "GB": 1e9, "TB": 1e12}}
 
 
 def rows(path: pathlib.Path) -> tuple[list[dict], dict]:
@@ -29,7 +32,12 @@ def rows(path: pathlib.Path) -> tuple[list[dict], dict]:
 
 def number(row: dict, units: dict, name: str) -> float:
     text = row.get(name, "").replace(",", "")
-    return float(text) * SCALE.get(units.get(name, ""), 1.0) if text not in ("", "n/a") else float("nan")
+    if text in ("", "n/a"):
+        return float("nan")
+    unit = units.get(name, "")
+    if unit not in SCALE[name]:
+        raise SystemExit(f"unknown unit {unit!r} of {name}")
+    return float(text) * SCALE[name][unit]
 
 
 def summarise(kernels: list[dict], units: dict) -> list[dict]:

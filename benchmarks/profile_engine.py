@@ -141,7 +141,8 @@ def ncu_step(args, model) -> dict:
     graphs = engine.graphs
     while engine.has_unfinished():
         stats = engine.scheduler.stats()
-        if stats.num_waiting == 0 and graphs.replays >= args.ncu_after:
+        prefilling = any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
+        if stats.num_waiting == 0 and not prefilling and graphs.replays >= args.ncu_after:
             break
         engine.step()
     else:
@@ -153,6 +154,8 @@ def ncu_step(args, model) -> dict:
     engine.step()
     engine.stream.synchronize()
     cupy.cuda.profiler.stop()
+    if graphs.replays - replays != 1:
+        raise RuntimeError(f"the profiled step replayed {graphs.replays - replays} graphs, not one")
     return dict(graph_replays_in_range=graphs.replays - replays, running=len(contexts),
                 mean_context=float(np.mean(contexts)), max_context=int(max(contexts)),
                 graph_attention=args.graph_attention)

@@ -243,6 +243,8 @@ def test_grow_checks_its_arguments():
         cache.grow(["a"], 15)
     with pytest.raises(ValueError, match="num_new_tokens must be >= 0"):
         cache.grow(["a"], -1)
+    with pytest.raises(ValueError, match="reserve must be >= 0"):
+        cache.grow(["a"], 1, reserve=-1)  # the decode path's check too
     with pytest.raises(KeyError, match="'zz' is not in the cache"):
         cache.grow(["zz"], 1)
     with pytest.raises(ValueError, match=r"num_computed .* must be in \[0, 2\]"):

@@ -125,8 +125,8 @@ class Growth:
         if self._seen.size < self._num_slots.size:
             self._seen = np.zeros(self._num_slots.size, bool)
         pool = self.pool
-        if type(reserve) is not int:
-            reserve = check_int(reserve, "reserve")
+        if type(reserve) is not int or reserve < 0:
+            reserve = check_int(reserve, "reserve", 0)
         taken = grow_decodes_from_stack(self.tables, rows, self._num_blocks, self._num_slots, pool.ref_counts,
                                         self.table_versions, self.block_size, self.max_blocks_per_seq, self._seen,
                                         pool._stack, pool._top, pool.num_free - reserve)
