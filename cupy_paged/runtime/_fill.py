@@ -198,6 +198,5 @@ def decode_plan_fields(cache, seq_ids: list, rows: np.ndarray, input_ids, buffer
     if batch_size > batch:
         seq_ids = seq_ids + [None] * (batch_size - batch)
     out["logits_indices"] = out["logits_indices"][:batch]
-    out.pop("work", None), out.pop("entries", None)
     return dict(out, seq_ids=seq_ids, max_seqlen_q=1, max_seqlen_k=int(max_k), sample_mask=mask, path=DECODE,
                 block_size=view.block_size)
