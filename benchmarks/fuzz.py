@@ -570,6 +570,51 @@ def merged(result: dict, path: pathlib.Path) -> dict:
     return dict(result, cases=kept + result["cases"])
 
 
+def in_processes(args, argv: list) -> tuple[dict, dict]:
+    """Each kernel of ``args.kernels`` in its own ``fuzz.py`` process, ``args.jobs`` at a time, each
+    writing its own report and log; returns ``(report, stats)`` of them all (``stats`` as
+    :func:`fuzz` gives it, without the replay lists: the children printed those) and joins the
+    logs into ``args.log`` in kernel order."""
+    import subprocess
+    import tempfile
+
+    own = {"--kernels", "--out", "--log", "--jobs"}
+    base, skip = [], False
+    for arg in argv:  # the caller's arguments less those each child gets its own of
+        if skip and not arg.startswith("--"):
+            continue
+        skip = arg.split("=")[0] in own
+        if not skip:
+            base.append(arg)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp)
+        waiting, running, codes = list(args.kernels), [], {}
+        while waiting or running:
+            while waiting and len(running) < args.jobs:
+                kernel = waiting.pop(0)
+                command = [sys.executable, __file__, *base, "--kernels", kernel, "--jobs", "1",
+                           "--out", str(folder / f"{kernel}.json"), "--log", str(folder / f"{kernel}.log")]
+                running.append((kernel, subprocess.Popen(command)))
+            kernel, process = running.pop(0)
+            codes[kernel] = process.wait()
+        reports = {k: json.loads((folder / f"{k}.json").read_text()) for k in args.kernels
+                   if (folder / f"{k}.json").exists()}
+        missing = [k for k in args.kernels if k not in reports]
+        if missing:
+            raise SystemExit(f"fuzz.py: no report from the process of {', '.join(missing)} "
+                             f"(exit codes {', '.join(str(codes[k]) for k in missing)})")
+        with open(args.log, "w") as log:
+            for kernel in args.kernels:
+                log.write((folder / f"{kernel}.log").read_text())
+    first = reports[args.kernels[0]]
+    cases = [case for kernel in args.kernels for case in reports[kernel]["cases"]]
+    stats = {}
+    for kernel in args.kernels:
+        found = {c["metric"]: c["value"] for c in reports[kernel]["cases"]}
+        stats[kernel] = {"configs": found.get("configs", 0), "mismatches": found.get("mismatches", 0)}
+    return dict(first, cases=cases), stats
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -586,6 +631,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="default results/fuzz.json (--hostile: results/fuzz_hostile.json)")
     parser.add_argument("--log", default=str(ROOT / "benchmarks" / "logs" / "fuzz.log"),
                         help="every configuration's seed, shapes and result")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="kernels fuzzed at once, one process each (the reference side is CPU work)")
     args = parser.parse_args(argv)
     if args.kernels is None:
         args.kernels = [k for k in KERNELS if not args.hostile or k in CORRUPT]
@@ -595,11 +642,17 @@ def main(argv=None) -> int:
         parser.error("--configs must be >= 1, --seed and --only >= 0")
     if not args.dry_run and not cupy_paged._core.arrays.gpu_available():
         parser.error("no CUDA GPU answers: run on the GPU, or pass --dry-run")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
     pathlib.Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.log, "w") as log:
-        stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log,
-                     hostile=args.hostile)
-    result = merged(report(stats, args.dry_run, args.hostile), pathlib.Path(args.out))
+    if args.jobs > 1 and len(args.kernels) > 1:
+        result, stats = in_processes(args, argv if argv is not None else sys.argv[1:])
+    else:
+        with open(args.log, "w") as log:
+            stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log,
+                         hostile=args.hostile)
+        result = report(stats, args.dry_run, args.hostile)
+    result = merged(result, pathlib.Path(args.out))
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     total = sum(entry["mismatches"] for entry in stats.values())

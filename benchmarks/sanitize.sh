@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The GPU suite under compute-sanitizer, one process per (tool, test file), so that a long suite
-# can be split over device calls: each pair's result is merged into the results file, which keeps
-# the pairs of earlier calls (with their dates) until they are run again.
+# The GPU suite under compute-sanitizer, one process per (tool, test file), several at once, so that
+# a long suite fits in few device calls: each pair's result is merged into the results file, which
+# keeps the pairs of earlier calls (with their dates) until they are run again.
 #   usage (repository root, on the GPU): bash benchmarks/sanitize.sh TOOL[,TOOL...] [FILE ...]
 #     TOOL: memcheck racecheck initcheck synccheck (or "all"); FILE: test files (default: every
 #     file with GPU tests); SANITIZE_K: a pytest -k expression; SANITIZE_T: seconds per pair
-#     (default 600); SANITIZE_TOTAL: seconds for all pairs; SANITIZE_OUT: results file (default
-#     benchmarks/results/sanitizer.json).  tests/test_load.py runs only when named.
+#     (default 600); SANITIZE_TOTAL: seconds for all pairs; SANITIZE_JOBS: pairs run at once
+#     (default: half the CPUs; the sanitizers' cost is mostly host work, and one GPU serves them
+#     all); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
+#     tests/test_load.py runs only when named.
 #   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
-#   its hazards), peers {} ; the test outcome, seconds and date beside it.
+#   its hazards), peers {} ; the test outcome, seconds and date beside it.  A pair cut short by its
+#   time limit has value null and says so.
 set -uo pipefail
 tools=${1:?usage: sanitize.sh TOOL[,TOOL...] [FILE ...]}; shift
 [[ $tools == all ]] && tools=memcheck,racecheck,initcheck,synccheck
@@ -17,29 +20,22 @@ if [ ${#files[@]} -eq 0 ]; then  # test_load.py's 10,000 requests under a saniti
   mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py | grep -v -x tests/test_load.py)
 fi
 deadline=$((SECONDS + ${SANITIZE_TOTAL:-100000}))  # SANITIZE_TOTAL: seconds for all pairs (device_run.sh gives its step's)
+jobs=${SANITIZE_JOBS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 results=${SANITIZE_OUT:-benchmarks/results/sanitizer.json}
 logs=${OUT:-/tmp}/sanitize_logs
 mkdir -p "$logs" "$(dirname "$results")"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-for tool in ${tools//,/ }; do
-  extra=()
-  [[ $tool == initcheck ]] && extra=(--track-unused-memory no)
-  for file in "${files[@]}"; do
-    log=$logs/${tool}_$(basename "$file" .py).log
-    start=$SECONDS
-    left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running
-    limit=${SANITIZE_T:-600}; (( left < limit )) && limit=$left
-    if (( limit < 10 )); then echo "$tool $file: no time left, not run"; continue; fi
-    timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
-      "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -x "$file" ${SANITIZE_K:+-k "$SANITIZE_K"} >"$log" 2>&1
-    rc=$?
-    python3 - "$results" "$tool" "$file" "$rc" $((SECONDS - start)) "$log" <<'PY'
+
+record() {  # tool file rc seconds log: merge one pair's case into the results file (under a lock)
+  flock "$results.lock" python3 - "$results" "$@" <<'PY'
 import datetime, json, pathlib, re, sys
 path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 text = pathlib.Path(log).read_text(errors="replace")
 found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
-errors = int(found[-1]) if found else None   # None: the tool wrote no summary (cut short, or no GPU)
+errors = int(found[-1]) if found and rc != 124 else None   # None: no summary (cut short, or no GPU)
 outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
+if rc == 124:
+    outcome = f"cut short at its time limit ({outcome})"
 p = pathlib.Path(path)
 report = json.loads(p.read_text()) if p.exists() else {"cases": []}
 name = f"{tool}:{file}"
@@ -50,5 +46,24 @@ report["cases"].sort(key=lambda c: c["name"])
 p.write_text(json.dumps(report, indent=1) + "\n")
 print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.strip()}")
 PY
+}
+
+run_pair() {  # tool file: one sanitizer process over one test file, then its record
+  local tool=$1 file=$2 extra=() start=$SECONDS
+  local log=$logs/${tool}_$(basename "$file" .py).log
+  [[ $tool == initcheck ]] && extra=(--track-unused-memory no)
+  local left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running
+  local limit=${SANITIZE_T:-600}; (( left < limit )) && limit=$left
+  if (( limit < 10 )); then echo "$tool $file: no time left, not run"; return; fi
+  timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+    "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -x "$file" ${SANITIZE_K:+-k "$SANITIZE_K"} >"$log" 2>&1
+  record "$tool" "$file" $? $((SECONDS - start)) "$log"
+}
+
+for tool in ${tools//,/ }; do
+  for file in "${files[@]}"; do
+    while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
+    run_pair "$tool" "$file" &
   done
 done
+wait

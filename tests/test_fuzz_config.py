@@ -187,3 +187,16 @@ def test_dry_run_writes_the_report(tmp_path, capsys):
 def test_time_limit_stops_drawing(tmp_path):
     stats = fuzz.fuzz(["merge", "write_kv_cache"], 1000, 0, time_limit=0.0, dry_run=True, quiet=True)
     assert stats["merge"]["configs"] <= 1 and stats["merge"].get("stopped")
+
+
+def test_kernels_in_processes_report_as_one_process(tmp_path):
+    """``--jobs``: each kernel fuzzed in its own process gives the report and the log that one
+    process drawing them in turn gives."""
+    common = ["--dry-run", "--configs", "2", "--kernels", "merge", "write_kv_cache", "--seed", "5"]
+    assert fuzz.main(common + ["--out", str(tmp_path / "one.json"), "--log", str(tmp_path / "one.log")]) == 0
+    assert fuzz.main(common + ["--jobs", "2", "--out", str(tmp_path / "two.json"),
+                               "--log", str(tmp_path / "two.log")]) == 0
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["cases"] == two["cases"] and len(one["cases"]) > 4
+    strip = (lambda text: sorted(line.split(" rel=")[0] for line in text.splitlines()))
+    assert strip((tmp_path / "one.log").read_text()) == strip((tmp_path / "two.log").read_text())

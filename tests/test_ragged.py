@@ -201,6 +201,49 @@ def test_cpu_ragged_plan_attention_equals_varlen():
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("path,attended", [("decode", True), ("ragged", True), ("split", True), ("varlen", False)])
+def test_cpu_paths_read_a_new_token_in_a_hole_as_their_kernels_do(path, attended):
+    """A bad block id where a one-token row's new token lands (a hostile table, check_values off):
+    the token is never written; the decode and ragged launches (and the split path's decode rows)
+    attend it from k/v, the varlen launch reads keys from the cache only and sees none.  The CPU
+    backend follows each path as its kernels do, so the GPU is compared with the same reading."""
+    cached, new = [0, 17], [1, 1] if path == "decode" else [1, 6]
+    cache, ids = make_cache(cached, new, dtype="float64")
+    for array in cache.layer(0):
+        array[...] = np.random.default_rng(1).standard_normal(array.shape)
+    cache.tables[cache.rows([ids[0]])[0], 0] = -1  # sequence 0's only block
+    cache.table_versions[cache.rows([ids[0]])[0]] += 1
+    plan = build_plan(cache, ids, new, num_heads=4 if path == "ragged" else None, path=path)
+    assert plan.path == path and (path != "split" or plan.num_split == 1)
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (sum(new), h, 64), np.float64) for h in (4, 2, 2))
+    before = [array.copy() for array in cache.layer(0)]
+    out = plan.attention(q, k, v, *cache.layer(0))
+    # One key at most: the row's output is that token's value (each query head its kv head's), or 0.
+    want = np.repeat(v[0], 2, axis=0) if attended else np.zeros_like(q[0])
+    np.testing.assert_allclose(out[0], want, rtol=1e-12, atol=0)
+    for after, old in zip(cache.layer(0), before):  # nothing of sequence 0 was written anywhere
+        changed = np.flatnonzero((after != old).any(axis=(1, 2, 3)))
+        assert set(changed.tolist()) <= set(cache.tables[cache.rows([ids[1]])[0]].tolist()), changed
+
+
+def test_cpu_split_plan_attention_equals_varlen():
+    """A clean table: the split path's two parts give the varlen path's output and appends."""
+    cached, new = [30, 0, 17, 4], [1, 1, 9, 3]
+    results = []
+    for path in ("split", "varlen"):
+        cache, ids = make_cache(cached, new, dtype="float64")
+        for array in cache.layer(0):
+            array[...] = np.random.default_rng(1).standard_normal(array.shape)
+        plan = build_plan(cache, ids, new, path=path)
+        assert plan.path == path
+        rng = np.random.default_rng(3)
+        q, k, v = (randn(rng, (sum(new), h, 64), np.float64) for h in (4, 2, 2))
+        results.append((plan.attention(q, k, v, *cache.layer(0), softcap=20.0), cache.layer(0)[0].copy()))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 GPU_MIXES = MIXES + [

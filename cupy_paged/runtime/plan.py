@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, signature, to_host
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, NUMPY, TORCH, empty, kind_of, read, signature, to_host
 from .._core.paging import gather_slots
 from ..api.decode import flash_attn_with_kvcache
 from ..api.kv_write import write_kv_cache
@@ -203,22 +203,61 @@ class StepPlan:
             if layer is not None:
                 return layer.run(kind, q, k, v, k_cache, v_cache, out, stream, alibi)
         # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
-        # check nothing on the host.  On the CPU a ragged plan runs the varlen reference.
+        # check nothing on the host.  Every path reads what its kernels read: the decode and ragged
+        # launches attend each new token from k/v, the varlen launch reads it back from the cache
+        # (so a token whose slot is a hole is attended by the former, masked by the latter), and
+        # the CPU backend follows the same paths.
         if self.path == RAGGED and fast:  # arguments that key no memo: resolved per call
             return LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs).run(
                 kind, q, k, v, k_cache, v_cache, out, stream, alibi)
         if self.path == DECODE:
-            out4 = None if out is None else out[:, None]
-            result = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
-                                             cache_seqlens=self.cache_seqlens, block_table=self.block_table,
-                                             softmax_scale=softmax_scale, causal=True, check_values=False,
-                                             out=out4, stream=stream, **kwargs)
-            return result[:, 0] if out is None else out  # out itself, as the fast path returns it
+            return self._decode_rows(q, k, v, k_cache, v_cache, softmax_scale, out, stream, kwargs)
+        if self.path == SPLIT and kind in (NUMPY, CUPY, TORCH):
+            ns, tokens = self.num_split, int(q.shape[0])
+            if out is None:
+                out = empty(kind, q, tuple(q.shape), read(q, "q").dtype)
+            self._decode_rows(q[:ns], k[:ns], v[:ns], k_cache, v_cache, softmax_scale, out[:ns], stream, kwargs,
+                              rows=slice(0, ns))
+            tail = slice(ns, tokens)
+            write_kv_cache(k_cache, v_cache, k[tail], v[tail], self.slot_mapping[tail], check_values=False,
+                           stream=stream)
+            flash_attn_varlen_func(q[tail], k_cache, v_cache, self.tail_cu_seqlens_q, self.cu_seqlens_k[ns:],
+                                   self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale, causal=True,
+                                   block_table=self.block_table[ns:], check_values=False, out=out[tail],
+                                   stream=stream, **kwargs)
+            return out
         write_kv_cache(k_cache, v_cache, k, v, self.slot_mapping, check_values=False, stream=stream)
+        if self.path == RAGGED and kind is NUMPY:
+            return self._ragged_reference(q, k, v, k_cache, v_cache, softmax_scale, out, kwargs)
         return flash_attn_varlen_func(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k,
                                       self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale,
                                       causal=True, block_table=self.block_table, check_values=False,
                                       out=out, stream=stream, **kwargs)
+
+    def _decode_rows(self, q, k, v, k_cache, v_cache, softmax_scale, out, stream, kwargs, rows=slice(None)):
+        """One-token rows ``rows`` of the step through ``flash_attn_with_kvcache``; returns ``out``
+        itself when given, as the launch path does."""
+        out4 = None if out is None else out[:, None]
+        result = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
+                                         cache_seqlens=self.cache_seqlens[rows], block_table=self.block_table[rows],
+                                         softmax_scale=softmax_scale, causal=True, check_values=False,
+                                         out=out4, stream=stream, **kwargs)
+        return result[:, 0] if out is None else out
+
+    def _ragged_reference(self, q, k, v, k_cache, v_cache, softmax_scale, out, kwargs):
+        """The ragged launch on the CPU backend: the varlen reference with each sequence's new
+        tokens read from ``k``/``v`` (the launch appends and attends them in one pass)."""
+        from .. import reference
+        from ..api.varlen import prepare_varlen
+
+        p = prepare_varlen(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
+                           self.max_seqlen_k, softmax_scale, True, kwargs.pop("window_size", (-1, -1)),
+                           kwargs.pop("softcap", 0.0), kwargs.pop("alibi_slopes", None), self.block_table, False,
+                           out, False)
+        if kwargs:
+            raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(kwargs)}")
+        reference.varlen.run(p, new_k=np.asarray(k), new_v=np.asarray(v))
+        return p.out if out is None else out
 
     @functools.cached_property
     def _layers(self) -> dict:
