@@ -60,8 +60,8 @@ run_pair() {  # tool file: one sanitizer process over one test file, then its re
   record "$tool" "$file" $? $((SECONDS - start)) "$log"
 }
 
-for tool in ${tools//,/ }; do
-  for file in "${files[@]}"; do
+for file in "${files[@]}"; do  # file by file, so that a long file's four tools start early
+  for tool in ${tools//,/ }; do
     while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
     run_pair "$tool" "$file" &
   done
