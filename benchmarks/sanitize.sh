@@ -7,7 +7,9 @@
 #     file with GPU tests); SANITIZE_K: a pytest -k expression; SANITIZE_T: seconds per pair
 #     (default 600); SANITIZE_TOTAL: seconds for all pairs; SANITIZE_JOBS: pairs run at once
 #     (default: half the CPUs; the sanitizers' cost is mostly host work, and one GPU serves them
-#     all); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
+#     all); SANITIZE_KERNELS: a regex of kernel names, the only kernels instrumented (the project's
+#     own, so that a framework's kernels in a test -- cuBLAS, cuDNN -- neither slow the run nor
+#     report); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
 #     tests/test_load.py runs only when named.
 #   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
 #   its hazards), peers {} ; the test outcome, seconds and date beside it.  A pair cut short by its
@@ -27,9 +29,10 @@ mkdir -p "$logs" "$(dirname "$results")"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 
 record() {  # tool file rc seconds log: merge one pair's case into the results file (under a lock)
-  flock "$results.lock" python3 - "$results" "$@" <<'PY'
+  flock "$results.lock" python3 - "$results" "$@" "${SANITIZE_KERNELS:-}" <<'PY'
 import datetime, json, pathlib, re, sys
 path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+kernels = sys.argv[7] or None
 text = pathlib.Path(log).read_text(errors="replace")
 found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
 errors = int(found[-1]) if found and rc != 124 else None   # None: no summary (cut short, or no GPU)
@@ -41,7 +44,8 @@ report = json.loads(p.read_text()) if p.exists() else {"cases": []}
 name = f"{tool}:{file}"
 report["cases"] = [c for c in report["cases"] if c["name"] != name]
 report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
-                            seconds=seconds, date=datetime.date.today().isoformat()))
+                            seconds=seconds, date=datetime.date.today().isoformat(),
+                            **({"kernels": kernels} if kernels else {})))
 report["cases"].sort(key=lambda c: c["name"])
 p.write_text(json.dumps(report, indent=1) + "\n")
 print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.strip()}")
@@ -51,7 +55,7 @@ PY
 run_pair() {  # tool file: one sanitizer process over one test file, then its record
   local tool=$1 file=$2 extra=() start=$SECONDS
   local log=$logs/${tool}_$(basename "$file" .py).log
-  [[ $tool == initcheck ]] && extra=(--track-unused-memory no)
+  [[ -n ${SANITIZE_KERNELS:-} ]] && extra=(--kernel-regex "kns=$SANITIZE_KERNELS")
   local left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running
   local limit=${SANITIZE_T:-600}; (( left < limit )) && limit=$left
   if (( limit < 10 )); then echo "$tool $file: no time left, not run"; return; fi
