@@ -11,6 +11,7 @@
 #     own, so that a framework's kernels in a test -- cuBLAS, cuDNN -- neither slow the run nor
 #     report); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
 #     tests/test_load.py runs only when named.
+#   Each pair runs with CUPY_PAGED_SANITIZER=TOOL set, for the tests whose timing a tool changes.
 #   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
 #   its hazards), peers {} ; the test outcome, seconds and date beside it.  A pair cut short by its
 #   time limit has value null and says so.
@@ -55,11 +56,11 @@ PY
 run_pair() {  # tool file: one sanitizer process over one test file, then its record
   local tool=$1 file=$2 extra=() start=$SECONDS
   local log=$logs/${tool}_$(basename "$file" .py).log
-  [[ -n ${SANITIZE_KERNELS:-} ]] && extra=(--kernel-regex "kns=$SANITIZE_KERNELS")
+  [[ -n ${SANITIZE_KERNELS:-} ]] && extra=(--kernel-name "regex=$SANITIZE_KERNELS")
   local left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running
   local limit=${SANITIZE_T:-600}; (( left < limit )) && limit=$left
   if (( limit < 10 )); then echo "$tool $file: no time left, not run"; return; fi
-  timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+  CUPY_PAGED_SANITIZER=$tool timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
     "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -x "$file" ${SANITIZE_K:+-k "$SANITIZE_K"} >"$log" 2>&1
   record "$tool" "$file" $? $((SECONDS - start)) "$log"
 }
