@@ -227,21 +227,40 @@ def test_cpu_paths_read_a_new_token_in_a_hole_as_their_kernels_do(path, attended
         assert set(changed.tolist()) <= set(cache.tables[cache.rows([ids[1]])[0]].tolist()), changed
 
 
-def test_cpu_split_plan_attention_equals_varlen():
-    """A clean table: the split path's two parts give the varlen path's output and appends."""
+@pytest.mark.parametrize("options", [{"softcap": 20.0}, {"alibi_slopes": "per-sequence", "window_size": (6, 0)}],
+                         ids=["softcap", "alibi-batch-window"])
+def test_cpu_split_plan_attention_equals_varlen(options):
+    """A clean table: the split path's two parts give the varlen path's output and appends, with
+    the options passed on (ALiBi ``[batch, heads]`` split between the parts by sequence)."""
     cached, new = [30, 0, 17, 4], [1, 1, 9, 3]
+    if options.get("alibi_slopes") == "per-sequence":
+        options = dict(options, alibi_slopes=np.random.default_rng(4).uniform(0.1, 1.0, (len(new), 4)))
     results = []
     for path in ("split", "varlen"):
         cache, ids = make_cache(cached, new, dtype="float64")
         for array in cache.layer(0):
             array[...] = np.random.default_rng(1).standard_normal(array.shape)
         plan = build_plan(cache, ids, new, path=path)
-        assert plan.path == path
+        assert plan.path == path and (path != "split" or plan.num_split == 2)
         rng = np.random.default_rng(3)
         q, k, v = (randn(rng, (sum(new), h, 64), np.float64) for h in (4, 2, 2))
-        results.append((plan.attention(q, k, v, *cache.layer(0), softcap=20.0), cache.layer(0)[0].copy()))
+        results.append((plan.attention(q, k, v, *cache.layer(0), **options), [a.copy() for a in cache.layer(0)]))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-12, atol=1e-14)
-    np.testing.assert_array_equal(results[0][1], results[1][1])
+    for split_cache, varlen_cache in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(split_cache, varlen_cache)
+
+
+@pytest.mark.parametrize("path", ["decode", "split", "varlen", "ragged"])
+def test_cpu_plan_attention_rejects_an_unknown_option_before_any_work(path):
+    new = [1, 1] if path == "decode" else [1, 6]
+    cache, ids = make_cache([5, 17], new, dtype="float64")
+    plan = build_plan(cache, ids, new, num_heads=4 if path == "ragged" else None, path=path)
+    q, k, v = (np.ones((sum(new), h, 64)) for h in (4, 2, 2))
+    before = [a.copy() for a in cache.layer(0)]
+    with pytest.raises(TypeError, match="deterministic"):
+        plan.attention(q, k, v, *cache.layer(0), deterministic=True)
+    for after, old in zip(cache.layer(0), before):
+        np.testing.assert_array_equal(after, old)
 
 
 # --------------------------------------------------------------------------- on a GPU

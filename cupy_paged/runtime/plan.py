@@ -12,17 +12,18 @@ import functools
 
 import numpy as np
 
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, NUMPY, TORCH, empty, kind_of, read, signature, to_host
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, signature, to_host
 from .._core.paging import gather_slots
-from ..api.decode import flash_attn_with_kvcache
-from ..api.kv_write import write_kv_cache
-from ..api.varlen import flash_attn_varlen_func
+from ._calls import layer_through_calls
 from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
 from ._layer import LayerLaunch
 from ._work import DECODE, RAGGED, SPLIT, VARLEN, choose_path, final_path, fill_work, plan_work
 from .buffers import PlanBuffers, layout, views
 
 __all__ = ["StepPlan", "build_plan", "PlanBuffers", "DECODE", "VARLEN", "RAGGED", "SPLIT"]
+
+# The keyword arguments StepPlan.attention passes on (the ragged launch takes them itself).
+_STEP_OPTIONS = frozenset({"softcap", "window_size", "alibi_slopes"})
 
 
 @dataclasses.dataclass
@@ -185,6 +186,9 @@ class StepPlan:
         kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
         fast = kind is TORCH or kind is CUPY
         alibi = kwargs.get("alibi_slopes")
+        if kwargs and not _STEP_OPTIONS.issuperset(kwargs):
+            raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(set(kwargs) - _STEP_OPTIONS)}"
+                            f" (it takes {sorted(_STEP_OPTIONS)})")
         # The ragged launch takes softcap, window and ALiBi itself, so its layers are resolved once per
         # step with them too; the other paths hand keyword arguments to the public functions.
         if fast and (not kwargs or self.path == RAGGED):
@@ -203,61 +207,12 @@ class StepPlan:
             if layer is not None:
                 return layer.run(kind, q, k, v, k_cache, v_cache, out, stream, alibi)
         # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
-        # check nothing on the host.  Every path reads what its kernels read: the decode and ragged
-        # launches attend each new token from k/v, the varlen launch reads it back from the cache
-        # (so a token whose slot is a hole is attended by the former, masked by the latter), and
-        # the CPU backend follows the same paths.
-        if self.path == RAGGED and fast:  # arguments that key no memo: resolved per call
+        # check nothing on the host.  Arguments that key no memo (and the CPU backend) take the
+        # public functions, path by path (_calls.py).
+        if self.path == RAGGED and fast:
             return LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs).run(
                 kind, q, k, v, k_cache, v_cache, out, stream, alibi)
-        if self.path == DECODE:
-            return self._decode_rows(q, k, v, k_cache, v_cache, softmax_scale, out, stream, kwargs)
-        if self.path == SPLIT and kind in (NUMPY, CUPY, TORCH):
-            ns, tokens = self.num_split, int(q.shape[0])
-            if out is None:
-                out = empty(kind, q, tuple(q.shape), read(q, "q").dtype)
-            self._decode_rows(q[:ns], k[:ns], v[:ns], k_cache, v_cache, softmax_scale, out[:ns], stream, kwargs,
-                              rows=slice(0, ns))
-            tail = slice(ns, tokens)
-            write_kv_cache(k_cache, v_cache, k[tail], v[tail], self.slot_mapping[tail], check_values=False,
-                           stream=stream)
-            flash_attn_varlen_func(q[tail], k_cache, v_cache, self.tail_cu_seqlens_q, self.cu_seqlens_k[ns:],
-                                   self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale, causal=True,
-                                   block_table=self.block_table[ns:], check_values=False, out=out[tail],
-                                   stream=stream, **kwargs)
-            return out
-        write_kv_cache(k_cache, v_cache, k, v, self.slot_mapping, check_values=False, stream=stream)
-        if self.path == RAGGED and kind is NUMPY:
-            return self._ragged_reference(q, k, v, k_cache, v_cache, softmax_scale, out, kwargs)
-        return flash_attn_varlen_func(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k,
-                                      self.max_seqlen_q, self.max_seqlen_k, softmax_scale=softmax_scale,
-                                      causal=True, block_table=self.block_table, check_values=False,
-                                      out=out, stream=stream, **kwargs)
-
-    def _decode_rows(self, q, k, v, k_cache, v_cache, softmax_scale, out, stream, kwargs, rows=slice(None)):
-        """One-token rows ``rows`` of the step through ``flash_attn_with_kvcache``; returns ``out``
-        itself when given, as the launch path does."""
-        out4 = None if out is None else out[:, None]
-        result = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None],
-                                         cache_seqlens=self.cache_seqlens[rows], block_table=self.block_table[rows],
-                                         softmax_scale=softmax_scale, causal=True, check_values=False,
-                                         out=out4, stream=stream, **kwargs)
-        return result[:, 0] if out is None else out
-
-    def _ragged_reference(self, q, k, v, k_cache, v_cache, softmax_scale, out, kwargs):
-        """The ragged launch on the CPU backend: the varlen reference with each sequence's new
-        tokens read from ``k``/``v`` (the launch appends and attends them in one pass)."""
-        from .. import reference
-        from ..api.varlen import prepare_varlen
-
-        p = prepare_varlen(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
-                           self.max_seqlen_k, softmax_scale, True, kwargs.pop("window_size", (-1, -1)),
-                           kwargs.pop("softcap", 0.0), kwargs.pop("alibi_slopes", None), self.block_table, False,
-                           out, False)
-        if kwargs:
-            raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(kwargs)}")
-        reference.varlen.run(p, new_k=np.asarray(k), new_v=np.asarray(v))
-        return p.out if out is None else out
+        return layer_through_calls(self, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, kwargs)
 
     @functools.cached_property
     def _layers(self) -> dict:
