@@ -571,47 +571,57 @@ def merged(result: dict, path: pathlib.Path) -> dict:
 
 
 def in_processes(args, argv: list) -> tuple[dict, dict]:
-    """Each kernel of ``args.kernels`` in its own ``fuzz.py`` process, ``args.jobs`` at a time, each
-    writing its own report and log; returns ``(report, stats)`` of them all (``stats`` as
-    :func:`fuzz` gives it, without the replay lists: the children printed those) and joins the
-    logs into ``args.log`` in kernel order."""
+    """Each kernel of ``args.kernels`` in its own ``fuzz.py`` process, ``args.jobs`` at a time.
+    ``--time-limit`` stays one limit for the whole run: a process gets the time left when it
+    starts.  Each writes its log beside ``args.log`` as it goes (``<log>.<kernel>``, joined into
+    ``args.log`` in kernel order at the end) and its own report; returns ``(report, stats)`` of
+    those that reported (``stats`` as :func:`fuzz` gives it, without the replay lists: the
+    processes printed those), and ``{}`` stats for a kernel whose process wrote no report."""
     import subprocess
     import tempfile
 
-    own = {"--kernels", "--out", "--log", "--jobs"}
+    own = {"--kernels", "--out", "--log", "--jobs", "--time-limit"}
     base, skip = [], False
-    for arg in argv:  # the caller's arguments less those each child gets its own of
+    for arg in argv:  # the caller's arguments less those each process gets its own of
         if skip and not arg.startswith("--"):
             continue
-        skip = arg.split("=")[0] in own
-        if not skip:
+        skip = arg.split("=")[0] in own and "=" not in arg
+        if arg.split("=")[0] not in own:
             base.append(arg)
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
+    kernels = list(dict.fromkeys(args.kernels))
+    logs = {k: pathlib.Path(f"{args.log}.{k}") for k in kernels}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = pathlib.Path(tmp)
-        waiting, running, codes = list(args.kernels), [], {}
+        reports = {k: pathlib.Path(tmp) / f"{k}.json" for k in kernels}
+        waiting, running, codes = list(kernels), {}, {}
         while waiting or running:
             while waiting and len(running) < args.jobs:
                 kernel = waiting.pop(0)
-                command = [sys.executable, __file__, *base, "--kernels", kernel, "--jobs", "1",
-                           "--out", str(folder / f"{kernel}.json"), "--log", str(folder / f"{kernel}.log")]
-                running.append((kernel, subprocess.Popen(command)))
-            kernel, process = running.pop(0)
-            codes[kernel] = process.wait()
-        reports = {k: json.loads((folder / f"{k}.json").read_text()) for k in args.kernels
-                   if (folder / f"{k}.json").exists()}
-        missing = [k for k in args.kernels if k not in reports]
-        if missing:
-            raise SystemExit(f"fuzz.py: no report from the process of {', '.join(missing)} "
-                             f"(exit codes {', '.join(str(codes[k]) for k in missing)})")
-        with open(args.log, "w") as log:
-            for kernel in args.kernels:
-                log.write((folder / f"{kernel}.log").read_text())
-    first = reports[args.kernels[0]]
-    cases = [case for kernel in args.kernels for case in reports[kernel]["cases"]]
+                limit = [] if deadline is None else ["--time-limit", f"{max(0.0, deadline - time.perf_counter()):.1f}"]
+                command = [sys.executable, __file__, *base, *limit, "--kernels", kernel, "--jobs", "1",
+                           "--out", str(reports[kernel]), "--log", str(logs[kernel])]
+                running[kernel] = subprocess.Popen(command)
+            time.sleep(0.2)
+            for kernel, process in list(running.items()):
+                if process.poll() is not None:
+                    codes[kernel] = running.pop(kernel).returncode
+        found = {k: json.loads(reports[k].read_text()) for k in kernels if reports[k].exists()}
+    with open(args.log, "w") as log:
+        for kernel in kernels:
+            if logs[kernel].exists():
+                log.write(logs[kernel].read_text())
+                logs[kernel].unlink()
+    for kernel in kernels:
+        if kernel not in found:
+            print(f"fuzz.py: no report from the process of {kernel} (exit code {codes[kernel]})", flush=True)
+    cases = [case for kernel in kernels if kernel in found for case in found[kernel]["cases"]]
     stats = {}
-    for kernel in args.kernels:
-        found = {c["metric"]: c["value"] for c in reports[kernel]["cases"]}
-        stats[kernel] = {"configs": found.get("configs", 0), "mismatches": found.get("mismatches", 0)}
+    for kernel in kernels:
+        values = {c["metric"]: c["value"] for c in found.get(kernel, {}).get("cases", [])}
+        stats[kernel] = {"configs": values.get("configs", 0), "mismatches": values.get("mismatches", 0)}
+        if kernel not in found:
+            stats[kernel]["mismatches"] = 1  # no report: the run cannot pass
+    first = next(iter(found.values()), None) or report({}, args.dry_run, args.hostile)
     return dict(first, cases=cases), stats
 
 

@@ -200,3 +200,15 @@ def test_kernels_in_processes_report_as_one_process(tmp_path):
     assert one["cases"] == two["cases"] and len(one["cases"]) > 4
     strip = (lambda text: sorted(line.split(" rel=")[0] for line in text.splitlines()))
     assert strip((tmp_path / "one.log").read_text()) == strip((tmp_path / "two.log").read_text())
+
+
+def test_kernels_in_processes_share_one_time_limit(tmp_path):
+    """``--time-limit`` bounds the whole run with ``--jobs``: a process started after it is spent
+    draws at most one configuration, and a kernel's log is written beside the run's as it goes."""
+    out, log = tmp_path / "fuzz.json", tmp_path / "fuzz.log"
+    fuzz.main(["--dry-run", "--configs", "50", "--kernels", "merge", "write_kv_cache", "decode", "--jobs", "2",
+               "--time-limit", "0", "--out", str(out), "--log", str(log)])
+    configs = {c["name"]: c["value"] for c in json.loads(out.read_text())["cases"] if c["metric"] == "configs"}
+    assert set(configs) == {"merge", "write_kv_cache", "decode"} and max(configs.values()) <= 1
+    assert len(log.read_text().splitlines()) == sum(configs.values())
+    assert not list(tmp_path.glob("fuzz.log.*"))
