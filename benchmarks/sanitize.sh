@@ -6,10 +6,10 @@
 #     TOOL: memcheck racecheck initcheck synccheck (or "all"); FILE: test files (default: every
 #     file with GPU tests); SANITIZE_K: a pytest -k expression; SANITIZE_T: seconds per pair
 #     (default 600); SANITIZE_TOTAL: seconds for all pairs; SANITIZE_JOBS: pairs run at once
-#     (default: half the CPUs; the sanitizers' cost is mostly host work, and one GPU serves them
-#     all); SANITIZE_KERNELS: a regex of kernel names, the only kernels instrumented (the project's
+#     (default: a third of the CPUs; on the H200 machine thirteen at once ran CuPy out of device
+#     memory, five did not); SANITIZE_KERNELS: a regex of kernel names, the only kernels instrumented (the project's
 #     own, so that a framework's kernels in a test -- cuBLAS, cuDNN -- neither slow the run nor
-#     report); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
+#     report; passed as --kernel-name regex=..., so no comma in it); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
 #     tests/test_load.py runs only when named.
 #   Each pair runs with CUPY_PAGED_SANITIZER=TOOL set, for the tests whose timing a tool changes.
 #   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
@@ -23,20 +23,23 @@ if [ ${#files[@]} -eq 0 ]; then  # test_load.py's 10,000 requests under a saniti
   mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py | grep -v -x tests/test_load.py)
 fi
 deadline=$((SECONDS + ${SANITIZE_TOTAL:-100000}))  # SANITIZE_TOTAL: seconds for all pairs (device_run.sh gives its step's)
-jobs=${SANITIZE_JOBS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+jobs=${SANITIZE_JOBS:-$(( $(nproc) / 3 > 0 ? $(nproc) / 3 : 1 ))}
+[[ $jobs =~ ^[1-9][0-9]*$ ]] || { echo "SANITIZE_JOBS must be a whole number >= 1; got '$jobs'" >&2; exit 2; }
 results=${SANITIZE_OUT:-benchmarks/results/sanitizer.json}
 logs=${OUT:-/tmp}/sanitize_logs
 mkdir -p "$logs" "$(dirname "$results")"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 
 record() {  # tool file rc seconds log: merge one pair's case into the results file (under a lock)
-  flock "$results.lock" python3 - "$results" "$@" "${SANITIZE_KERNELS:-}" <<'PY'
+  flock "$logs/.results.lock" python3 - "$results" "$@" "${SANITIZE_KERNELS:-}" <<'PY'
 import datetime, json, pathlib, re, sys
 path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 kernels = sys.argv[7] or None
 text = pathlib.Path(log).read_text(errors="replace")
 found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
 errors = int(found[-1]) if found and rc != 124 else None   # None: no summary (cut short, or no GPU)
+# Reports printed before a cut: "========= Invalid __global__ read ...", "Race reported ...", and the like.
+before_cut = len(re.findall(r"^========= (?:Invalid|Race reported|Uninitialized|Barrier|Error:|Program hit)", text, re.M))
 outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
 if rc == 124:
     outcome = f"cut short at its time limit ({outcome})"
@@ -46,7 +49,8 @@ name = f"{tool}:{file}"
 report["cases"] = [c for c in report["cases"] if c["name"] != name]
 report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
                             seconds=seconds, date=datetime.date.today().isoformat(),
-                            **({"kernels": kernels} if kernels else {})))
+                            **({"kernels": kernels} if kernels else {}),
+                            **({"reports_before_cut": before_cut} if rc == 124 else {})))
 report["cases"].sort(key=lambda c: c["name"])
 p.write_text(json.dumps(report, indent=1) + "\n")
 print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.strip()}")
