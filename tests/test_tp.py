@@ -104,3 +104,36 @@ def test_bench_tp_runs_each_tp_and_writes_its_schema(tmp_path):
     assert [c["name"] for c in report["cases"]] == ["tp 1", "tp 2"]
     assert all(c["metric"] == "tok/s" and c["value"] > 0 for c in report["cases"])
     assert report["cases"][1]["target"] == 1.8 and report["cases"][1]["detail"]["generated_tokens"] == 16
+
+
+@pytest.mark.gpu
+def test_one_rank_through_nccl_on_the_gpu_generates_the_tokens_of_a_host_reduce():
+    """The NCCL group on the GPU at one rank: the model's all-reduces (after the attention output
+    and the MLP, on the step's stream) through a one-rank communicator give the tokens of the same
+    unfused layers reducing through the host group's identity, for every request.  (The engine
+    itself runs a one-rank group as no group, so the reduce is set on the model here.)"""
+    import cupy
+    from cupy.cuda import nccl
+
+    from llama.parallel import NcclGroup, Ranks
+    from _util import BF16
+
+    if not nccl.available:
+        pytest.skip("CuPy was built without NCCL here")
+    ranks = Ranks(0, 1, 0, "127.0.0.1", 29641)
+    config, weights = shard(CONFIG, random_weights(CONFIG, 3, np.float32), 0, 1)
+    outputs, reduced = {}, []
+    for name, group in (("host", SocketGroup(ranks)), ("nccl", NcclGroup(ranks))):
+        model = LlamaModel(config, weights, cupy, BF16)
+
+        def all_reduce(array, group=group, name=name):
+            reduced.append(name)
+            return group.all_reduce(array)
+
+        model.all_reduce = all_reduce
+        outputs[name] = Engine(model, **engine_kwargs()).run(requests())
+        group.close()
+    assert reduced.count("nccl") >= 2 * CONFIG.num_hidden_layers and reduced.count("host") == reduced.count("nccl")
+    assert outputs["nccl"].keys() == outputs["host"].keys() == {r.request_id for r in requests()}
+    for rid, tokens in outputs["host"].items():
+        assert outputs["nccl"][rid] == tokens and tokens, rid
