@@ -164,8 +164,9 @@ class StepPlan:
         stream : optional
             As in ``flash_attn_varlen_func``.
         **kwargs
-            Passed on (``softcap``, ``window_size``, ``alibi_slopes``); these take the public
-            functions' path, resolved per call.
+            ``softcap``, ``window_size``, ``alibi_slopes`` (``[num_heads]`` or ``[batch, num_heads]``):
+            the ragged launch takes them itself; the other paths pass them to the public
+            functions, resolved per call.  Any other keyword is a ``TypeError`` before any work.
 
         Returns
         -------
