@@ -325,10 +325,11 @@ def filled_cache(cached, new, shuffle_seed=None):
     return cache, ids
 
 
-def plan_call(cached, new):
+def plan_call(cached, new, out=False):
     """(call, plan): one layer of ``StepPlan.attention`` with CuPy arrays for sequences of
     ``cached[b]`` computed tokens and ``new[b]`` new ones, in a one-layer cache of random bf16
-    (blocks in allocation order)."""
+    (blocks in allocation order); ``out``: the layer writes into one array made here (as an engine
+    that keeps its activations does), else it allocates its output."""
     cache, ids = filled_cache(cached, new)
     plan = cupy_paged.build_plan(cache, ids, list(new))
     tokens = sum(new)
@@ -336,6 +337,9 @@ def plan_call(cached, new):
     k = bench_decode.randn_bf16((tokens, KV_HEADS, DIM))
     v = bench_decode.randn_bf16((tokens, KV_HEADS, DIM))
     k_cache, v_cache = cache.layer(0)
+    if out:
+        result = q.copy()
+        return (lambda: plan.attention(q, k, v, k_cache, v_cache, out=result)), plan
     return (lambda: plan.attention(q, k, v, k_cache, v_cache)), plan
 
 

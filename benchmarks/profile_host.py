@@ -20,7 +20,8 @@ sys.path.insert(0, pathlib.Path(__file__).resolve().parents[1].as_posix())
 import cupy  # noqa: E402
 
 import cupy_paged  # noqa: E402
-from cupy_paged import _arrays, _streams, attention  # noqa: E402
+from cupy_paged._core import arrays as _arrays, streams as _streams  # noqa: E402
+from cupy_paged.api import _call  # noqa: E402
 
 sys.path.insert(0, pathlib.Path(__file__).resolve().parent.as_posix())
 from bench_calls import _spin_kernel, busy as keep_busy, plan_call  # noqa: E402  (benchmarks/ on the path)
@@ -71,7 +72,7 @@ def main() -> None:
         call()
         torch.cuda.synchronize()
         key = None
-        for k, v in attention._MEMO.items():
+        for k, v in _call.MEMO.items():
             if k[0] == "decode" and k[1] == _arrays.signature(q_):
                 key, launch = k, v
         parts = {
@@ -84,8 +85,8 @@ def main() -> None:
                                          _arrays.signature(None), _arrays.signature(table_), None, False, (-1, -1), 0.0,
                                          True, _arrays.signature(None), 0, False, _arrays.signature(None),
                                          _arrays.signature(None)),
-            "memo get": lambda: attention._MEMO.get(key),
-            "current device": attention._current_device,
+            "memo get": lambda: _call.MEMO.get(key),
+            "current device": _call.current_device,
             "stream handle": lambda: _streams.handle(None, kind, 0),
             "empty out": lambda: _arrays.empty(kind, q_, launch.out_shape, launch.dtype),
         }
@@ -120,6 +121,9 @@ def main() -> None:
         if kind == "cupy":  # one layer through the step plan (decode path: one new token each), steady state
             layer, plan = plan_call([context] * batch, [1] * batch)
             rows.append((kind, f"StepPlan.attention, one {plan.path} layer (GPU busy)", mean_us(layer, 3000, True)))
+            layer_out, _ = plan_call([context] * batch, [1] * batch, out=True)
+            rows.append((kind, f"StepPlan.attention, one {plan.path} layer, out= given (GPU busy)",
+                         mean_us(layer_out, 3000, True)))
             chunk_layer, chunk_plan = plan_call([1536] + [context] * 15, [512] + [1] * 15)
             rows.append((kind, f"StepPlan.attention, one {chunk_plan.path} layer: write + attention (GPU busy)",
                          mean_us(chunk_layer, 1000, True)))
