@@ -195,8 +195,8 @@ class StepPlan:
         if fast and (not kwargs or self.path == RAGGED):
             s = signature
             try:
-                options = tuple((name, s(value) if name == "alibi_slopes" else value)
-                                for name, value in sorted(kwargs.items()))
+                options = () if not kwargs else tuple((name, s(value) if name == "alibi_slopes" else value)
+                                                      for name, value in sorted(kwargs.items()))
                 key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
                        options)
                 layer = self._layers.get(key)
