@@ -62,10 +62,10 @@ def split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream
         if kind is NUMPY:
             out = np.empty(q.shape, q.dtype)
         else:
-            device = read(q, "q").device
-            with on_device(device):
-                out = empty(kind, q, tuple(q.shape), read(q, "q").dtype,
-                            alloc_stream(stream, kind, handle(stream, kind, device)))
+            aq = read(q, "q")
+            with on_device(aq.device):
+                out = empty(kind, q, tuple(aq.shape), aq.dtype,
+                            alloc_stream(stream, kind, handle(stream, kind, aq.device)))
     rows = slice(ns, tokens)
     decode_rows(plan, q[:ns], k[:ns], v[:ns], k_cache, v_cache, softmax_scale, out[:ns], stream, head,
                 rows=slice(0, ns))

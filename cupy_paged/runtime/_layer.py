@@ -113,8 +113,6 @@ class LayerLaunch:
                            softmax_scale, True, kwargs.pop("window_size", (-1, -1)), kwargs.pop("softcap", 0.0),
                            kwargs.pop("alibi_slopes", None), read(plan.block_table, "block_table"), False, aout,
                            False)
-        if kwargs:
-            raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(kwargs)}")
         for name, array in (("q", p.q), ("k", ak), ("v", av)):
             if not array.vectorised():
                 raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
