@@ -10,7 +10,8 @@
 #     memory, five did not); SANITIZE_KERNELS: a regex of kernel names, the only kernels instrumented (the project's
 #     own, so that a framework's kernels in a test -- cuBLAS, cuDNN -- neither slow the run nor
 #     report; passed as --kernel-name regex=..., so no comma in it); SANITIZE_OUT: results file (default benchmarks/results/sanitizer.json).
-#     tests/test_load.py runs only when named.
+#     SANITIZE_SHARDS: n processes per (tool, file), each running every n-th test (CUPY_PAGED_SHARD,
+#     tests/conftest.py), a case each, named "TOOL:FILE[i/n]".  tests/test_load.py runs only when named.
 #   Each pair runs with CUPY_PAGED_SANITIZER=TOOL set, for the tests whose timing a tool changes.
 #   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
 #   its hazards), peers {} ; the test outcome, seconds and date beside it.  A pair cut short by its
@@ -23,6 +24,8 @@ if [ ${#files[@]} -eq 0 ]; then  # test_load.py's 10,000 requests under a saniti
   mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py | grep -v -x tests/test_load.py)
 fi
 deadline=$((SECONDS + ${SANITIZE_TOTAL:-100000}))  # SANITIZE_TOTAL: seconds for all pairs (device_run.sh gives its step's)
+shards=${SANITIZE_SHARDS:-1}
+[[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "SANITIZE_SHARDS must be a whole number >= 1; got '$shards'" >&2; exit 2; }
 jobs=${SANITIZE_JOBS:-$(( $(nproc) / 3 > 0 ? $(nproc) / 3 : 1 ))}
 [[ $jobs =~ ^[1-9][0-9]*$ ]] || { echo "SANITIZE_JOBS must be a whole number >= 1; got '$jobs'" >&2; exit 2; }
 results=${SANITIZE_OUT:-benchmarks/results/sanitizer.json}
@@ -31,10 +34,10 @@ mkdir -p "$logs" "$(dirname "$results")"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 
 record() {  # tool file rc seconds log: merge one pair's case into the results file (under a lock)
-  flock "$logs/.results.lock" python3 - "$results" "$@" "${SANITIZE_KERNELS:-}" <<'PY'
+  flock "$logs/.results.lock" python3 - "$results" "$@" "${SANITIZE_KERNELS:-}" "${SANITIZE_K:-}" <<'PY'
 import datetime, json, pathlib, re, sys
 path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-kernels = sys.argv[7] or None
+kernels, select = sys.argv[7] or None, sys.argv[8] or None
 text = pathlib.Path(log).read_text(errors="replace")
 found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
 errors = int(found[-1]) if found and rc != 124 else None   # None: no summary (cut short, or no GPU)
@@ -49,7 +52,7 @@ name = f"{tool}:{file}"
 report["cases"] = [c for c in report["cases"] if c["name"] != name]
 report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
                             seconds=seconds, date=datetime.date.today().isoformat(),
-                            **({"kernels": kernels} if kernels else {}),
+                            **({"kernels": kernels} if kernels else {}), **({"k": select} if select else {}),
                             **({"reports_before_cut": before_cut} if rc == 124 else {})))
 report["cases"].sort(key=lambda c: c["name"])
 p.write_text(json.dumps(report, indent=1) + "\n")
@@ -57,22 +60,25 @@ print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.st
 PY
 }
 
-run_pair() {  # tool file: one sanitizer process over one test file, then its record
-  local tool=$1 file=$2 extra=() start=$SECONDS
+run_pair() {  # tool file shard: one sanitizer process over (a shard of) one test file, then its record
+  local tool=$1 file=$2 shard=$3 extra=() start=$SECONDS name=$2
   local log=$logs/${tool}_$(basename "$file" .py).log
+  if (( shards > 1 )); then name="$file[$shard/$shards]"; log=${log%.log}_$shard.log; fi
   [[ -n ${SANITIZE_KERNELS:-} ]] && extra=(--kernel-name "regex=$SANITIZE_KERNELS")
   local left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running
   local limit=${SANITIZE_T:-600}; (( left < limit )) && limit=$left
   if (( limit < 10 )); then echo "$tool $file: no time left, not run"; return; fi
-  CUPY_PAGED_SANITIZER=$tool timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+  CUPY_PAGED_SHARD=$( (( shards > 1 )) && echo "$shard/$shards") CUPY_PAGED_SANITIZER=$tool timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
     "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -x "$file" ${SANITIZE_K:+-k "$SANITIZE_K"} >"$log" 2>&1
-  record "$tool" "$file" $? $((SECONDS - start)) "$log"
+  record "$tool" "$name" $? $((SECONDS - start)) "$log"
 }
 
 for file in "${files[@]}"; do  # file by file, so that a long file's four tools start early
   for tool in ${tools//,/ }; do
-    while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
-    run_pair "$tool" "$file" &
+    for ((shard = 0; shard < shards; shard++)); do
+      while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
+      run_pair "$tool" "$file" "$shard" &
+    done
   done
 done
 wait
