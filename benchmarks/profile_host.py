@@ -96,9 +96,8 @@ def main() -> None:
         out_arg = (out, _arrays.data_ptr(out))
         stream = _streams.handle(None, kind, 0)
         parts["launch.run (out given)"] = lambda: launch.run(kind, q_, ptrs, 0, out_arg, None, stream)
-        params = launch.params
         l = launch.launch
-        args = (*params, *([0] * 20))
+        args = l._struct.unpack_from(l._buffer, 0)  # as many values as the launcher's struct holds
         parts["struct.pack_into"] = lambda: l._struct.pack_into(l._buffer, 0, *args)
         parts["whole call"] = call
         parts["whole call, out="] = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_,

@@ -255,8 +255,8 @@ def test_import_cupy_paged_imports_neither_torch_nor_transformers():
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
-    # Under compute-sanitizer (benchmarks/sanitize.sh) cuDNN's SDPA graphs fail to execute, with
-    # or without cupy_paged (benchmarks/sanitizer_control.py): the sdpa peer takes torch's other
+    # Under compute-sanitizer (benchmarks/sanitize.sh) a cuDNN SDPA graph of the generate test
+    # failed to execute (RESULTS.md, the sanitizer section): the sdpa peer takes torch's other
     # backends there, which changes no criterion here.
     sanitized = bool(os.environ.get("CUPY_PAGED_SANITIZER")) and torch.cuda.is_available()
     if sanitized:
