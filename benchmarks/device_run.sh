@@ -12,7 +12,8 @@
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
 #   fuzz (T_FUZZ, FUZZ_ARGS), profile_host (T_PROFILE_HOST), ncu_graph (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
-#   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS)
+#   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS),
+#   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
 mkdir -p "$OUT"
@@ -103,9 +104,21 @@ for step in $steps; do
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread \
         python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
       run_step ncu_table ncu_table 30 python3 benchmarks/ncu_table.py "$OUT/ncu_graph.log" ;;
+    sanitizer_control)  # benchmarks/sanitizer_control.py under each tool: torch's kernels with the hf pairs' kernel
+      # filter (as test_hf_integration.py runs), the engine's cuBLAS product without one (as test_llama_engine.py)
+      for tool in memcheck racecheck initcheck synccheck; do
+        ( timeout "${T_CONTROL:-120}" compute-sanitizer --tool "$tool" --kernel-name regex=paged_decode \
+            python3 benchmarks/sanitizer_control.py torch >"$OUT/control_${tool}_torch.log" 2>&1
+          echo "rc=$?" >>"$OUT/control_${tool}_torch.log" ) &
+        ( timeout "${T_CONTROL:-120}" compute-sanitizer --tool "$tool" python3 benchmarks/sanitizer_control.py engine \
+            >"$OUT/control_${tool}_engine.log" 2>&1
+          echo "rc=$?" >>"$OUT/control_${tool}_engine.log" ) &
+      done
+      wait
+      summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$OUT"/control_*.log | tr '\n' ' ')")") ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph sanitize_suite load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -3,8 +3,11 @@ alone (torch's bf16 GEMM through cuBLAS, SDPA through cuDNN and through its flas
 cupy_paged imported, run under a compute-sanitizer tool; ``engine``: the example engine's own
 cuBLAS product (``examples/llama/cublas.py``, cublasGemmEx on CuPy arrays) in float32 and bfloat16,
 for tests/test_llama_engine.py.  Where one of these fails under a tool as it fails inside the
-tests, the failure is the tool's with that vendor kernel, not cupy_paged's.  Prints one line per
-step: "ok" or the exception.
+tests, the failure is the tool's with that vendor kernel, not cupy_paged's.  Each mode also copies
+to the host what a framework kernel wrote (``*_read`` steps; a CuPy elementwise kernel's output as
+the comparison), for initcheck, which reports a copy of memory it did not see written.  Prints
+"step NAME" before each step and "ok" or the exception after it, so that a tool's reports fall
+between the lines of the step that caused them.
 
     compute-sanitizer --tool racecheck --kernel-name regex=paged_decode python3 benchmarks/sanitizer_control.py [torch|engine]
 """
@@ -30,7 +33,8 @@ def main():
     steps = {"sdpa_cudnn": lambda: _sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION, sdpa_kernel),
              "sdpa_cudnn_one_token": lambda: _sdpa(q1, k, v, SDPBackend.CUDNN_ATTENTION, sdpa_kernel, False),
              "sdpa_flash": lambda: _sdpa(q, k, v, SDPBackend.FLASH_ATTENTION, sdpa_kernel),
-             "cublas_f32_linear": lambda: F.linear(x32, w32),
+             "torch_cumsum_read": lambda: torch.arange(10, device="cuda").cumsum(0).cpu(),
+             "cublas_f32_linear_read": lambda: F.linear(x32, w32).cpu(),
              "cublas_bf16_linear": lambda: F.linear(x, w)}  # last: a fault here ends the context
     run(steps, torch.cuda.synchronize)
 
@@ -46,12 +50,14 @@ def engine_steps() -> dict:
     a, b = rng.standard_normal((700, 512), dtype=cupy.float32), rng.standard_normal((512, 128), dtype=cupy.float32)
     bf16 = ml_dtypes.bfloat16
     a16, b16 = (cupy.asarray(x.get().astype(bf16)) for x in (a, b))
-    return {"engine_gemm_f32": lambda: gemm(a, b), "engine_gemm_bf16": lambda: gemm(a16, b16, cupy.float32)}
+    return {"cupy_elementwise_read": lambda: (a * 2).get(), "engine_gemm_f32_read": lambda: gemm(a, b).get(),
+            "engine_gemm_bf16_read": lambda: gemm(a16, b16).get()}  # last: a fault here ends the context
 
 
 def run(steps: dict, synchronize) -> None:
     failed = 0
     for name, step in steps.items():
+        print(f"step {name}", flush=True)
         try:
             step()
             synchronize()
