@@ -194,7 +194,13 @@ def main(argv=None) -> int:
     p.add_argument("--ncu", action="store_true", help="profile one decode step's graph replay, then exit")
     p.add_argument("--ncu-after", type=int, default=32, help="graph replays before the profiled step")
     p.add_argument("--graph-attention", choices=("decode", "ragged"), default="decode", help="with --ncu")
+    p.add_argument("--force-splits", type=int, default=0,
+                   help="an experiment: the decode kernel's split count where the heuristic chooses (0: the heuristic)")
     args = p.parse_args(argv)
+    if args.force_splits:
+        from cupy_paged.kernels import decode as _decode
+
+        _decode.choose_splits = lambda *shape, n=args.force_splits: n  # before the first launch is resolved
     import cupy
     from llama import GPU_DEFAULT, LlamaModel, random_weights
     from llama.weights import BF16

@@ -50,7 +50,22 @@ def engine_steps() -> dict:
     a, b = rng.standard_normal((700, 512), dtype=cupy.float32), rng.standard_normal((512, 128), dtype=cupy.float32)
     bf16 = ml_dtypes.bfloat16
     a16, b16 = (cupy.asarray(x.get().astype(bf16)) for x in (a, b))
+    def in_graph(product):  # captured on a stream of its own, replayed once, then read
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                out = product()
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream=stream)
+            stream.synchronize()
+        return out.get()
+
     return {"cupy_elementwise_read": lambda: (a * 2).get(), "engine_gemm_f32_read": lambda: gemm(a, b).get(),
+            "cupy_elementwise_in_graph_read": lambda: in_graph(lambda: a * 2),
+            "engine_gemm_f32_in_graph_read": lambda: in_graph(lambda: gemm(a, b)),
+            "engine_gemm_bf16_in_graph_read": lambda: in_graph(lambda: gemm(a16, b16)),
             "engine_gemm_bf16_read": lambda: gemm(a16, b16).get()}  # last: a fault here ends the context
 
 

@@ -578,6 +578,15 @@ def test_fused_kernels_equal_the_array_expressions(dtype):
     in_place = x.copy()
     f.add_rms_norm(in_place, delta, layer.input_norm, out=in_place)
     close(in_place, summed, 0.0)
+    # Rows a block holds in registers exactly (2,048 over 256 threads), with a ragged end, and
+    # longer than its 1,024 threads hold (the loop that reads the row back).
+    for hidden in (2048, 2049, 8200):
+        wide_x = rng.standard_normal((5, hidden), dtype=cupy.float32)
+        wide_delta = rng.standard_normal((5, hidden), dtype=cupy.float32).astype(dtype)
+        weight = 1 + 0.1 * rng.standard_normal(hidden, dtype=cupy.float32)
+        summed, normed = f.add_rms_norm(wide_x, wide_delta, weight)
+        close(summed, wide_x + wide_delta.astype(cupy.float32), 1e-6)
+        close(normed, model.rms_norm(wide_x + wide_delta.astype(cupy.float32), weight), 2 * eps)
 
     qkv = rng.standard_normal((tokens, config.q_size + 2 * config.kv_size), dtype=cupy.float32).astype(dtype)
     positions = cupy.asarray(np.random.default_rng(1).integers(0, config.max_position_embeddings, tokens), np.int32)
@@ -589,6 +598,17 @@ def test_fused_kernels_equal_the_array_expressions(dtype):
     close(q, model.rotate(want_q.reshape(q.shape), cos, sin), 2 * eps)
     close(k, model.rotate(want_k.reshape(k.shape), cos, sin), 2 * eps)
     close(v, want_v.reshape(v.shape), 0.0)
+    for head_dim, heads, kv_heads in ((128, 16, 4), (256, 3, 1)):  # 64 and 128 threads a head
+        table = rng.standard_normal((50, head_dim // 2), dtype=cupy.float32)
+        sin_table = rng.standard_normal((50, head_dim // 2), dtype=cupy.float32)
+        wide = rng.standard_normal((tokens, (heads + 2 * kv_heads) * head_dim), dtype=cupy.float32).astype(dtype)
+        at = cupy.asarray(np.random.default_rng(2).integers(0, 50, tokens), np.int32)
+        q, k, v = f.rotary_split(wide, at, table, sin_table, heads, kv_heads, head_dim)
+        want_q, want_k, want_v = cupy.split(wide, [heads * head_dim, (heads + kv_heads) * head_dim], axis=1)
+        cos_at, sin_at = table[at][:, None, :], sin_table[at][:, None, :]
+        close(q, model.rotate(want_q.reshape(q.shape), cos_at, sin_at), 2 * eps)
+        close(k, model.rotate(want_k.reshape(k.shape), cos_at, sin_at), 2 * eps)
+        close(v, want_v.reshape(v.shape), 0.0)
 
     gate_up = rng.standard_normal((tokens, 2 * config.intermediate_size), dtype=cupy.float32).astype(dtype)
     gate, up = (a.astype(cupy.float32) for a in cupy.split(gate_up, 2, axis=1))
@@ -604,6 +624,14 @@ def test_fused_kernels_equal_the_array_expressions(dtype):
     got = argmax_rows(logits).get().tolist()
     assert got == np.argmax(logits.get(), axis=-1).tolist()
     assert got[1:4] == [17, 44, 0]
+    # Rows longer than a block's batch of loads (8 x 1,024): the maximum in a later batch, a tie
+    # across batches, a NaN in the last one.
+    wide = rng.standard_normal((4, 32000), dtype=cupy.float32)
+    wide[0, 31999] = 9.0
+    wide[1, [5, 20000]] = 9.0
+    wide[2, [100, 30001]] = cupy.nan
+    got = argmax_rows(wide).get().tolist()
+    assert got == np.argmax(wide.get(), axis=-1).tolist() and got[:3] == [31999, 5, 100]
 
 
 @pytest.mark.gpu

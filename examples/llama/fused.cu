@@ -26,12 +26,38 @@ __device__ float block_sum(float v) {
 }
 
 // One row per block: x_out = x + delta (delta may be null: x_out = x), and
-// h = x_out / sqrt(mean(x_out^2) + eps) * weight in scalar_t.  x_out may be x.
+// h = x_out / sqrt(mean(x_out^2) + eps) * weight in scalar_t.  x_out may be x.  A thread keeps its
+// (up to ROW_CACHE) values of the row in registers, their loads issued together, so a row costs one
+// round trip to memory, the block's sum, and the stores; the host gives a block enough threads for
+// the whole row (fused.py), and a longer row runs the loop below it, which reads x_out back.
+#define ROW_CACHE 8
 extern "C" __global__ void add_rms_norm(const float* x, const scalar_t* __restrict__ delta,
                                         const float* __restrict__ weight, float* x_out,
                                         scalar_t* __restrict__ h, int hidden, float eps) {
     const long long row = (long long)blockIdx.x * hidden;
     float squares = 0.0f;
+    if (hidden <= ROW_CACHE * (int)blockDim.x) {
+        float v[ROW_CACHE];
+#pragma unroll
+        for (int k = 0; k < ROW_CACHE; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            v[k] = c < hidden ? x[row + c] : 0.0f;
+            if (delta != nullptr && c < hidden) v[k] += to_float(delta[row + c]);
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_CACHE; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (c < hidden) x_out[row + c] = v[k];
+            squares += v[k] * v[k];
+        }
+        const float scale = rsqrtf(block_sum(squares) / hidden + eps);
+#pragma unroll
+        for (int k = 0; k < ROW_CACHE; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (c < hidden) store(h + row + c, v[k] * scale * weight[c]);
+        }
+        return;
+    }
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
         float v = x[row + c];
         if (delta != nullptr) v += to_float(delta[row + c]);
@@ -44,29 +70,32 @@ extern "C" __global__ void add_rms_norm(const float* x, const scalar_t* __restri
     }
 }
 
-// One token per block: the q, k and v heads of qkv [tokens, (hq + 2 hkv) * D] into q [tokens, hq, D],
-// k and v [tokens, hkv, D], q and k rotated by the angles of the token's position (GPT-NeoX layout:
-// dimension i pairs with i + D/2; cos / sin [positions, D/2]).
+// One (token, head) per block, blockIdx.x the token and blockIdx.y the head of qkv
+// [tokens, (hq + 2 hkv) * D]: a q head (y < hq) into q [tokens, hq, D], a k head into k and a v
+// head into v [tokens, hkv, D], q and k rotated by the angles of the token's position (GPT-NeoX
+// layout: dimension i pairs with i + D/2; cos / sin [positions, D/2]).  A thread handles pairs i,
+// so a decode step's few tokens still spread over every SM.
 extern "C" __global__ void rotary_split(const scalar_t* __restrict__ qkv, const int* __restrict__ positions,
                                         const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                                         scalar_t* __restrict__ q, scalar_t* __restrict__ k,
                                         scalar_t* __restrict__ v, int hq, int hkv, int head_dim) {
-    const int t = blockIdx.x, half = head_dim / 2;
-    const long long width = (long long)(hq + 2 * hkv) * head_dim;
-    const scalar_t* src = qkv + t * width;
+    const int t = blockIdx.x, head = blockIdx.y, half = head_dim / 2;
+    const scalar_t* src = qkv + ((long long)t * (hq + 2 * hkv) + head) * head_dim;
+    if (head >= hq + hkv) {
+        scalar_t* dst = v + ((long long)t * hkv + head - hq - hkv) * head_dim;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = src[i];
+        return;
+    }
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
-    for (int j = threadIdx.x; j < (hq + hkv) * half; j += blockDim.x) {
-        const int head = j / half, i = j - head * half;
-        const float x1 = to_float(src[head * head_dim + i]), x2 = to_float(src[head * head_dim + i + half]);
+    scalar_t* dst = head < hq ? q + ((long long)t * hq + head) * head_dim
+                              : k + ((long long)t * hkv + head - hq) * head_dim;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
         const float c = cos_row[i], s = sin_row[i];
-        scalar_t* dst = head < hq ? q + ((long long)t * hq + head) * head_dim
-                                  : k + ((long long)t * hkv + head - hq) * head_dim;
         store(dst + i, x1 * c - x2 * s);
         store(dst + i + half, x2 * c + x1 * s);
     }
-    const scalar_t* v_src = src + (hq + hkv) * head_dim;
-    for (int j = threadIdx.x; j < hkv * head_dim; j += blockDim.x) v[(long long)t * hkv * head_dim + j] = v_src[j];
 }
 
 // SwiGLU: out [rows, size] = silu(gate) * up of gate_up [rows, 2 * size] (gate first); blockIdx.y is
@@ -95,16 +124,29 @@ __device__ __forceinline__ bool beats(float a, int ia, float b, int ib) {
     return ia < ib;
 }
 
-// One row per block: out[row] = the index of the row's largest logit.
+// One row per block: out[row] = the index of the row's largest logit (the order in which a thread
+// meets its elements does not matter: beats() breaks ties by index).
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, long long* __restrict__ out, int vocab) {
     __shared__ float best_value[32];
     __shared__ int best_index[32];
     const float* row = logits + (long long)blockIdx.x * vocab;
     float value = -__int_as_float(0x7f800000);
     int index = vocab;
-    for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
-        const float v = row[c];
-        if (index == vocab || beats(v, c, value, index)) value = v, index = c;
+    // ARGMAX_BATCH loads a thread issues together before comparing them, so a row of tens of
+    // thousands of logits costs a few round trips to memory, not one per element.
+    constexpr int ARGMAX_BATCH = 8;
+    for (int base = threadIdx.x; base < vocab; base += ARGMAX_BATCH * blockDim.x) {
+        float v[ARGMAX_BATCH];
+#pragma unroll
+        for (int k = 0; k < ARGMAX_BATCH; ++k) {
+            const int c = base + k * blockDim.x;
+            v[k] = c < vocab ? row[c] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < ARGMAX_BATCH; ++k) {
+            const int c = base + k * blockDim.x;
+            if (c < vocab && (index == vocab || beats(v[k], c, value, index))) value = v[k], index = c;
+        }
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
         const float v = __shfl_xor_sync(0xffffffffu, value, offset);

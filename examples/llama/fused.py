@@ -35,6 +35,19 @@ def _module(dtype):
     return module
 
 
+ROW_CACHE = 8  # values of a row a thread of add_rms_norm keeps in registers (fused.cu)
+
+
+def row_threads(hidden: int) -> int:
+    """Threads of add_rms_norm's block for rows of ``hidden``: enough that each keeps at most
+    ``ROW_CACHE`` values (a multiple of 32, from 128 to 1024; longer rows loop).
+
+    >>> row_threads(2048), row_threads(4096), row_threads(320), row_threads(100_000)
+    (256, 512, 128, 1024)
+    """
+    return min(1024, max(128, 32 * -(-hidden // (32 * ROW_CACHE))))
+
+
 def supported(xp, dtype) -> bool:
     """True when the fused kernels serve a model of ``dtype`` on ``xp``."""
     return xp is not np and np.dtype(dtype) in SCALAR_TYPES
@@ -74,7 +87,7 @@ class FusedOps:
         out = self.cupy.empty_like(x) if out is None else out
         normed = self.cupy.empty((tokens, hidden), self.dtype)
         if tokens:
-            self._add_rms_norm((tokens,), (256,), (x, delta if delta is not None else np.uint64(0), weight, out, normed,
+            self._add_rms_norm((tokens,), (row_threads(hidden),), (x, delta if delta is not None else np.uint64(0), weight, out, normed,
                                                   np.int32(hidden), self.eps))
         return out, normed
 
@@ -85,9 +98,11 @@ class FusedOps:
         q = cupy.empty((tokens, heads, head_dim), self.dtype)
         k = cupy.empty((tokens, kv_heads, head_dim), self.dtype)
         v = cupy.empty((tokens, kv_heads, head_dim), self.dtype)
-        if tokens:
-            self._rotary_split((tokens,), (128,), (qkv, positions, cos, sin, q, k, v, np.int32(heads),
-                                                   np.int32(kv_heads), np.int32(head_dim)))
+        if tokens:  # one block per (token, head); a thread per rotated pair
+            threads = min(128, 32 * -(-(head_dim // 2) // 32))
+            self._rotary_split((tokens, heads + 2 * kv_heads), (threads,),
+                               (qkv, positions, cos, sin, q, k, v, np.int32(heads), np.int32(kv_heads),
+                                np.int32(head_dim)))
         return q, k, v
 
     def swiglu(self, gate_up):
@@ -113,5 +128,5 @@ def argmax_rows(logits):
     rows, vocab = logits.shape
     out = cupy.empty(rows, np.int64)
     if rows:
-        _argmax_kernel()((rows,), (512,), (logits, out, np.int32(vocab)))
+        _argmax_kernel()((rows,), (1024,), (logits, out, np.int32(vocab)))
     return out
