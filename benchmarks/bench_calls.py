@@ -167,9 +167,9 @@ def _spin_kernel():
 
 def busy(stream: int, seconds: float) -> None:
     """Keep ``stream`` busy on the GPU for ``seconds`` (one thread spinning on the global timer)."""
-    import cupy
+    from cupy_paged._core.arrays import cupy_stream
 
-    with cupy.cuda.ExternalStream(stream):
+    with cupy_stream(stream):
         _spin_kernel()((1,), (1,), (np.uint64(int(seconds * 1e9)),))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -37,7 +38,9 @@ def run(tp: int, args, out_dir: pathlib.Path) -> dict:
     command += ["--cpu"] if args.cpu else []
     command += args.serve_args
     print("$", " ".join(command), flush=True)
-    done = subprocess.run(command, capture_output=True, text=True)
+    # The checkout's package first on the path, so that a clone runs without installing it.
+    path = os.pathsep.join(filter(None, (str(HERE.parent), os.environ.get("PYTHONPATH"))))
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     print(done.stdout[-2000:], done.stderr[-2000:], sep="\n", flush=True)
     if done.returncode:
         raise SystemExit(f"tp = {tp}: serve_llama.py exited with {done.returncode}")

@@ -82,3 +82,19 @@ def test_slot_mapping_from_torch_tensors_is_a_torch_tensor():
     assert isinstance(slots, torch.Tensor) and slots.tolist() == [94, 32, 198]
     with pytest.raises(TypeError, match="seq_ids"):
         cupy_paged.slot_mapping_from_positions(torch.from_numpy(table), torch.tensor([0.5]), torch.tensor([3]), 32)
+
+
+def test_cupy_stream_wraps_a_handle_without_the_deprecated_external_stream():
+    """A cudaStream_t handle becomes a CuPy stream through the CUDA stream protocol (no
+    ExternalStream deprecation warning, nothing on the GPU touched), the null stream for 0."""
+    import warnings
+
+    import cupy
+
+    from cupy_paged._core.arrays import cupy_stream
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stream = cupy_stream(0x7F00)
+    assert isinstance(stream, cupy.cuda.Stream) and stream.ptr == 0x7F00
+    assert cupy_stream(0) is cupy.cuda.Stream.null

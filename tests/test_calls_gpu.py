@@ -226,9 +226,9 @@ def _spin_kernel():
 
 
 def cupy_stream_of(handle: int):
-    import cupy
+    from cupy_paged._core.arrays import cupy_stream
 
-    return cupy.cuda.Stream.null if handle == 0 else cupy.cuda.ExternalStream(handle)
+    return cupy_stream(handle)
 
 
 def sleep_on(handle: int, seconds: float) -> None:

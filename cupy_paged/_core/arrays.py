@@ -273,7 +273,27 @@ def on_stream(kind: str, stream: int):
     if kind is TORCH:
         torch = _torch()
         return torch.cuda.stream(torch.cuda.ExternalStream(stream))
-    return cupy.cuda.ExternalStream(stream)
+    return cupy_stream(stream)
+
+
+class _StreamHandle:
+    """A ``cudaStream_t`` handle as an object of the CUDA stream protocol, for CuPy's
+    ``Stream.from_external`` (which supersedes ``ExternalStream``, deprecated in CuPy 14)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def cupy_stream(handle: int):
+    """CuPy's stream object for ``handle`` (not owned: the stream outlives it); the null stream for 0."""
+    if handle == 0:
+        return cupy.cuda.Stream.null
+    return cupy.cuda.Stream.from_external(_StreamHandle(handle))
 
 
 def to_host(array) -> np.ndarray:

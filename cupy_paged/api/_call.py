@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.arrays import CUPY, NUMPY, TORCH, Array, cupy, data_ptr, empty, read
+from .._core.arrays import CUPY, NUMPY, TORCH, Array, cupy, cupy_stream, data_ptr, empty, read
 from .._core.types import BF16, check_bool, check_real
 
 MEMO: dict = {}         # call signature -> resolved launch (kernels.*.*Launch)
@@ -46,7 +46,7 @@ def device_copy(array: Array, stream: int) -> Array:
     read as they are: misaligned or strided rows, strided index arrays)."""
     import cupy
 
-    with cupy.cuda.ExternalStream(stream):
+    with cupy_stream(stream):
         return read(cupy.ascontiguousarray(array.cupy()), "copy")
 
 
