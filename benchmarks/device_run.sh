@@ -11,7 +11,7 @@
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
-#   fuzz (T_FUZZ, FUZZ_ARGS), profile_host (T_PROFILE_HOST), ncu_graph (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
+#   fuzz (T_FUZZ, FUZZ_ARGS), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
 #   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS),
 #   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
 set -uo pipefail
@@ -116,9 +116,20 @@ for step in $steps; do
       done
       wait
       summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$OUT"/control_*.log | tr '\n' ' ')")") ;;
+    ncu_attention)  # the decode graph's attention in detail: the first paged_decode of one replay (issue 14's next measurement)
+      run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --profile-from-start off \
+        --kernel-name regex=paged_decode --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+        python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
+      # beside it, a uniform batch of about the same keys per CTA (64 x 600, bf16, 32/8 heads, block 16;
+      # its second round, after the compiling one)
+      run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --kernel-name regex=paged_decode \
+        --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+        python3 benchmarks/profile_paged.py decode:64x600:bs16 ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
