@@ -259,11 +259,11 @@ def medium(tmp_path_factory):
     # failed to execute (RESULTS.md, the sanitizer section): the sdpa peer takes torch's other
     # backends there, which changes no criterion here.
     sanitized = bool(os.environ.get("CUPY_PAGED_SANITIZER")) and torch.cuda.is_available()
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
     if sanitized:
         torch.backends.cuda.enable_cudnn_sdp(False)
     yield _checkpoint(tmp_path_factory, GPU_SIZE, 7)
-    if sanitized:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
 
 
 def _agreement(outputs, reference):
