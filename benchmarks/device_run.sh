@@ -107,25 +107,26 @@ for step in $steps; do
     sanitizer_control)  # benchmarks/sanitizer_control.py under each tool: torch's kernels with the hf pairs' kernel
       # filter (as test_hf_integration.py runs), the engine's cuBLAS product without one (as test_llama_engine.py)
       for tool in memcheck racecheck initcheck synccheck; do
-        ( timeout "${T_CONTROL:-120}" compute-sanitizer --tool "$tool" --kernel-name regex=paged_decode \
-            python3 benchmarks/sanitizer_control.py torch >"$OUT/control_${tool}_torch.log" 2>&1
-          echo "rc=$?" >>"$OUT/control_${tool}_torch.log" ) &
-        ( timeout "${T_CONTROL:-120}" compute-sanitizer --tool "$tool" python3 benchmarks/sanitizer_control.py engine \
-            >"$OUT/control_${tool}_engine.log" 2>&1
-          echo "rc=$?" >>"$OUT/control_${tool}_engine.log" ) &
+        for mode in torch engine; do
+          filter=(); [[ $mode == torch ]] && filter=(--kernel-name regex=paged_decode)
+          log=$OUT/control_${tool}_$mode.log
+          ( timeout "${T_CONTROL:-120}" compute-sanitizer --tool "$tool" "${filter[@]}" \
+              python3 benchmarks/sanitizer_control.py "$mode" >"$log" 2>&1
+            echo "rc=$?" >>"$log" ) &
+        done
       done
       wait
       summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$OUT"/control_*.log | tr '\n' ' ')")") ;;
     ncu_attention)  # the decode graph's attention in detail: the first paged_decode of one replay (issue 14's next measurement)
+      sections=(--kernel-name regex=paged_decode --launch-count 1)
+      for section in SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats SchedulerStats; do
+        sections+=(--section "$section")
+      done
       run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --profile-from-start off \
-        --kernel-name regex=paged_decode --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-        python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
+        "${sections[@]}" python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
       # beside it, a uniform batch of about the same keys per CTA (64 x 600, bf16, 32/8 heads, block 16;
       # its second round, after the compiling one)
-      run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --kernel-name regex=paged_decode \
-        --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+      run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --launch-skip 1 "${sections[@]}" \
         python3 benchmarks/profile_paged.py decode:64x600:bs16 ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;

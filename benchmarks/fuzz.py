@@ -579,6 +579,7 @@ def in_processes(args, argv: list) -> tuple[dict, dict]:
     processes printed those), and ``{}`` stats for a kernel whose process wrote no report."""
     import subprocess
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     own = {"--kernels", "--out", "--log", "--jobs", "--time-limit"}
     base, skip = [], False
@@ -593,18 +594,14 @@ def in_processes(args, argv: list) -> tuple[dict, dict]:
     logs = {k: pathlib.Path(f"{args.log}.{k}") for k in kernels}
     with tempfile.TemporaryDirectory() as tmp:
         reports = {k: pathlib.Path(tmp) / f"{k}.json" for k in kernels}
-        waiting, running, codes = list(kernels), {}, {}
-        while waiting or running:
-            while waiting and len(running) < args.jobs:
-                kernel = waiting.pop(0)
-                limit = [] if deadline is None else ["--time-limit", f"{max(0.0, deadline - time.perf_counter()):.1f}"]
-                command = [sys.executable, __file__, *base, *limit, "--kernels", kernel, "--jobs", "1",
-                           "--out", str(reports[kernel]), "--log", str(logs[kernel])]
-                running[kernel] = subprocess.Popen(command)
-            time.sleep(0.2)
-            for kernel, process in list(running.items()):
-                if process.poll() is not None:
-                    codes[kernel] = running.pop(kernel).returncode
+
+        def run(kernel: str) -> int:  # in a pool thread: the time left is read as the process starts
+            limit = [] if deadline is None else ["--time-limit", f"{max(0.0, deadline - time.perf_counter()):.1f}"]
+            return subprocess.run([sys.executable, __file__, *base, *limit, "--kernels", kernel, "--jobs", "1",
+                                   "--out", str(reports[kernel]), "--log", str(logs[kernel])]).returncode
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            codes = dict(zip(kernels, pool.map(run, kernels)))
         found = {k: json.loads(reports[k].read_text()) for k in kernels if reports[k].exists()}
     with open(args.log, "w") as log:
         for kernel in kernels:

@@ -52,11 +52,13 @@ if rc == 124:
 p = pathlib.Path(path)
 report = json.loads(p.read_text()) if p.exists() else {"cases": []}
 name = f"{tool}:{file}"
-shards = lambda n: n.split("[")[1] if "[" in n else ""   # "TOOL:FILE[i/n]" -> "i/n]"
-split = lambda n: (n.split("[")[0], shards(n).split("/")[-1])  # -> ("TOOL:FILE", "n]")
+def split(case_name):  # "TOOL:FILE[i/n]" -> ("TOOL:FILE", "n]"); "TOOL:FILE" -> ("TOOL:FILE", "")
+    pair, _, shard = case_name.partition("[")
+    return pair, shard.rpartition("/")[2]
 # A pair replaces its own case and every case of the same tool and file split another way.
-report["cases"] = [c for c in report["cases"] if c["name"] != name
-                   and not (split(c["name"])[0] == split(name)[0] and split(c["name"])[1] != split(name)[1])]
+pair, count = split(name)
+report["cases"] = [c for c in report["cases"] if c["name"] != name and not (split(c["name"])[0] == pair
+                                                                           and split(c["name"])[1] != count)]
 report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
                             seconds=seconds, date=datetime.date.today().isoformat(),
                             **({"kernels": kernels} if kernels else {}), **({"k": select} if select else {}),

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import cupy_paged
+from cupy_paged._core.arrays import cupy_stream
 from _util import BF16, assert_close, assert_same_bits, randn, scatter_paged, shuffled_block_table
 
 pytestmark = pytest.mark.gpu
@@ -225,15 +226,9 @@ def _spin_kernel():
     return cupy.RawKernel(_SPIN_SOURCE, "spin")
 
 
-def cupy_stream_of(handle: int):
-    from cupy_paged._core.arrays import cupy_stream
-
-    return cupy_stream(handle)
-
-
 def sleep_on(handle: int, seconds: float) -> None:
     """Keep the stream ``handle`` busy on the GPU for ``seconds`` (one thread spinning)."""
-    with cupy_stream_of(handle):
+    with cupy_stream(handle):
         _spin_kernel()((1,), (1,), (np.uint64(int(seconds * 1e9)),))
 
 
@@ -535,7 +530,7 @@ def test_default_call_does_not_wait_for_its_stream(name, mode, request):
     with on_stream():
         sleep_on(handle, LONG_SLEEP_S)
         asleep = cupy.cuda.Event()
-        asleep.record(cupy_stream_of(handle))
+        asleep.record(cupy_stream(handle))
         start = time.perf_counter()
         result = call.fn(**args)
         seconds = time.perf_counter() - start

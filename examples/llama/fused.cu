@@ -27,10 +27,10 @@ __device__ float block_sum(float v) {
 
 // One row per block: x_out = x + delta (delta may be null: x_out = x), and
 // h = x_out / sqrt(mean(x_out^2) + eps) * weight in scalar_t.  x_out may be x.  A thread keeps its
-// (up to ROW_CACHE) values of the row in registers, their loads issued together, so a row costs one
-// round trip to memory, the block's sum, and the stores; the host gives a block enough threads for
-// the whole row (fused.py), and a longer row runs the loop below it, which reads x_out back.
-#define ROW_CACHE 8
+// (up to ROW_CACHE, fused.py's, given at compile time) values of the row in registers, their loads
+// issued together, so a row costs one round trip to memory, the block's sum, and the stores; the
+// host gives a block enough threads for the whole row (fused.py), and a longer row runs the loop
+// below it, which reads x_out back.
 extern "C" __global__ void add_rms_norm(const float* x, const scalar_t* __restrict__ delta,
                                         const float* __restrict__ weight, float* x_out,
                                         scalar_t* __restrict__ h, int hidden, float eps) {

@@ -19,11 +19,12 @@ import numpy as np
 SOURCE = pathlib.Path(__file__).with_name("fused.cu")
 SCALAR_TYPES = {np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16", np.dtype(np.float16): "__half"}
 MAX_GRID_Y = 65535
+ROW_CACHE = 8  # values of a row a thread of add_rms_norm keeps in registers (fused.cu's ROW_CACHE)
 
 
 def options(dtype) -> tuple[str, ...]:
     """NVRTC options of ``fused.cu`` for weights of ``dtype``."""
-    return ("-std=c++17", f"-DSCALAR_T={SCALAR_TYPES[np.dtype(dtype)]}")
+    return ("-std=c++17", f"-DSCALAR_T={SCALAR_TYPES[np.dtype(dtype)]}", f"-DROW_CACHE={ROW_CACHE}")
 
 
 @functools.cache
@@ -33,9 +34,6 @@ def _module(dtype):
     module = cupy.RawModule(code=SOURCE.read_text(), options=options(dtype))
     module.compile()
     return module
-
-
-ROW_CACHE = 8  # values of a row a thread of add_rms_norm keeps in registers (fused.cu)
 
 
 def row_threads(hidden: int) -> int:
