@@ -118,16 +118,18 @@ for step in $steps; do
       wait
       summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$OUT"/control_*.log | tr '\n' ' ')")") ;;
     ncu_attention)  # the decode graph's attention in detail: the first paged_decode of one replay (issue 14's next measurement)
-      sections=(--kernel-name regex=paged_decode --launch-count 1)
+      sections=(--kernel-name regex=paged_decode)
       for section in SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats SchedulerStats; do
         sections+=(--section "$section")
       done
       run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --profile-from-start off \
-        "${sections[@]}" python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
-      # beside it, a uniform batch of about the same keys per CTA (64 x 600, bf16, 32/8 heads, block 16;
-      # its second round, after the compiling one)
-      run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --launch-skip 1 "${sections[@]}" \
-        python3 benchmarks/profile_paged.py decode:64x600:bs16 ;;
+        --launch-count 1 "${sections[@]}" python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
+      # beside it, uniform batches of about the same keys per CTA (bf16, block 16, no split): 64 x 600 at
+      # 32/8 heads (512 CTAs), at the engine's 16/4 (256 CTAs, one wave), and 64 x 1,280 at 16/4 (the
+      # engine's longest sequences); their second round, after the compiling one
+      cases=(decode:64x600:bs16:splits=1 decode:64x600:bs16:splits=1:heads=16/4 decode:64x1280:bs16:splits=1:heads=16/4)
+      run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --launch-skip "${#cases[@]}" \
+        --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
     *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;

@@ -1,8 +1,9 @@
 """Kernel launches for ``ncu``: where does paged attention spend its time?
 
 Each argument is one case; without arguments, the four of NOTES_decode.md (v6):
-  ``decode:BATCHxCONTEXT:bsN[:splits=S][:sorted]``  flash_attn_with_kvcache, bf16, GQA 32/8,
-      D=128 (the decode benchmark's inputs); ``sorted`` puts each table in address order
+  ``decode:BATCHxCONTEXT:bsN[:splits=S][:sorted][:heads=HQ/HKV]``  flash_attn_with_kvcache, bf16,
+      GQA 32/8 unless ``heads`` says otherwise, D=128 (the decode benchmark's inputs); ``sorted``
+      puts each table in address order
   ``varlen``, ``varlen-paged``  causal D=128, 8 x 4096, contiguous K/V or through a shuffled
       block table of block size 16
 The defaults: decode:64x4096:bs16:sorted decode:64x4096:bs256:sorted varlen varlen-paged
@@ -38,7 +39,14 @@ def decode_case(rng, spec):
     _, shape, block, *options = spec.split(":")
     batch, context = (int(x) for x in shape.split("x"))
     splits = next((int(o.split("=")[1]) for o in options if o.startswith("splits=")), 0)
-    sets = bench_decode.make_paged(rng, batch, context, int(block[2:]), shuffle="sorted" not in options)
+    heads = next((o.split("=")[1] for o in options if o.startswith("heads=")), None)
+    saved = bench_decode.HEADS, bench_decode.KV_HEADS
+    if heads is not None:  # make_paged reads the module's head counts
+        bench_decode.HEADS, bench_decode.KV_HEADS = (int(x) for x in heads.split("/"))
+    try:
+        sets = bench_decode.make_paged(rng, batch, context, int(block[2:]), shuffle="sorted" not in options)
+    finally:
+        bench_decode.HEADS, bench_decode.KV_HEADS = saved
     return bench_decode.ours(sets, splits), 1 + (decode_ops.plan(bench_decode.decode_problem(sets[0], splits)) > 1)
 
 
