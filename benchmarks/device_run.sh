@@ -118,7 +118,7 @@ for step in $steps; do
       wait
       summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$OUT"/control_*.log | tr '\n' ' ')")") ;;
     ncu_attention)  # the decode graph's attention in detail: the first paged_decode of one replay (issue 14's next measurement)
-      sections=(--kernel-name regex=paged_decode)
+      sections=(--kernel-name regex:paged_decode)
       for section in SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats SchedulerStats; do
         sections+=(--section "$section")
       done
