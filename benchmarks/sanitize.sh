@@ -16,7 +16,7 @@
 #     SANITIZE_SHARDS: n processes per (tool, file), each running every n-th test (CUPY_PAGED_SHARD,
 #     tests/conftest.py), a case each, named "TOOL:FILE[i/n]".  tests/test_load.py runs only when named.
 #   Each pair runs with CUPY_PAGED_SANITIZER=TOOL set, for the tests whose timing a tool changes.
-#   One case per pair: name "TOOL:FILE", metric "errors" (the tool's error summary; for racecheck
+#   One case per pair: name "TOOL:FILE" ("TOOL:FILE -k EXPR" with SANITIZE_K), metric "errors" (the tool's error summary; for racecheck
 #   its hazards), peers {} ; the test outcome, seconds and date beside it.  A pair cut short by its
 #   time limit has value null and says so.
 set -uo pipefail
@@ -43,7 +43,8 @@ path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(
 kernels, select = sys.argv[7] or None, sys.argv[8] or None
 text = pathlib.Path(log).read_text(errors="replace")
 found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
-errors = int(found[-1]) if found and rc != 124 else None   # None: no summary (cut short, or no GPU)
+# None: no summary (cut short, or no GPU), or no test ran (pytest's rc 5: a shard or -k that selects none)
+errors = int(found[-1]) if found and rc not in (124, 5) else None
 # Reports printed before a cut: "========= Invalid __global__ read ...", "Race reported ...", and the like.
 before_cut = len(re.findall(r"^========= (?:Invalid|Race reported|Uninitialized|Barrier|Error:|Program hit)", text, re.M))
 outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
@@ -71,8 +72,9 @@ PY
 
 run_pair() {  # tool file shard: one sanitizer process over (a shard of) one test file, then its record
   local tool=$1 file=$2 shard=$3 extra=() start=$SECONDS name=$2
-  local log=$logs/${tool}_$(basename "$file" .py).log
-  if (( shards > 1 )); then name="$file[$shard/$shards]"; log=${log%.log}_$shard.log; fi
+  local log=$logs/${tool}_$(basename "$file" .py)${SANITIZE_K:+_k_${SANITIZE_K//[^a-zA-Z0-9]/_}}.log
+  [[ -n ${SANITIZE_K:-} ]] && name="$file -k $SANITIZE_K"  # another selection of a file is another case
+  if (( shards > 1 )); then name="$name[$shard/$shards]"; log=${log%.log}_$shard.log; fi
   [[ -n ${SANITIZE_KERNELS:-} ]] && extra=(--kernel-name "regex=$SANITIZE_KERNELS")
   local left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running
   local limit=${SANITIZE_T:-600}; (( left < limit )) && limit=$left
