@@ -283,6 +283,63 @@ def sweep_case(rng, block_size, shuffle, reps, batch=64, context=4096):
     return row
 
 
+def short_sweep(rng, reps, out: pathlib.Path) -> int:
+    """The registered shape and each SWEEP shape, forced, on short contexts whose grids take one or
+    two waves of the registered CTAs (32 query / 8 kv heads: 8 CTAs a sequence): what
+    ``choose_tiles`` decides between.  Kernel time only: each shape's launches (built once, 8
+    input sets rotating past the L2) captured 32 to a CUDA graph, microseconds per launch as the
+    median of graph replays between CUDA events; beside it the shape ``num_splits=0`` now takes."""
+    from cupy_paged._core.arrays import CUPY
+
+    per_graph = 32
+    rows = []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for batch, context in ((64, 128), (64, 256), (48, 192), (64, 512), (64, 1024), (32, 600), (128, 128)):
+        sets = make_paged(rng, batch, context, 16, copies=8)
+        outs = [cupy.empty_like(q) for q, *_ in sets]
+        problems = [decode_problem(one, out=o) for one, o in zip(sets, outs)]
+        chosen = decode_ops._problem_shape(problems[0], None)
+        row = {"name": f"{batch}x{context} bs16", "ctas": batch * KV_HEADS, "auto_threads": chosen.threads,
+               "shapes": {}}
+        reference = None
+        for tiles in (decode_ops.TILES[DIM],) + SWEEP.get(DIM, ()):
+            launches = [(decode_ops.DecodeLaunch(p, tiles), decode_ops.problem_args(p), p) for p in problems]
+            with stream:
+                for launch, args, p in launches:  # eager first: compiles, and sizes any workspace
+                    launch.run(CUPY, p.q.obj, *args, stream.ptr)
+                stream.synchronize()
+                got = outs[0].astype(np.float32)
+                reference = got if reference is None else reference
+                stream.begin_capture()
+                for i in range(per_graph):
+                    launch, args, p = launches[i % len(launches)]
+                    launch.run(CUPY, p.q.obj, *args, stream.ptr)
+                graph = stream.end_capture()
+                times = []
+                for _ in range(reps + 3):
+                    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                    start.record(stream)
+                    graph.launch(stream=stream)
+                    stop.record(stream)
+                    stop.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / per_graph)
+            us = float(np.median(times[3:]))
+            row["shapes"][tiles.label()] = {"us": round(us, 2),
+                                            "tb_s": round(kv_bytes(batch, context) / (us * 1e-6) / 1e12, 3),
+                                            "maxdiff": float(cupy.abs(got - reference).max()),
+                                            "splits": launches[0][0].splits, **shape_resources(tiles)}
+        rows.append(row)
+        del sets, outs, problems
+        cupy.get_default_memory_pool().free_all_blocks()
+    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "sweep": rows}, indent=1))
+    print(f"{'case':14} {'CTAs':>5} {'shape':10} {'us':>7} {'TB/s':>6} {'splits':>6} {'CTAs/SM':>7} maxdiff  (auto: threads)")
+    for row in rows:
+        for label, r in row["shapes"].items():
+            print(f"{row['name']:14} {row['ctas']:5} {label:10} {r['us']:7.2f} {r['tb_s']:6.3f} {r['splits']:6} "
+                  f"{r['ctas_per_sm']:7} {r['maxdiff']:.1e}  ({row['auto_threads']})")
+    return 0
+
+
 def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 16384)):
     """Microseconds per call (no split) against tiles per CTA, at one wave (batch 32: 256 CTAs)
     and two (batch 64), with a least-squares line: the slope is the time of a tile, the intercept
@@ -376,9 +433,14 @@ def main(argv=None):
                         help="then time calls against tiles per CTA at one and two waves (last)")
     parser.add_argument("--sweep", action="store_true",
                         help="then time the SWEEP shapes against the registered tile shape (last)")
+    parser.add_argument("--short-sweep", action="store_true",
+                        help="only time the registered and SWEEP shapes on short contexts (grids of one to two waves)"
+                             " and write results/decode_short.json")
     args = parser.parse_args(argv)
     reps = 10 if args.quick else 30
     rng = np.random.default_rng(0)
+    if args.short_sweep:
+        return short_sweep(rng, reps, pathlib.Path(args.out).with_name("decode_short.json"))
     # Bring the clocks up before the first timed case (an idle H200 sits at a low SM clock).
     warm = make_paged(rng, 64, 4096, 16)
     median_ms(ours(warm), warmup=50, reps=50)

@@ -407,6 +407,33 @@ def test_sanitize_holes_staged_ids():
             assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
 
 
+def test_short_sequences_of_two_waves_take_the_small_shape():
+    """48 sequences x 8 kv heads (384 CTAs: two waves of the registered shape on an H200, one of
+    the small one) of 0 to 200 keys, holes in the table: ``num_splits=0`` launches the small shape,
+    and it matches the reference (new tokens appended, caches compared bitwise)."""
+    import cupy
+
+    from cupy_paged.kernels import decode
+
+    device = cupy.cuda.Device().id
+    if not decode.one_wave_fewer(384, decode._slots(device, BF16, 128, decode.TILES[128]),
+                                 decode._slots(device, BF16, 128, decode.SMALL_TILES[128])):
+        pytest.skip("on this GPU 384 CTAs do not save a wave with the small shape")
+    assert decode.choose_tiles(device, BF16, 128, 384, 0) == decode.SMALL_TILES[128]
+    rng = np.random.default_rng(48)
+    lengths = [0, 1, 15, 16, 17, 200] + rng.integers(0, 200, 42).tolist()
+    case = make_case(rng, BF16, 128, 32, 8, 16, lengths, 1, 1)
+    case["block_table"][3, 0] = -1  # a hole where sequence 3 has keys
+    ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case)
+    dev = {name: cupy.asarray(value) for name, value in case.items()}
+    out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, return_softmax_lse=True, check_values=False,
+                                                  out=poisoned(case["q"].shape, case["q"].dtype, cupy))
+    assert_close(out, ref_out, BF16)
+    assert_close(lse, ref_lse, np.float32, what="lse", rtol=LSE_RTOL)
+    assert_same_bits(dev["k_cache"], ref_k, "k_cache")
+    assert_same_bits(dev["v_cache"], ref_v, "v_cache")
+
+
 def test_launch_plans_follow_shapes():
     """Calls alternating between shapes (kept launch plans) each match the reference."""
     rng = np.random.default_rng(42)
@@ -419,8 +446,13 @@ def test_launch_plans_follow_shapes():
 
 # ---- the CANDIDATES shapes: a shape that is adopted is already verified.
 def _candidate_params():
+    """The CANDIDATES and the registered small shape of every head dim (``SMALL_TILES``)."""
+    from cupy_paged.kernels.decode import SMALL_TILES
+
+    shapes = {(head_dim, tiles) for head_dim, listed in CANDIDATES.items() for tiles in listed}
+    shapes |= set(SMALL_TILES.items())
     return [pytest.param(head_dim, tiles, id=f"d{head_dim}-{tiles.label()}")
-            for head_dim, shapes in sorted(CANDIDATES.items()) for tiles in shapes]
+            for head_dim, tiles in sorted(shapes, key=lambda item: (item[0], item[1].label()))]
 
 
 def _skip_without_smem(smem):

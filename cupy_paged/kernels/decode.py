@@ -24,8 +24,10 @@ workspace, so it too must be sized before a capture: one eager call), and an int
 
 Tile shapes and tracing
 -----------------------
-One specialization per (dtype, head dim); its pipeline shape (keys per stage, stages, warps)
-comes from :data:`TILES`.  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)`` launch another shape
+Two specializations per (dtype, head dim); their pipeline shapes (keys per stage, stages, warps)
+are :data:`TILES` and :data:`SMALL_TILES` (half the keys on half the warps), the second taken
+when it fits a grid in one wave that needs two of the first (:func:`choose_tiles`, from shapes
+alone, kept per shape like the split count).  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)`` launch another shape
 (the benchmark's sweep and the GPU tests name theirs).  ``trace=`` launches the ``TRACE``
 specialization, which records each CTA's start, end and SM for the benchmark's ``--trace``: the
 registered keys (:func:`all_keys`) hold no trace code and take no trace argument.
@@ -96,6 +98,9 @@ class Tiles:
 
 # The registered shape of each head dim (the keys ``all_keys`` lists).
 TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
+# Half its keys on half its warps: twice as many CTAs fit an SM, so a grid of short sequences
+# that needs two waves of the registered CTAs runs in one (:func:`choose_tiles`).
+SMALL_TILES = {head_dim: Tiles(tiles.keys // 2, tiles.stages, tiles.warps // 2) for head_dim, tiles in TILES.items()}
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False,
@@ -113,7 +118,8 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = 
 
 def all_keys():
     return [kernel_key(dtype, d, rotary=r, ragged=g) for r, g in ((False, False), (True, False), (False, True))
-            for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
+            for dtype in KERNEL_DTYPES for d in HEAD_DIMS] + [
+        kernel_key(dtype, d, SMALL_TILES[d]) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
 
 
 # --------------------------------------------------------------------------- split heuristic
@@ -152,6 +158,32 @@ def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int
 
     best = max(efficiency(n) for n in range(1, limit + 1))
     return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.95 * best)
+
+
+def one_wave_fewer(num_ctas: int, slots: int, small_slots: int) -> bool:
+    """Whether a grid of ``num_ctas`` takes the small shape: more than one wave of the registered
+    CTAs (``slots`` an SM-wide wave) but one wave of the small ones (``small_slots``)."""
+    return slots < num_ctas <= small_slots
+
+
+def _slots(device: int, dtype, head_dim: int, tiles: Tiles) -> int:
+    smem = tiles.smem_bytes(head_dim)
+    function = get_function(kernel_key(dtype, head_dim, tiles), "paged_decode", smem)
+    return _num_sms(device) * ctas_per_sm(function.num_regs, smem, tiles.threads)
+
+
+def choose_tiles(device: int, dtype, head_dim: int, num_ctas: int, num_splits: int) -> Tiles:
+    """The pipeline shape of a plain launch (no rotary, no trace) of ``num_ctas`` CTAs a split:
+    :data:`SMALL_TILES` when that saves a wave (:func:`one_wave_fewer`) and no split was asked
+    for, else :data:`TILES`.  A short sequence's CTA costs little more than its start and drain,
+    so the second wave of a two-wave grid of them is about a second kernel's fixed cost."""
+    tiles = TILES[head_dim]
+    if num_splits > 1:
+        return tiles
+    small = SMALL_TILES[head_dim]
+    if one_wave_fewer(num_ctas, _slots(device, dtype, head_dim, tiles), _slots(device, dtype, head_dim, small)):
+        return small
+    return tiles
 
 
 # --------------------------------------------------------------------------- workspace
@@ -224,12 +256,15 @@ def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int, num_splits: int,
-           tiles: Tiles, rotary: bool, trace: bool) -> _Shape:
+           tiles: Tiles | None, rotary: bool, trace: bool) -> _Shape:
     """What these shapes decide, kept per shape: a decode loop pays the kernel look-up and the
     split heuristic once."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     rows = (num_heads // num_kv_heads) * seqlen_q
     row_groups = -(-rows // ROWS_PER_CTA)
+    if tiles is None:
+        tiles = (TILES[head_dim] if rotary or trace else
+                 choose_tiles(device, dtype, head_dim, batch * num_kv_heads * row_groups, num_splits))
     kernels = kernel_key(dtype, head_dim, tiles, rotary, trace)
     smem = tiles.smem_bytes(head_dim)
     decode = get_function(kernels, "paged_decode", smem)
@@ -243,10 +278,11 @@ def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int,
 
 
 def _problem_shape(p: DecodeProblem, tiles: Tiles | None, trace: bool = False) -> _Shape:
-    """:func:`_shape` of a problem (``tiles`` None: ``TILES[head_dim]``)."""
+    """:func:`_shape` of a problem (``tiles`` None: :func:`choose_tiles`'s, or ``TILES[head_dim]``
+    for the rotary and trace variants)."""
     max_blocks, _, shift = _cache_geometry(p)
     return _shape(p.q.device, p.q.dtype, tuple(p.q.shape), p.num_kv_heads, max_blocks << shift,
-                  p.num_splits, tiles or TILES[p.head_dim], p.rotary_cos is not None, trace)
+                  p.num_splits, tiles, p.rotary_cos is not None, trace)
 
 
 def _strides3(array) -> tuple:
