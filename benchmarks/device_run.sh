@@ -25,7 +25,7 @@ collect_results() {  # one file for every results/*.json, since the device retur
   python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
 found = {p.name: json.loads(p.read_text()) for p in sorted(pathlib.Path("benchmarks/results").glob("*.json"))
-         if p.name in ("decode.json", "varlen.json", "calls.json", "mixed.json")}
+         if p.name in ("decode.json", "decode_short.json", "varlen.json", "calls.json", "mixed.json")}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(found, indent=1))
 PY
 }
@@ -51,6 +51,10 @@ for step in $steps; do
       # Only what this run writes comes back: no committed result may pass for a new one.
       rm -f benchmarks/results/decode.json
       run_step bench_decode bench_decode "${T_BENCH_DECODE:-${T_BENCH:-150}}" python3 benchmarks/bench_decode.py ${BENCH_DECODE_ARGS:---quick}
+      collect_results ;;
+    bench_decode_short)  # both decode pipeline shapes, forced, on short grids of one and two waves
+      rm -f benchmarks/results/decode_short.json
+      run_step bench_decode_short bench_decode_short "${T_BENCH:-150}" python3 benchmarks/bench_decode.py --short-sweep
       collect_results ;;
     bench_varlen)
       rm -f benchmarks/results/varlen.json
@@ -132,7 +136,7 @@ for step in $steps; do
         --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -42,12 +42,14 @@ import datetime, json, pathlib, re, sys
 path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 kernels, select = sys.argv[7] or None, sys.argv[8] or None
 text = pathlib.Path(log).read_text(errors="replace")
-found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
-# None: no summary (cut short, or no GPU), or no test ran (pytest's rc 5: a shard or -k that selects none)
-errors = int(found[-1]) if found and rc not in (124, 5) else None
+found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)s?\b(?! were not printed)", text)
+outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
+# None: no summary (cut short, or no GPU); no test ran (pytest's rc 5: a shard or -k that selects
+# none); or pytest never finished (killed: the tool's summary then counts only what it saw)
+finished = rc not in (124, 5) and outcome != "no pytest summary"
+errors = int(found[-1]) if found and finished else None
 # Reports printed before a cut: "========= Invalid __global__ read ...", "Race reported ...", and the like.
 before_cut = len(re.findall(r"^========= (?:Invalid|Race reported|Uninitialized|Barrier|Error:|Program hit)", text, re.M))
-outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
 if rc == 124:
     outcome = f"cut short at its time limit ({outcome})"
 p = pathlib.Path(path)
@@ -63,7 +65,7 @@ report["cases"] = [c for c in report["cases"] if c["name"] != name and not (spli
 report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
                             seconds=seconds, date=datetime.date.today().isoformat(),
                             **({"kernels": kernels} if kernels else {}), **({"k": select} if select else {}),
-                            **({"reports_before_cut": before_cut} if rc == 124 else {})))
+                            **({"reports_before_cut": before_cut} if errors is None else {})))
 report["cases"].sort(key=lambda c: c["name"])
 p.write_text(json.dumps(report, indent=1) + "\n")
 print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.strip()}")
