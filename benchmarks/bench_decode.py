@@ -298,6 +298,7 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
         sets = make_paged(rng, batch, context, 16, copies=8)
         outs = [cupy.empty_like(q) for q, *_ in sets]
         problems = [decode_problem(one, out=o) for one, o in zip(sets, outs)]
+        cupy.cuda.runtime.deviceSynchronize()  # the inputs were filled on the legacy stream; `stream` does not wait for it
         chosen = decode_ops._problem_shape(problems[0], None)
         row = {"name": f"{batch}x{context} bs16", "ctas": batch * KV_HEADS, "auto_threads": chosen.threads,
                "shapes": {}}
