@@ -294,7 +294,7 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
     per_graph = 32
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
-    for batch, context in ((64, 128), (64, 256), (48, 192), (64, 512), (64, 1024), (32, 600), (128, 128)):
+    for batch, context in ((64, 128), (64, 256), (48, 192), (64, 512), (64, 1024), (32, 600), (128, 128), (256, 256)):
         sets = make_paged(rng, batch, context, 16, copies=8)
         outs = [cupy.empty_like(q) for q, *_ in sets]
         problems = [decode_problem(one, out=o) for one, o in zip(sets, outs)]
@@ -332,13 +332,28 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
         rows.append(row)
         del sets, outs, problems
         cupy.get_default_memory_pool().free_all_blocks()
-    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "sweep": rows}, indent=1))
+    out.write_text(json.dumps(short_report(rows), indent=1))
     print(f"{'case':14} {'CTAs':>5} {'shape':10} {'us':>7} {'TB/s':>6} {'splits':>6} {'CTAs/SM':>7} maxdiff  (auto: threads)")
     for row in rows:
         for label, r in row["shapes"].items():
             print(f"{row['name']:14} {row['ctas']:5} {label:10} {r['us']:7.2f} {r['tb_s']:6.3f} {r['splits']:6} "
                   f"{r['ctas_per_sm']:7} {r['maxdiff']:.1e}  ({row['auto_threads']})")
     return 0
+
+
+def short_report(rows: list) -> dict:
+    """The short sweep as results cases: per grid the time of the shape ``num_splits=0`` takes (the
+    one of its CTA's thread count), both forced shapes as peers, the rows in full beside them."""
+    cases = []
+    for row in rows:
+        shapes = row["shapes"]
+        chosen = next(label for label, tiles in ((t.label(), t) for t in (decode_ops.TILES[DIM],) + SWEEP.get(DIM, ()))
+                      if tiles.threads == row["auto_threads"] and label in shapes)
+        cases.append({"name": row["name"], "metric": "us per launch (the shape num_splits=0 takes)",
+                      "value": shapes[chosen]["us"], "shape": chosen, "ctas": row["ctas"],
+                      "peers": {f"{label} forced": r["us"] for label, r in shapes.items()}, "shapes": shapes})
+    return {"date": datetime.date.today().isoformat(), "method": " ".join(short_sweep.__doc__.split(".  ")[1].split()),
+            "cases": cases}
 
 
 def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 16384)):

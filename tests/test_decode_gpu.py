@@ -407,21 +407,23 @@ def test_sanitize_holes_staged_ids():
             assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
 
 
-def test_short_sequences_of_two_waves_take_the_small_shape():
-    """48 sequences x 8 kv heads (384 CTAs: two waves of the registered shape on an H200, one of
-    the small one) of 0 to 200 keys, holes in the table: ``num_splits=0`` launches the small shape,
-    and it matches the reference (new tokens appended, caches compared bitwise)."""
+@pytest.mark.parametrize("batch", [48, 80])
+def test_grids_of_several_waves_take_the_small_shape(batch):
+    """48 and 80 sequences x 8 kv heads (384 and 640 CTAs: two and three waves of the registered
+    shape on an H200, one and two of the small one) of 0 to 200 keys, a hole in the table:
+    ``num_splits=0`` launches the small shape, and it matches the reference (new tokens appended,
+    caches compared bitwise)."""
     import cupy
 
     from cupy_paged.kernels import decode
 
-    device = cupy.cuda.Device().id
-    if not decode.one_wave_fewer(384, decode._slots(device, BF16, 128, decode.TILES[128]),
-                                 decode._slots(device, BF16, 128, decode.SMALL_TILES[128])):
-        pytest.skip("on this GPU 384 CTAs do not save a wave with the small shape")
-    assert decode.choose_tiles(device, BF16, 128, 384, 0) == decode.SMALL_TILES[128]
-    rng = np.random.default_rng(48)
-    lengths = [0, 1, 15, 16, 17, 200] + rng.integers(0, 200, 42).tolist()
+    device, ctas = cupy.cuda.Device().id, batch * 8
+    if not decode.fewer_waves(ctas, decode._slots(device, BF16, 128, decode.TILES[128]),
+                              decode._slots(device, BF16, 128, decode.SMALL_TILES[128])):
+        pytest.skip(f"on this GPU {ctas} CTAs take no fewer waves with the small shape")
+    assert decode.choose_tiles(device, BF16, 128, ctas, 0) == decode.SMALL_TILES[128]
+    rng = np.random.default_rng(batch)
+    lengths = [0, 1, 15, 16, 17, 200] + rng.integers(0, 200, batch - 6).tolist()
     case = make_case(rng, BF16, 128, 32, 8, 16, lengths, 1, 1)
     case["block_table"][3, 0] = -1  # a hole where sequence 3 has keys
     ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case)

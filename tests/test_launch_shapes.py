@@ -24,13 +24,14 @@ def test_small_tiles_fit_twice_the_ctas_of_the_registered_ones():
     (265, 0, True),    # one CTA more: two waves of the registered shape, one of the small
     (512, 0, True),    # 64 sequences x 8 kv heads
     (528, 1, True),    # one split asked for: the same launch
-    (529, 0, False),   # two waves of the small shape too: the registered one
-    (2048, 0, False),
+    (529, 0, True),    # two waves of the small shape, three of the registered
+    (1024, 0, True),   # 128 sequences x 8 kv heads: two waves against four
+    (2048, 0, True),   # 256 x 8: four against eight
     (512, 3, False),   # splits asked for: their CTAs are sized for the registered shape
 ])
-def test_choose_tiles_saves_a_wave_or_keeps_the_registered_shape(monkeypatch, ctas, splits, want_small):
+def test_choose_tiles_takes_fewer_waves_or_keeps_the_registered_shape(monkeypatch, ctas, splits, want_small):
     """With the H200's slots (2 registered CTAs an SM, 4 small ones), the small shape is taken
-    exactly when it runs the grid in one wave that needs two of the registered shape."""
+    exactly when it runs the grid in fewer waves: every grid of more than one registered wave."""
     slots = {decode.TILES[128]: 2 * H200_SMS, decode.SMALL_TILES[128]: 4 * H200_SMS}
     monkeypatch.setattr(decode, "_slots", lambda device, dtype, head_dim, tiles: slots[tiles])
     got = decode.choose_tiles(0, BF16, 128, ctas, splits)

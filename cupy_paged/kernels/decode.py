@@ -26,8 +26,8 @@ Tile shapes and tracing
 -----------------------
 Two specializations per (dtype, head dim); their pipeline shapes (keys per stage, stages, warps)
 are :data:`TILES` and :data:`SMALL_TILES` (half the keys on half the warps), the second taken
-when it fits a grid in one wave that needs two of the first (:func:`choose_tiles`, from shapes
-alone, kept per shape like the split count).  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)`` launch another shape
+when it runs a grid in fewer waves than the first (:func:`choose_tiles`, from shapes alone, kept
+per shape like the split count).  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)`` launch another shape
 (the benchmark's sweep and the GPU tests name theirs).  ``trace=`` launches the ``TRACE``
 specialization, which records each CTA's start, end and SM for the benchmark's ``--trace``: the
 registered keys (:func:`all_keys`) hold no trace code and take no trace argument.
@@ -98,8 +98,8 @@ class Tiles:
 
 # The registered shape of each head dim (the keys ``all_keys`` lists).
 TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
-# Half its keys on half its warps: twice as many CTAs fit an SM, so a grid of short sequences
-# that needs two waves of the registered CTAs runs in one (:func:`choose_tiles`).
+# Half its keys on half its warps: twice as many CTAs fit an SM, so a grid of more than one wave
+# of the registered CTAs runs in about half the waves (:func:`choose_tiles`).
 SMALL_TILES = {head_dim: Tiles(tiles.keys // 2, tiles.stages, tiles.warps // 2) for head_dim, tiles in TILES.items()}
 
 
@@ -160,10 +160,10 @@ def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int
     return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.95 * best)
 
 
-def one_wave_fewer(num_ctas: int, slots: int, small_slots: int) -> bool:
-    """Whether a grid of ``num_ctas`` takes the small shape: more than one wave of the registered
-    CTAs (``slots`` an SM-wide wave) but one wave of the small ones (``small_slots``)."""
-    return slots < num_ctas <= small_slots
+def fewer_waves(num_ctas: int, slots: int, small_slots: int) -> bool:
+    """Whether a grid of ``num_ctas`` takes the small shape: it runs in fewer waves of the small
+    CTAs (``small_slots`` at once) than of the registered ones (``slots``)."""
+    return -(-num_ctas // small_slots) < -(-num_ctas // slots)
 
 
 def _slots(device: int, dtype, head_dim: int, tiles: Tiles) -> int:
@@ -174,14 +174,16 @@ def _slots(device: int, dtype, head_dim: int, tiles: Tiles) -> int:
 
 def choose_tiles(device: int, dtype, head_dim: int, num_ctas: int, num_splits: int) -> Tiles:
     """The pipeline shape of a plain launch (no rotary, no trace) of ``num_ctas`` CTAs a split:
-    :data:`SMALL_TILES` when that saves a wave (:func:`one_wave_fewer`) and no split was asked
-    for, else :data:`TILES`.  A short sequence's CTA costs little more than its start and drain,
-    so the second wave of a two-wave grid of them is about a second kernel's fixed cost."""
+    :data:`SMALL_TILES` when that takes fewer waves (:func:`fewer_waves`) and no split was asked
+    for, else :data:`TILES`.  Each wave costs a fixed part (its CTAs' start and drain) beside the
+    bytes it streams, which both shapes stream at the same rate, so fewer waves is less time; a
+    grid of one wave of registered CTAs keeps them (the small shape's two warps a CTA would leave
+    half its slots empty)."""
     tiles = TILES[head_dim]
     if num_splits > 1:
         return tiles
     small = SMALL_TILES[head_dim]
-    if one_wave_fewer(num_ctas, _slots(device, dtype, head_dim, tiles), _slots(device, dtype, head_dim, small)):
+    if fewer_waves(num_ctas, _slots(device, dtype, head_dim, tiles), _slots(device, dtype, head_dim, small)):
         return small
     return tiles
 
