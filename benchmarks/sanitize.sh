@@ -16,9 +16,10 @@
 #     SANITIZE_SHARDS: n processes per (tool, file), each running every n-th test (CUPY_PAGED_SHARD,
 #     tests/conftest.py), a case each, named "TOOL:FILE[i/n]".  tests/test_load.py runs only when named.
 #   Each pair runs with CUPY_PAGED_SANITIZER=TOOL set, for the tests whose timing a tool changes.
-#   One case per pair: name "TOOL:FILE" ("TOOL:FILE -k EXPR" with SANITIZE_K), metric "errors" (the tool's error summary; for racecheck
-#   its hazards), peers {} ; the test outcome, seconds and date beside it.  A pair cut short by its
-#   time limit has value null and says so.
+#   One case per pair (benchmarks/sanitizer_record.py): name "TOOL:FILE" ("TOOL:FILE -k EXPR" with
+#   SANITIZE_K), metric "errors" (the tool's error summary; for racecheck its hazards), peers {} ; the
+#   test outcome, seconds and date beside it, and the printed reports counted by kernel, those in the
+#   project's own kernels apart.  A pair cut short, killed, or that ran no test has value null.
 set -uo pipefail
 tools=${1:?usage: sanitize.sh TOOL[,TOOL...] [FILE ...]}; shift
 [[ $tools == all ]] && tools=memcheck,racecheck,initcheck,synccheck
@@ -36,40 +37,8 @@ logs=${OUT:-/tmp}/sanitize_logs
 mkdir -p "$logs" "$(dirname "$results")"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 
-record() {  # tool file rc seconds log: merge one pair's case into the results file (under a lock)
-  flock "$logs/.results.lock" python3 - "$results" "$@" "${SANITIZE_KERNELS:-}" "${SANITIZE_K:-}" <<'PY'
-import datetime, json, pathlib, re, sys
-path, tool, file, rc, seconds, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-kernels, select = sys.argv[7] or None, sys.argv[8] or None
-text = pathlib.Path(log).read_text(errors="replace")
-found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)s?\b(?! were not printed)", text)
-outcome = (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|error).*?) in [\d.]+s", text, re.M) or ["no pytest summary"])[-1]
-# None: no summary (cut short, or no GPU); no test ran (pytest's rc 5: a shard or -k that selects
-# none); or pytest never finished (killed: the tool's summary then counts only what it saw)
-finished = rc not in (124, 5) and outcome != "no pytest summary"
-errors = int(found[-1]) if found and finished else None
-# Reports printed before a cut: "========= Invalid __global__ read ...", "Race reported ...", and the like.
-before_cut = len(re.findall(r"^========= (?:Invalid|Race reported|Uninitialized|Barrier|Error:|Program hit)", text, re.M))
-if rc == 124:
-    outcome = f"cut short at its time limit ({outcome})"
-p = pathlib.Path(path)
-report = json.loads(p.read_text()) if p.exists() else {"cases": []}
-name = f"{tool}:{file}"
-def split(case_name):  # "TOOL:FILE[i/n]" -> ("TOOL:FILE", "n]"); "TOOL:FILE" -> ("TOOL:FILE", "")
-    pair, _, shard = case_name.partition("[")
-    return pair, shard.rpartition("/")[2]
-# A pair replaces its own case and every case of the same tool and file split another way.
-pair, count = split(name)
-report["cases"] = [c for c in report["cases"] if c["name"] != name and not (split(c["name"])[0] == pair
-                                                                           and split(c["name"])[1] != count)]
-report["cases"].append(dict(name=name, metric="errors", value=errors, peers={}, rc=rc, tests=outcome.strip(),
-                            seconds=seconds, date=datetime.date.today().isoformat(),
-                            **({"kernels": kernels} if kernels else {}), **({"k": select} if select else {}),
-                            **({"reports_before_cut": before_cut} if errors is None else {})))
-report["cases"].sort(key=lambda c: c["name"])
-p.write_text(json.dumps(report, indent=1) + "\n")
-print(f"{tool:<10} {file:<34} errors={errors} rc={rc} {seconds:>4}s  {outcome.strip()}")
-PY
+record() {  # tool name rc seconds log: merge one pair's case into the results file (under a lock)
+  flock "$logs/.results.lock" python3 benchmarks/sanitizer_record.py "$results" "$@" "${SANITIZE_KERNELS:-}" "${SANITIZE_K:-}"
 }
 
 run_pair() {  # tool file shard: one sanitizer process over (a shard of) one test file, then its record
