@@ -415,7 +415,7 @@ def test_grids_of_several_waves_take_the_small_shape(batch):
     caches compared bitwise)."""
     import cupy
 
-    from cupy_paged.kernels import decode
+    from cupy_paged.kernels import _decode_shapes as decode
 
     device, ctas = cupy.cuda.Device().id, batch * 8
     if not decode.fewer_waves(ctas, decode._slots(device, BF16, 128, decode.TILES[128]),

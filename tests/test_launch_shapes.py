@@ -1,9 +1,9 @@
 """What the decode launch decides from shapes alone, without a GPU: the split count and the
-pipeline shape (kernels/decode.py's ``choose_splits`` and ``choose_tiles``)."""
+pipeline shape (kernels/_decode_shapes.py's ``choose_splits`` and ``choose_tiles``)."""
 import pytest
 
 from cupy_paged._core.types import BF16, HEAD_DIMS
-from cupy_paged.kernels import decode
+from cupy_paged.kernels import _decode_shapes as decode
 
 H200_SMS = 132
 
