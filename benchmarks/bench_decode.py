@@ -122,14 +122,19 @@ def decode_problem(paged_set, num_splits=0, out=None):
                                              out=out, check_values=False)
 
 
-def ours(sets, num_splits=0):
-    """A closure cycling through ``sets`` (out given, no host checks): one decode call each."""
+def ours(sets, num_splits=0, tiles=None):
+    """A closure cycling through ``sets`` (out given, no host checks): one decode call each, through
+    the public function, or with ``tiles`` through ``kernels.decode.run`` on that pipeline shape."""
     outs = [cupy.empty_like(s[0]) for s in sets]
+    problems = [decode_problem(s, num_splits, out) for s, out in zip(sets, outs)] if tiles is not None else None
     state = {"i": 0}
 
     def call():
         i = state["i"] % len(sets)
         state["i"] += 1
+        if problems is not None:
+            decode_ops.run(problems[i], tiles)
+            return
         q, k, v, table, lens = sets[i]
         cupy_paged.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, out=outs[i],
                                            num_splits=num_splits, check_values=False)
@@ -300,8 +305,7 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
         problems = [decode_problem(one, out=o) for one, o in zip(sets, outs)]
         cupy.cuda.runtime.deviceSynchronize()  # the inputs were filled on the legacy stream; `stream` does not wait for it
         chosen = decode_ops._problem_shape(problems[0], None)
-        row = {"name": f"{batch}x{context} bs16", "ctas": batch * KV_HEADS, "auto_threads": chosen.threads,
-               "shapes": {}}
+        row = {"name": f"{batch}x{context} bs16", "ctas": batch * KV_HEADS, "auto": chosen.tiles.label(), "shapes": {}}
         reference = None
         for tiles in (decode_ops.TILES[DIM],) + SWEEP.get(DIM, ()):
             launches = [(decode_ops.DecodeLaunch(p, tiles), decode_ops.problem_args(p), p) for p in problems]
@@ -333,11 +337,11 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
         del sets, outs, problems
         cupy.get_default_memory_pool().free_all_blocks()
     out.write_text(json.dumps(short_report(rows), indent=1))
-    print(f"{'case':14} {'CTAs':>5} {'shape':10} {'us':>7} {'TB/s':>6} {'splits':>6} {'CTAs/SM':>7} maxdiff  (auto: threads)")
+    print(f"{'case':14} {'CTAs':>5} {'shape':10} {'us':>7} {'TB/s':>6} {'splits':>6} {'CTAs/SM':>7} maxdiff  (num_splits=0 takes)")
     for row in rows:
         for label, r in row["shapes"].items():
             print(f"{row['name']:14} {row['ctas']:5} {label:10} {r['us']:7.2f} {r['tb_s']:6.3f} {r['splits']:6} "
-                  f"{r['ctas_per_sm']:7} {r['maxdiff']:.1e}  ({row['auto_threads']})")
+                  f"{r['ctas_per_sm']:7} {r['maxdiff']:.1e}  ({row['auto']})")
     return 0
 
 
@@ -346,9 +350,7 @@ def short_report(rows: list) -> dict:
     one of its CTA's thread count), both forced shapes as peers, the rows in full beside them."""
     cases = []
     for row in rows:
-        shapes = row["shapes"]
-        chosen = next(label for label, tiles in ((t.label(), t) for t in (decode_ops.TILES[DIM],) + SWEEP.get(DIM, ()))
-                      if tiles.threads == row["auto_threads"] and label in shapes)
+        shapes, chosen = row["shapes"], row["auto"]
         cases.append({"name": row["name"], "metric": "us per launch (the shape num_splits=0 takes)",
                       "value": shapes[chosen]["us"], "shape": chosen, "ctas": row["ctas"],
                       "peers": {f"{label} forced": r["us"] for label, r in shapes.items()}, "shapes": shapes})
@@ -366,7 +368,7 @@ def fixed_cost_case(rng, reps, batches=(32, 64), contexts=(2048, 4096, 8192, 163
         points = []
         for context in contexts:
             sets = make_paged(rng, batch, context, 16)
-            ms = median_ms(ours(sets, 1), reps=reps)
+            ms = median_ms(ours(sets, 1, decode_ops.TILES[DIM]), reps=reps)  # the main shape at both grids
             points.append((context // decode_ops.TILES[DIM].keys, ms * 1e3))
             del sets
             cupy.get_default_memory_pool().free_all_blocks()

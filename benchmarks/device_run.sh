@@ -128,10 +128,10 @@ for step in $steps; do
       done
       run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --profile-from-start off \
         --launch-count 1 "${sections[@]}" python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
-      # beside it, uniform batches of about the same keys per CTA (bf16, block 16, no split): 64 x 600 at
-      # 32/8 heads (512 CTAs), at the engine's 16/4 (256 CTAs, one wave), and 64 x 1,280 at 16/4 (the
-      # engine's longest sequences); their second round, after the compiling one
-      cases=(decode:64x600:bs16:splits=1 decode:64x600:bs16:splits=1:heads=16/4 decode:64x1280:bs16:splits=1:heads=16/4)
+      # beside it, uniform batches of about the same keys per CTA (bf16, block 16, no split, the main
+      # pipeline shape): 64 x 600 at 32/8 heads (512 CTAs), at the engine's 16/4 (256 CTAs, one wave),
+      # and 64 x 1,280 at 16/4 (the engine's longest sequences); their second round, after the compiling one
+      cases=(decode:64x600:bs16:splits=1:main decode:64x600:bs16:splits=1:heads=16/4 decode:64x1280:bs16:splits=1:heads=16/4)
       run_step ncu_attention ncu_attention "${T_NCU:-240}" ncu --clock-control none --launch-skip "${#cases[@]}" \
         --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)

@@ -1,12 +1,14 @@
 """Kernel launches for ``ncu``: where does paged attention spend its time?
 
 Each argument is one case; without arguments, the four of NOTES_decode.md (v6):
-  ``decode:BATCHxCONTEXT:bsN[:splits=S][:sorted][:heads=HQ/HKV]``  flash_attn_with_kvcache, bf16,
-      GQA 32/8 unless ``heads`` says otherwise, D=128 (the decode benchmark's inputs); ``sorted``
-      puts each table in address order
+  ``decode:BATCHxCONTEXT:bsN[:splits=S][:sorted][:heads=HQ/HKV][:main]``  flash_attn_with_kvcache,
+      bf16, GQA 32/8 unless ``heads`` says otherwise, D=128 (the decode benchmark's inputs);
+      ``sorted`` puts each table in address order; ``main`` launches the main pipeline shape where
+      ``num_splits=0`` would take the small one (grids of more than one main-shape wave)
   ``varlen``, ``varlen-paged``  causal D=128, 8 x 4096, contiguous K/V or through a shuffled
       block table of block size 16
-The defaults: decode:64x4096:bs16:sorted decode:64x4096:bs256:sorted varlen varlen-paged
+The defaults (their 512-CTA decode grids take the small shape; ``:main`` for the main one):
+decode:64x4096:bs16:sorted decode:64x4096:bs256:sorted varlen varlen-paged
 (the two sorted decode cases read exactly the same addresses, so any difference between them
 is the kernel's, not the memory's).
 
@@ -47,7 +49,9 @@ def decode_case(rng, spec):
         sets = bench_decode.make_paged(rng, batch, context, int(block[2:]), shuffle="sorted" not in options)
     finally:
         bench_decode.HEADS, bench_decode.KV_HEADS = saved
-    return bench_decode.ours(sets, splits), 1 + (decode_ops.plan(bench_decode.decode_problem(sets[0], splits)) > 1)
+    tiles = decode_ops.TILES[bench_decode.DIM] if "main" in options else None
+    return (bench_decode.ours(sets, splits, tiles),
+            1 + (decode_ops.plan(bench_decode.decode_problem(sets[0], splits), tiles) > 1))
 
 
 def main(argv: list[str]) -> int:

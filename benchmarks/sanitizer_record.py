@@ -101,9 +101,9 @@ def merge(results: pathlib.Path, new: dict) -> None:
     file and selection split into another number of shards."""
     report = json.loads(results.read_text()) if results.exists() else {"cases": []}
 
-    def split(case_name):  # "TOOL:FILE[i/n]" -> ("TOOL:FILE", "n]"); "TOOL:FILE" -> ("TOOL:FILE", "")
-        pair, _, shard = case_name.partition("[")
-        return pair, shard.rpartition("/")[2]
+    def split(case_name):  # "TOOL:FILE[i/n]" -> ("TOOL:FILE", "n"); "TOOL:FILE -k t[48]" -> itself, ""
+        shard = re.fullmatch(r"(.*)\[(\d+)/(\d+)\]", case_name)
+        return (shard.group(1), shard.group(3)) if shard else (case_name, "")
 
     pair, count = split(new["name"])
     report["cases"] = [c for c in report["cases"]

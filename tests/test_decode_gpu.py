@@ -417,17 +417,22 @@ def test_grids_of_several_waves_take_the_small_shape(batch):
 
     from cupy_paged.kernels import _decode_shapes as decode
 
+    from cupy_paged.api.decode import prepare_decode
+    from cupy_paged.kernels.decode import DecodeLaunch
+
     device, ctas = cupy.cuda.Device().id, batch * 8
-    if not decode.fewer_waves(ctas, decode._slots(device, BF16, 128, decode.TILES[128]),
-                              decode._slots(device, BF16, 128, decode.SMALL_TILES[128])):
+    main, small = decode._slots(device, BF16, 128, decode.TILES[128]), decode._slots(device, BF16, 128,
+                                                                                     decode.SMALL_TILES[128])
+    if not (ctas > main and decode.fewer_waves(ctas, main, small)):
         pytest.skip(f"on this GPU {ctas} CTAs take no fewer waves with the small shape")
-    assert decode.choose_tiles(device, BF16, 128, ctas, 0) == decode.SMALL_TILES[128]
     rng = np.random.default_rng(batch)
     lengths = [0, 1, 15, 16, 17, 200] + rng.integers(0, 200, batch - 6).tolist()
     case = make_case(rng, BF16, 128, 32, 8, 16, lengths, 1, 1)
     case["block_table"][3, 0] = -1  # a hole where sequence 3 has keys
     ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case)
     dev = {name: cupy.asarray(value) for name, value in case.items()}
+    launch = DecodeLaunch(prepare_decode(**dev, causal=True, check_values=False))
+    assert launch.shape.tiles == decode.SMALL_TILES[128] and launch.splits == 1  # what the call below runs
     out, lse = cupy_paged.flash_attn_with_kvcache(**dev, causal=True, return_softmax_lse=True, check_values=False,
                                                   out=poisoned(case["q"].shape, case["q"].dtype, cupy))
     assert_close(out, ref_out, BF16)
@@ -448,7 +453,7 @@ def test_launch_plans_follow_shapes():
 
 # ---- the CANDIDATES shapes: a shape that is adopted is already verified.
 def _candidate_params():
-    """The CANDIDATES and the registered small shape of every head dim (``SMALL_TILES``)."""
+    """The CANDIDATES and the registered small shapes (``SMALL_TILES``)."""
     from cupy_paged.kernels.decode import SMALL_TILES
 
     shapes = {(head_dim, tiles) for head_dim, listed in CANDIDATES.items() for tiles in listed}

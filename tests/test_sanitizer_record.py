@@ -75,6 +75,11 @@ def test_a_pair_replaces_its_own_case_and_other_splits_of_its_selection(tmp_path
     record.merge(results, {"name": "racecheck:t.py[0/3]", "value": 1})
     names = [c["name"] for c in json.loads(results.read_text())["cases"]]
     assert names == ["memcheck:t.py", "racecheck:t.py -k a", "racecheck:t.py[0/3]"]
+    # a -k selection of one parametrized test is not a shard
+    record.merge(results, {"name": "racecheck:t.py -k test_a[48]", "value": 0})
+    record.merge(results, {"name": "racecheck:t.py -k test_a[80]", "value": 0})
+    names = [c["name"] for c in json.loads(results.read_text())["cases"]]
+    assert "racecheck:t.py -k test_a[48]" in names and "racecheck:t.py -k test_a[80]" in names
 
 
 def test_project_kernels_are_every_global_of_the_sources():

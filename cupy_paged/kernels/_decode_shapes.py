@@ -12,7 +12,7 @@ from .._core.types import HEAD_DIMS, KERNEL_DTYPES
 from ._launch import cuda_scalar, device_property, smem_row_bytes
 
 SOURCE = "decode.cu"
-WARPS = 4               # warps per CTA of the registered shapes
+WARPS = 4               # warps per CTA of the main shapes (TILES)
 COMBINE_THREADS = 128   # kCombineThreads in decode.cu
 ROWS_PER_CTA = 16       # kRows in decode.cu: query rows (GQA heads x query tokens) per CTA, mma M
 STAGES = 3              # cp.async pipeline depth
@@ -60,11 +60,14 @@ class Tiles:
                 + (self.stages + id_slots) * self.keys * 4 + 16)
 
 
-# The registered shape of each head dim (the keys ``all_keys`` lists).
+# The main shape of each head dim: every variant (plain, rotary, ragged) has it.
 TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
-# Half its keys on half its warps: twice as many CTAs fit an SM, so a grid of more than one wave
-# of the registered CTAs runs in about half the waves (:func:`choose_tiles`).
-SMALL_TILES = {head_dim: Tiles(tiles.keys // 2, tiles.stages, tiles.warps // 2) for head_dim, tiles in TILES.items()}
+# The small shape, plain launches only: half the keys on half the warps, about half the shared
+# memory, so about twice the CTAs an SM and a grid of more than one wave of main-shape CTAs runs
+# in about half the waves (:func:`choose_tiles`).  Registered where it was measured against the
+# main shape (head dim 128, benchmarks/NOTES_decode.md v15); ``Tiles(keys // 2, warps=2)`` of
+# another head dim builds and passes the GPU tests, unmeasured.
+SMALL_TILES = {128: Tiles(TILES[128].keys // 2, TILES[128].stages, TILES[128].warps // 2)}
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False,
@@ -83,7 +86,7 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = 
 def all_keys():
     return [kernel_key(dtype, d, rotary=r, ragged=g) for r, g in ((False, False), (True, False), (False, True))
             for dtype in KERNEL_DTYPES for d in HEAD_DIMS] + [
-        kernel_key(dtype, d, SMALL_TILES[d]) for dtype in KERNEL_DTYPES for d in HEAD_DIMS]
+        kernel_key(dtype, d, tiles) for dtype in KERNEL_DTYPES for d, tiles in SMALL_TILES.items()]
 
 
 # --------------------------------------------------------------------------- split count and shape
@@ -138,15 +141,17 @@ def _slots(device: int, dtype, head_dim: int, tiles: Tiles) -> int:
 
 def choose_tiles(device: int, dtype, head_dim: int, num_ctas: int, num_splits: int) -> Tiles:
     """The pipeline shape of a plain launch (no rotary, no trace) of ``num_ctas`` CTAs a split:
-    :data:`SMALL_TILES` when that takes fewer waves (:func:`fewer_waves`) and no split was asked
-    for, else :data:`TILES`.  Each wave costs a fixed part (its CTAs' start and drain) beside the
-    bytes it streams, which both shapes stream at the same rate, so fewer waves is less time; a
-    grid of one wave of registered CTAs keeps them (the small shape's two warps a CTA would leave
-    half its slots empty)."""
+    :data:`SMALL_TILES` when it runs them in fewer waves (:func:`fewer_waves`) and no split was
+    asked for, else :data:`TILES`.  Each wave costs a fixed part (its CTAs' start and drain) beside
+    the bytes it streams, which both shapes streamed at the same rate where measured, so fewer
+    waves is less time.  A grid of at most one wave of main-shape CTAs keeps the main shape (whose
+    split count then fills the machine; the small shape is not loaded); a grid of more is not split
+    on the small shape either (the caller's ``_shape``)."""
     tiles = TILES[head_dim]
-    if num_splits > 1:
+    small = SMALL_TILES.get(head_dim)
+    if small is None or num_splits > 1:
         return tiles
-    small = SMALL_TILES[head_dim]
-    if fewer_waves(num_ctas, _slots(device, dtype, head_dim, tiles), _slots(device, dtype, head_dim, small)):
+    slots = _slots(device, dtype, head_dim, tiles)
+    if num_ctas > slots and fewer_waves(num_ctas, slots, _slots(device, dtype, head_dim, small)):
         return small
     return tiles

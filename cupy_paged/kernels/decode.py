@@ -24,11 +24,13 @@ workspace, so it too must be sized before a capture: one eager call), and an int
 
 Tile shapes and tracing
 -----------------------
-Two specializations per (dtype, head dim); their pipeline shapes (keys per stage, stages, warps)
-are :data:`TILES` and :data:`SMALL_TILES` (half the keys on half the warps), the second taken
-when it runs a grid in fewer waves than the first (:func:`choose_tiles`, from shapes alone, kept
-per shape like the split count).  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)`` launch another shape
-(the benchmark's sweep and the GPU tests name theirs).  ``trace=`` launches the ``TRACE``
+A plain specialization per (dtype, head dim) of the main pipeline shape (keys per stage, stages,
+warps: :data:`TILES`), and at head dim 128 one of the small shape (:data:`SMALL_TILES`, half the
+keys on half the warps), which a plain launch takes when it runs the grid in fewer waves, unsplit
+(:func:`choose_tiles`, from shapes alone, kept per shape like the split count; its module loads
+at the first such call, so a warm-up call of each captured shape, which the split workspace needs
+anyway, also loads it outside the capture).  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)``
+launch a named shape (the benchmark's sweep and the GPU tests name theirs).  ``trace=`` launches the ``TRACE``
 specialization, which records each CTA's start, end and SM for the benchmark's ``--trace``: the
 registered keys (:func:`all_keys`) hold no trace code and take no trace argument.
 """
@@ -112,7 +114,12 @@ class _Shape:
     splits: int
     rows: int          # rows of a GQA group: (H / Hkv) * seqlen_q
     row_groups: int    # CTAs per (split, kv head, sequence)
-    threads: int       # of a paged_decode CTA
+    tiles: Tiles       # the pipeline shape launched
+
+    @property
+    def threads(self) -> int:
+        """Of a paged_decode CTA."""
+        return self.tiles.threads
 
 
 def _cache_geometry(p: DecodeProblem) -> tuple[int, int, int]:
@@ -132,19 +139,22 @@ def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int,
     batch, seqlen_q, num_heads, head_dim = q_shape
     rows = (num_heads // num_kv_heads) * seqlen_q
     row_groups = -(-rows // ROWS_PER_CTA)
+    num_ctas = batch * num_kv_heads * row_groups
+    chosen = tiles is None and not (rotary or trace)
     if tiles is None:
-        tiles = (TILES[head_dim] if rotary or trace else
-                 choose_tiles(device, dtype, head_dim, batch * num_kv_heads * row_groups, num_splits))
+        tiles = choose_tiles(device, dtype, head_dim, num_ctas, num_splits) if chosen else TILES[head_dim]
     kernels = kernel_key(dtype, head_dim, tiles, rotary, trace)
     smem = tiles.smem_bytes(head_dim)
     decode = get_function(kernels, "paged_decode", smem)
     if num_splits:
         splits = min(num_splits, MAX_SPLITS)
+    elif chosen and tiles != TILES[head_dim]:
+        splits = 1  # chosen for a grid of more than one main-shape wave, which that shape would not split
     else:
-        splits = choose_splits(batch * num_kv_heads * row_groups, max_keys, tiles.keys,
-                               _num_sms(device), ctas_per_sm(decode.num_regs, smem, tiles.threads))
+        splits = choose_splits(num_ctas, max_keys, tiles.keys, _num_sms(device),
+                               ctas_per_sm(decode.num_regs, smem, tiles.threads))
     return _Shape(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
-                  splits, rows, row_groups, tiles.threads)
+                  splits, rows, row_groups, tiles)
 
 
 def _problem_shape(p: DecodeProblem, tiles: Tiles | None, trace: bool = False) -> _Shape:
@@ -166,7 +176,7 @@ class DecodeLaunch:
     Built from a checked problem whose arrays are device :class:`~cupy_paged._core.arrays.Array`
     descriptors; valid for every call with the same shapes, strides, dtypes, device and
     scalar arguments (the call memo of ``api/_call.py`` keys it so).  ``tiles``: another pipeline
-    shape than ``TILES[head_dim]``; ``trace``: a uint64 CuPy array of 3 per CTA (:func:`trace_size`)
+    shape than :func:`choose_tiles`'s; ``trace``: a uint64 CuPy array of 3 per CTA (:func:`trace_size`)
     that each launch fills with every CTA's start and end on the GPU's nanosecond clock and its SM
     (the TRACE specialization; for the benchmark).
     """
