@@ -203,9 +203,13 @@ def _decode_cache(rng, args: dict, cached: list, seqlen_new: int, kv_heads: int,
 def draw_decode(rng) -> dict:
     num_heads, kv_heads, head_dim, dtype = _heads(rng)
     batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
+    longest = 400
+    if rng.random() < 0.1:  # a wide grid of short sequences: about the decode kernel's shape boundaries
+        num_heads, kv_heads, head_dim = 32, 8, 128  # (34-70 x 8 CTAs: one main-shape wave or more)
+        batch, longest = int(rng.integers(30, 71)), 160
     seqlen_q = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
     seqlen_new = 0 if rng.random() < 0.3 else int(rng.choice([1, 1, 1, 2, 3]))
-    cached = _fit([seqlen_q] * batch, _lengths(rng, batch, 400), num_heads)[1]
+    cached = _fit([seqlen_q] * batch, _lengths(rng, batch, longest), num_heads)[1]
     if batch and rng.random() < 0.15:  # one int for every sequence
         cached = [cached[0]] * batch
     args = dict(q=_values(rng, (batch, seqlen_q, num_heads, head_dim), dtype))

@@ -83,6 +83,9 @@ def test_decode_draws_cover_the_space(drawn):
     assert {0, 1} <= seqlens
     assert {a["num_splits"] for a in args} >= {0, 1, 2, 8}
     assert {a["q"].shape[1] for a in args} >= {1, 2}
+    # grids on both sides of one main-shape wave of the decode kernel (264 CTAs on an H200 at D = 128)
+    ctas = [a["q"].shape[0] * a["k_cache"].shape[2] for a in args if a["q"].shape[-1] == 128]
+    assert any(c <= 264 for c in ctas) and any(264 < c <= 528 for c in ctas)
 
 
 def test_write_and_merge_draws_cover_the_space(drawn):
@@ -162,6 +165,8 @@ def test_regressions_found_by_the_fuzzer_run_clean():
     """Configurations that once failed: decode seed 0 #25 (an empty batch with rotary: the
     reference stacked an empty list); step seed 0 #11 (a decode plan's attention on the CPU
     returned a view of out= instead of out)."""
+    empty_rotary = fuzz.draw("decode", 0, 25)["args"]
+    assert empty_rotary["q"].shape[0] == 0 and "rotary_cos" in empty_rotary  # still the case it was
     for kernel, seed, index in (("decode", 0, 25), ("step", 0, 11)):
         assert fuzz.check_case(fuzz.draw(kernel, seed, index), dry_run=True)[1] == []
 
