@@ -56,6 +56,10 @@ for step in $steps; do
       rm -f benchmarks/results/decode_short.json
       run_step bench_decode_short bench_decode_short "${T_BENCH:-150}" python3 benchmarks/bench_decode.py --short-sweep
       collect_results ;;
+    bench_gemm)  # the example engine's products at M = 64 and 256: its [K, N] weights, [N, K], torch's F.linear
+      rm -f benchmarks/results/gemm.json
+      run_step bench_gemm bench_gemm "${T_BENCH:-150}" python3 benchmarks/bench_gemm.py
+      cp benchmarks/results/gemm.json "$OUT/" 2>/dev/null ;;
     bench_varlen)
       rm -f benchmarks/results/varlen.json
       run_step bench_varlen bench_varlen "${T_BENCH:-150}" python3 benchmarks/bench_varlen.py ${BENCH_VARLEN_ARGS:---reps 10}
@@ -136,7 +140,7 @@ for step in $steps; do
         --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

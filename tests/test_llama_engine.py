@@ -446,21 +446,26 @@ def _gpu_engines(graph_sizes, graph_attention="decode"):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows_out", [False, True], ids=["b-k-n", "b-n-k"])
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
-def test_cublas_gemm_matches_numpy_and_can_be_captured(dtype):
+def test_cublas_gemm_matches_numpy_and_can_be_captured(dtype, rows_out):
+    """``a @ b`` with b ``[K, N]``, and ``a @ b.T`` with b ``[N, K]`` (``b_rows_out``), eager and
+    captured in a CUDA graph, against float64 NumPy."""
     import cupy
     from llama.cublas import Gemm
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in ((37, 96), (96, 200)))
     want = a.astype(np.float64) @ b.astype(np.float64)
+    if rows_out:
+        b = np.ascontiguousarray(b.T)
     gemm, stream = Gemm(), cupy.cuda.Stream(non_blocking=True)
     with stream:
         da, db = cupy.asarray(a), cupy.asarray(b)
-        eager = gemm(da, db)
+        eager = gemm(da, db, b_rows_out=rows_out)
         stream.begin_capture()
         try:
-            captured = gemm(da, db)
+            captured = gemm(da, db, b_rows_out=rows_out)
         finally:
             graph = stream.end_capture()
         graph.launch(stream=stream)

@@ -19,7 +19,7 @@ import numpy as np
 _DATA_TYPE = {np.dtype(np.float16): 2, np.dtype(ml_dtypes.bfloat16): 14, np.dtype(np.float32): 0,
               np.dtype(np.float64): 1}
 _COMPUTE_32F, _COMPUTE_64F = 68, 70
-_OP_N, _GEMM_DEFAULT = 0, -1
+_OP_N, _OP_T, _GEMM_DEFAULT = 0, 1, -1
 # On the H200 a 32 MiB workspace made each bf16 [64, 2048] x [2048, 3072] call cost 49 us of host
 # time against 28 us with 4 MiB (and 24 us for CuPy's own matmul): 4 MiB it is.
 WORKSPACE_BYTES = 4 << 20
@@ -88,17 +88,20 @@ class Gemm:
                         "cublasSetWorkspace")
             self._stream = stream
 
-    def __call__(self, a, b, out_dtype=None):
+    def __call__(self, a, b, out_dtype=None, b_rows_out: bool = False):
         """``a [M, K] @ b [K, N]`` -> a new ``[M, N]`` array of ``out_dtype`` (default ``a``'s dtype;
         float32 for half-precision inputs is the other choice), float32 or float64 accumulation;
-        both C-contiguous, of one dtype."""
+        both C-contiguous, of one dtype.  ``b_rows_out``: ``b`` is ``[N, K]`` (a linear layer's
+        weight as checkpoints store it, torch's ``F.linear`` layout) and the product is ``a @ b.T``."""
         import cupy
 
-        if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-            raise ValueError(f"need [M, K] @ [K, N] of one dtype; got {a.shape} {a.dtype} @ {b.shape} {b.dtype}")
+        k_of_b = b.shape[1] if b_rows_out else b.shape[0]
+        if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != k_of_b:
+            layout = "[N, K]" if b_rows_out else "[K, N]"
+            raise ValueError(f"need [M, K] @ {layout} of one dtype; got {a.shape} {a.dtype} @ {b.shape} {b.dtype}")
         if not (a.flags.c_contiguous and b.flags.c_contiguous):
             a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
-        (m, k), n = a.shape, b.shape[1]
+        (m, k), n = a.shape, (b.shape[0] if b_rows_out else b.shape[1])
         out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
         if out_dtype != a.dtype and not (out_dtype == np.float32 and a.dtype.itemsize == 2):
             raise ValueError(f"a {a.dtype} product can be written as {a.dtype} or, for half precision, float32; "
@@ -110,8 +113,10 @@ class Gemm:
         data = _DATA_TYPE[np.dtype(a.dtype)]
         compute = _COMPUTE_64F if data == 1 else _COMPUTE_32F
         alpha, beta = self._scalars[compute]
-        # Row-major C = A B is column-major C^T = B^T A^T: cuBLAS multiplies b by a.
-        self._check(self._gemm(self._handle, _OP_N, _OP_N, n, m, k, ctypes.addressof(alpha), b.data.ptr, data, n,
+        # Row-major C = A B is column-major C^T = B^T A^T: cuBLAS multiplies b by a.  A row-major
+        # [N, K] b is a column-major [K, N] matrix, which cuBLAS reads transposed.
+        op_b, ld_b = (_OP_T, k) if b_rows_out else (_OP_N, n)
+        self._check(self._gemm(self._handle, op_b, _OP_N, n, m, k, ctypes.addressof(alpha), b.data.ptr, data, ld_b,
                                a.data.ptr, data, k, ctypes.addressof(beta), out.data.ptr, _DATA_TYPE[out_dtype], n,
                                compute,
                                _GEMM_DEFAULT), "cublasGemmEx")

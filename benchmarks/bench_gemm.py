@@ -1,0 +1,155 @@
+"""The example engine's products at decode batch sizes: its weight layout against checkpoints' and torch's.
+
+The engine (``examples/llama``) multiplies activations ``[M, K]`` by weights it stores ``[K, N]``
+(cuBLAS's "NN" kernels); checkpoints store a linear layer's weight ``[N, K]``, which torch's
+``F.linear`` reads transposed ("TN").  Under ncu a decode step's products at 64 requests read 878 MB
+at 2.2 TB/s (benchmarks/NOTES_e2e.md section 8), against the 4.44 TB/s read ceiling.  This times
+each product of the default model (hidden 2048, 16/4 heads of 128, intermediate 5632, vocab
+32000, bf16) at M = 64 and 256, kernel time only: 20 products captured in a CUDA graph, the
+weights rotating over enough copies to pass the 50 MB L2, the median of graph replays between
+CUDA events.  Three ways: ``Gemm(a, w)`` with ``w [K, N]`` (the engine today), ``Gemm(a, w,
+b_rows_out=True)`` with ``w [N, K]``, and torch's ``F.linear`` on the same ``[N, K]`` weights (a
+peer, skipped without torch).  Writes ``results/gemm.json`` (cases: name, metric, value = the
+engine's layout, floor = weight bytes / 4.44 TB/s, peers).
+
+    python benchmarks/bench_gemm.py [--reps 30]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+from cupy_paged._core.types import BF16  # noqa: E402
+
+READ_CEILING = 4.44e12
+PER_GRAPH = 20
+L2_PASS = 150e6  # bytes of weight copies to rotate over, three times the L2
+# (name, K, N) of the default model's products (examples/llama/config.py's GPU default).
+PRODUCTS = (("qkv", 2048, 3072), ("out", 2048, 2048), ("gate_up", 2048, 11264), ("down", 5632, 2048),
+            ("lm_head", 2048, 32000))
+
+
+def graph_us(capture, replay, reps: int) -> float:
+    """Median microseconds a product over ``reps`` replays of a graph of ``PER_GRAPH`` of them:
+    ``capture()`` builds it, ``replay()`` launches it once on the timed stream."""
+    import cupy
+
+    capture()
+    times = []
+    for _ in range(reps + 3):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        replay()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / PER_GRAPH)
+    return float(np.median(times[3:]))
+
+
+def ours(a, weights, rows_out: bool, reps: int) -> float:
+    """The engine's ``Gemm`` over ``weights`` (each ``[K, N]``, or ``[N, K]`` with ``rows_out``)."""
+    import cupy
+    from llama.cublas import Gemm
+
+    gemm, stream, held = Gemm(), cupy.cuda.Stream(non_blocking=True), {}
+    with stream:
+        for w in weights:  # eager first: cuBLAS's choice of kernel, outside the capture
+            gemm(a, w, b_rows_out=rows_out)
+        stream.synchronize()
+
+    def capture():
+        with stream:
+            stream.begin_capture()
+            try:
+                for i in range(PER_GRAPH):
+                    gemm(a, weights[i % len(weights)], b_rows_out=rows_out)
+            finally:
+                held["graph"] = stream.end_capture()
+
+    def replay():
+        held["graph"].launch(stream=cupy.cuda.get_current_stream())
+
+    return graph_us(capture, replay, reps)
+
+
+def torch_linear(a, weights, reps: int) -> float | None:
+    """torch's ``F.linear`` on the same ``[N, K]`` weights (shared through DLPack), or None."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    import cupy
+
+    def tensor(x):  # bfloat16 through its bits: DLPack carries uint16 everywhere
+        return torch.from_dlpack(x.view(cupy.uint16)).view(torch.bfloat16)
+
+    ta = tensor(a)
+    tw = [tensor(w) for w in weights]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in tw:
+            F.linear(ta, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+
+    def capture():
+        with torch.cuda.graph(graph):
+            for i in range(PER_GRAPH):
+                F.linear(ta, tw[i % len(tw)])
+
+    return graph_us(capture, graph.replay, reps)
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results" / "gemm.json")
+    args = parser.parse_args(argv)
+    rng = cupy.random.default_rng(0)
+
+    def randn_bf16(shape):  # the top 16 bits of float32 normals, as bench_decode.py makes them
+        bits = rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(BF16)
+    cases = []
+    print(f"{'product':8} {'M':>4} {'MB':>6} {'floor us':>8} {'[K,N] us':>9} {'[N,K] us':>9} {'F.linear':>9}")
+    for name, k, n in PRODUCTS:
+        nbytes = k * n * 2
+        copies = max(2, math.ceil(L2_PASS / nbytes))
+        kn = [randn_bf16((k, n)) for _ in range(copies)]
+        nk = [cupy.ascontiguousarray(w.T) for w in kn]
+        for m in (64, 256):
+            a = randn_bf16((m, k))
+            floor = nbytes / READ_CEILING * 1e6
+            today, rows_out, peer = ours(a, kn, False, args.reps), ours(a, nk, True, args.reps), torch_linear(
+                a, nk, args.reps)
+            peers = {"ours, [N, K] weights": round(rows_out, 2)}
+            if peer is not None:
+                peers["torch F.linear, [N, K] weights"] = round(peer, 2)
+            cases.append({"name": f"{name} M={m} K={k} N={n}", "metric": "us per product", "value": round(today, 2),
+                          "floor": round(floor, 2), "peers": peers})
+            print(f"{name:8} {m:4} {nbytes / 1e6:6.1f} {floor:8.2f} {today:9.2f} {rows_out:9.2f} "
+                  f"{'-' if peer is None else f'{peer:9.2f}':>9}", flush=True)
+        del kn, nk
+        cupy.get_default_memory_pool().free_all_blocks()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "cases": cases}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
