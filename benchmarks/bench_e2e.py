@@ -167,6 +167,8 @@ def parse_args(argv=None):
     p.add_argument("--max-seconds", type=float, help="skip a run that would end past this many seconds")
     p.add_argument("--max-run-seconds", type=float, help="skip a run predicted to take longer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-layout", choices=("in_out", "out_in"), default="in_out",
+                   help="our model's weights [in, out], or [out, in] as the checkpoint stores them")
     p.add_argument("--out", type=pathlib.Path)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="print the planned runs and their predicted seconds")
@@ -266,8 +268,8 @@ def load_ours(args, folder):
     if args.device == "gpu":
         import cupy
 
-        return LlamaModel(config, weights, cupy, BF16)
-    return LlamaModel(config, weights, np, np.float32)
+        return LlamaModel(config, weights, cupy, BF16, weight_layout=args.weight_layout)
+    return LlamaModel(config, weights, np, np.float32, weight_layout=args.weight_layout)
 
 
 def make_prompts(args, n: int, vocab: int) -> list[list[int]]:
@@ -739,7 +741,8 @@ class Bench:
                    workload=dict(concurrency=args.concurrency, sweep=args.sweep, seed=args.seed,
                                  prompt_tokens=[args.min_prompt, args.max_prompt], max_new_tokens=args.max_new_tokens,
                                  sampling="greedy", eos="none: every request generates max_new_tokens",
-                                 max_batch_tokens=args.max_batch_tokens, hf_warmup_tokens=args.hf_warmup_tokens),
+                                 max_batch_tokens=args.max_batch_tokens, hf_warmup_tokens=args.hf_warmup_tokens,
+                                 weight_layout=args.weight_layout),
                    floor=dict(read_bytes_per_s=READ_TBS, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
                               what="per decode step: every layer's matrices and the LM head once, plus the K/V "
                                    "of the running sequences' contexts"),

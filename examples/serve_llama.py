@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-warm-up", action="store_true", help="time the first steps' kernel compilation too")
+    p.add_argument("--weight-layout", choices=("in_out", "out_in"), default="in_out",
+                   help="the products' weights [in, out], or [out, in] as checkpoints store them (LlamaModel)")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu or not gpu_available() else "gpu"
     for name, value in DEFAULTS[device].items():
@@ -124,7 +126,7 @@ def build_model(args, rank: int = 0):
     if args.tp > 1:
         config, weights = shard(config, weights, rank, args.tp)
         source += f", tensor parallel: rank {rank} of {args.tp}"
-    model = LlamaModel(config, weights, xp, args.dtype)
+    model = LlamaModel(config, weights, xp, args.dtype, weight_layout=args.weight_layout)
     return model, source, time.perf_counter() - start
 
 

@@ -191,10 +191,14 @@ def test_async_engine_recovers_from_a_failed_step_ahead(where, monkeypatch):
 # --------------------------------------------------------------------------- (b) logits
 
 
-def test_prefill_step_logits_equal_a_dense_forward():
-    """One prefill step of three prompts (varlen path): each last-token row equals the dense forward."""
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_prefill_step_logits_equal_a_dense_forward(layout):
+    """One prefill step of three prompts (varlen path), the weights held either way: each
+    last-token row equals the dense forward."""
     weights = random_weights(TINY, 5)
-    model = LlamaModel(TINY, weights, np, np.float64)
+    model = LlamaModel(TINY, weights, np, np.float64, weight_layout=layout)
+    shape = (TINY.hidden_size, TINY.q_size + 2 * TINY.kv_size)
+    assert model.layers[0].qkv.shape == (shape if layout == "in_out" else shape[::-1])
     engine = Engine(model, block_size=8, num_blocks=32, max_batch_tokens=128, ragged=False)
     prompts = [[5, 17, 3], list(range(1, 40)), [int(t) for t in np.random.default_rng(2).integers(0, 96, 21)]]
     for i, prompt in enumerate(prompts):
@@ -205,6 +209,11 @@ def test_prefill_step_logits_equal_a_dense_forward():
     for row, prompt in zip(logits, prompts):
         expected = dense_logits(TINY, weights, prompt)[-1]
         np.testing.assert_allclose(row, expected, rtol=1e-9, atol=1e-9 * np.abs(expected).max())
+
+
+def test_a_weight_layout_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="weight_layout"):
+        LlamaModel(TINY, random_weights(TINY, 5), np, np.float64, weight_layout="transposed")
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-9), (np.float32, 2e-4)])
@@ -637,6 +646,27 @@ def test_fused_kernels_equal_the_array_expressions(dtype):
     wide[2, [100, 30001]] = cupy.nan
     got = argmax_rows(wide).get().tolist()
     assert got == np.argmax(wide.get(), axis=-1).tolist() and got[:3] == [31999, 5, 100]
+
+
+@pytest.mark.gpu
+def test_gpu_weight_layouts_give_the_same_logits():
+    """The same weights held [in, out] and [out, in] (read transposed by cuBLAS): one prefill
+    step's logits within bfloat16 rounding of each other, through the fused forward."""
+    import cupy
+    import cupy_paged
+
+    model, engine, _ = _gpu_engines(graph_sizes=[8])
+    config = model.config
+    other = LlamaModel(config, random_weights(config, 3), cupy, BF16, weight_layout="out_in")  # _gpu_engines' weights
+    for r in request_mix(count=5, vocab=1000, new_tokens=3):
+        engine.add_request(r)
+    with engine.stream:
+        plan = engine.scheduler.schedule()
+        want = model.forward(plan, engine.cache).get()
+        got = other.forward(plan, engine.cache).get()  # writes the same K/V again
+    assert np.isfinite(got).all() and got.shape == want.shape
+    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
+    cupy_paged.check_errors()
 
 
 @pytest.mark.gpu

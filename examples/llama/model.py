@@ -12,6 +12,7 @@ float32 accumulation, called through :mod:`llama.cublas` so that CUDA graphs can
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -57,6 +58,9 @@ def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, 
 
 @dataclasses.dataclass
 class _Layer:
+    """One layer's weights; the matrices ``[in, out]`` as written, ``[out, in]`` with the model's
+    ``weight_layout="out_in"``."""
+
     input_norm: object   # [hidden] accumulation dtype
     qkv: object          # [hidden, q_size + 2 * kv_size]: q, k and v projections side by side
     out: object          # [q_size, hidden]
@@ -79,6 +83,10 @@ class LlamaModel:
         Weights and attention dtype: bfloat16 / float16 with CuPy; float32 / float64 with NumPy.
     max_positions : int, optional
         Rotary table length (default ``config.max_position_embeddings``).
+    weight_layout : {"in_out", "out_in"}
+        How the products' weights are held: ``[in, out]`` (``x @ w``), or ``[out, in]`` as the
+        checkpoint stores them, read transposed (``x @ w.T``: torch's ``F.linear`` layout, which
+        cuBLAS runs with other kernels; ``benchmarks/bench_gemm.py`` times both).
 
     Examples
     --------
@@ -89,19 +97,24 @@ class LlamaModel:
     (128, 256)
     """
 
-    def __init__(self, config: LlamaConfig, weights: dict, xp=np, dtype=np.float32, max_positions=None):
+    def __init__(self, config: LlamaConfig, weights: dict, xp=np, dtype=np.float32, max_positions=None,
+                 weight_layout: str = "in_out"):
         self.config, self.xp, self.dtype = config, xp, np.dtype(dtype)
         self.acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        if weight_layout not in ("in_out", "out_in"):
+            raise ValueError(f"weight_layout must be 'in_out' or 'out_in'; got {weight_layout!r}")
+        self.weight_layout = weight_layout
+        rows_out = weight_layout == "out_in"
         if xp is np:
-            self.matmul = np.matmul
+            self.matmul = (lambda a, w: np.matmul(a, w.T)) if rows_out else np.matmul
         else:
             from .cublas import Gemm
 
-            self.matmul = Gemm()
+            self.matmul = functools.partial(Gemm(), b_rows_out=True) if rows_out else Gemm()
 
-        def matrix(*names):  # HF [out, in] matrices -> one [in, sum(out)] device matrix
-            joined = np.concatenate([weights[n] for n in names], axis=0).T
-            return xp.asarray(np.ascontiguousarray(joined.astype(self.dtype)))
+        def matrix(*names):  # HF [out, in] matrices -> one [in, sum(out)] (or [sum(out), in]) device matrix
+            joined = np.concatenate([weights[n] for n in names], axis=0)
+            return xp.asarray(np.ascontiguousarray((joined if rows_out else joined.T).astype(self.dtype)))
 
         def vector(name):
             return xp.asarray(weights[name].astype(self.acc))
@@ -117,7 +130,7 @@ class LlamaModel:
                 matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), matrix(p + "mlp.down_proj.weight")))
         self.norm = vector("model.norm.weight")
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = matrix(head)  # [hidden, vocab]
+        self.lm_head = matrix(head)  # [hidden, vocab] ([vocab, hidden] out_in)
         cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos.astype(self.acc)), xp.asarray(sin.astype(self.acc))
         # Tensor parallelism (llama.parallel): the sum over ranks of the attention output and MLP
