@@ -185,6 +185,8 @@ def parse_args(argv=None):
         p.error("--concurrency needs at least one request count")
     if args.out is None:
         args.out = RESULTS if args.device == "gpu" else pathlib.Path(tempfile.gettempdir()) / "e2e_cpu.json"
+        if args.weight_layout != "in_out":  # not over the default layout's figures
+            args.out = args.out.with_name(f"{args.out.stem}_{args.weight_layout}.json")
     return args
 
 

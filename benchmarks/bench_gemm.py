@@ -5,9 +5,10 @@ The engine (``examples/llama``) multiplies activations ``[M, K]`` by weights it 
 ``F.linear`` reads transposed ("TN").  Under ncu a decode step's products at 64 requests read 878 MB
 at 2.2 TB/s (benchmarks/NOTES_e2e.md section 8), against the 4.44 TB/s read ceiling.  This times
 each product of the default model (hidden 2048, 16/4 heads of 128, intermediate 5632, vocab
-32000, bf16) at M = 64 and 256, kernel time only: 20 products captured in a CUDA graph, the
-weights rotating over enough copies to pass the 50 MB L2, the median of graph replays between
-CUDA events.  Three ways: ``Gemm(a, w)`` with ``w [K, N]`` (the engine today), ``Gemm(a, w,
+32000, bf16) at M = 64 and 256, kernel time only: 20 or more products captured in a CUDA graph,
+the weights rotating over enough copies to pass the 50 MB L2 (whole passes), the median of graph
+replays between CUDA events (the LM head with float32 output, as the engine writes its logits;
+torch's with bf16).  Three ways: ``Gemm(a, w)`` with ``w [K, N]`` (the engine today), ``Gemm(a, w,
 b_rows_out=True)`` with ``w [N, K]``, and torch's ``F.linear`` on the same ``[N, K]`` weights (a
 peer, skipped without torch).  Writes ``results/gemm.json`` (cases: name, metric, value = the
 engine's layout, floor = weight bytes / 4.44 TB/s, peers).
@@ -39,47 +40,58 @@ PRODUCTS = (("qkv", 2048, 3072), ("out", 2048, 2048), ("gate_up", 2048, 11264), 
             ("lm_head", 2048, 32000))
 
 
-def graph_us(capture, replay, reps: int) -> float:
-    """Median microseconds a product over ``reps`` replays of a graph of ``PER_GRAPH`` of them:
-    ``capture()`` builds it, ``replay()`` launches it once on the timed stream."""
+def graph_us(capture, replay, reps: int, per_graph: int) -> float:
+    """Median microseconds a product: ``capture()`` builds a graph of ``per_graph`` products,
+    ``replay()`` launches it once on the timed stream; each sample is four replays between two
+    events, queued behind one more, so that no graph launch latency falls inside."""
     import cupy
 
     capture()
     times = []
     for _ in range(reps + 3):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        replay()  # keeps the GPU busy while the timed replays are queued
         start.record()
-        replay()
+        for _ in range(4):
+            replay()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / PER_GRAPH)
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (4 * per_graph))
     return float(np.median(times[3:]))
 
 
-def ours(a, weights, rows_out: bool, reps: int) -> float:
+def products_per_graph(copies: int) -> int:
+    """At least ``PER_GRAPH`` products, a whole number of passes over the weight copies, so that
+    no copy is read twice within less than a full pass (which would hit the L2)."""
+    return copies * -(-PER_GRAPH // copies)
+
+
+def ours(a, weights, rows_out: bool, reps: int, out_dtype=None) -> float:
     """The engine's ``Gemm`` over ``weights`` (each ``[K, N]``, or ``[N, K]`` with ``rows_out``)."""
     import cupy
     from llama.cublas import Gemm
 
     gemm, stream, held = Gemm(), cupy.cuda.Stream(non_blocking=True), {}
+    per_graph = products_per_graph(len(weights))
+    cupy.cuda.runtime.deviceSynchronize()  # the inputs were made on the legacy stream
     with stream:
         for w in weights:  # eager first: cuBLAS's choice of kernel, outside the capture
-            gemm(a, w, b_rows_out=rows_out)
+            gemm(a, w, out_dtype, b_rows_out=rows_out)
         stream.synchronize()
 
     def capture():
         with stream:
             stream.begin_capture()
             try:
-                for i in range(PER_GRAPH):
-                    gemm(a, weights[i % len(weights)], b_rows_out=rows_out)
+                for i in range(per_graph):
+                    gemm(a, weights[i % len(weights)], out_dtype, b_rows_out=rows_out)
             finally:
                 held["graph"] = stream.end_capture()
 
     def replay():
         held["graph"].launch(stream=cupy.cuda.get_current_stream())
 
-    return graph_us(capture, replay, reps)
+    return graph_us(capture, replay, reps, per_graph)
 
 
 def torch_linear(a, weights, reps: int) -> float | None:
@@ -102,14 +114,14 @@ def torch_linear(a, weights, reps: int) -> float | None:
         for w in tw:
             F.linear(ta, w)
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph, per_graph = torch.cuda.CUDAGraph(), products_per_graph(len(tw))
 
     def capture():
         with torch.cuda.graph(graph):
-            for i in range(PER_GRAPH):
+            for i in range(per_graph):
                 F.linear(ta, tw[i % len(tw)])
 
-    return graph_us(capture, graph.replay, reps)
+    return graph_us(capture, graph.replay, reps, per_graph)
 
 
 def main(argv=None) -> int:
@@ -134,8 +146,9 @@ def main(argv=None) -> int:
         for m in (64, 256):
             a = randn_bf16((m, k))
             floor = nbytes / READ_CEILING * 1e6
-            today, rows_out, peer = ours(a, kn, False, args.reps), ours(a, nk, True, args.reps), torch_linear(
-                a, nk, args.reps)
+            logits = np.float32 if name == "lm_head" else None  # the engine's LM head writes float32
+            today, rows_out = ours(a, kn, False, args.reps, logits), ours(a, nk, True, args.reps, logits)
+            peer = torch_linear(a, nk, args.reps)  # bf16 output throughout
             peers = {"ours, [N, K] weights": round(rows_out, 2)}
             if peer is not None:
                 peers["torch F.linear, [N, K] weights"] = round(peer, 2)

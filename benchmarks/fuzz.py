@@ -205,7 +205,7 @@ def draw_decode(rng) -> dict:
     batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
     longest = 400
     if rng.random() < 0.1:  # a wide grid of short sequences: about the decode kernel's shape boundaries
-        num_heads, kv_heads, head_dim = 32, 8, 128  # (34-70 x 8 CTAs: one main-shape wave or more)
+        num_heads, kv_heads, head_dim = 32, 8, 128  # (30-70 x 8 CTAs: either side of one main-shape wave)
         batch, longest = int(rng.integers(30, 71)), 160
     seqlen_q = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
     seqlen_new = 0 if rng.random() < 0.3 else int(rng.choice([1, 1, 1, 2, 3]))

@@ -658,6 +658,7 @@ def test_gpu_weight_layouts_give_the_same_logits():
     model, engine, _ = _gpu_engines(graph_sizes=[8])
     config = model.config
     other = LlamaModel(config, random_weights(config, 3), cupy, BF16, weight_layout="out_in")  # _gpu_engines' weights
+    assert other.layers[0].qkv.shape == model.layers[0].qkv.shape[::-1]
     for r in request_mix(count=5, vocab=1000, new_tokens=3):
         engine.add_request(r)
     with engine.stream:
