@@ -37,6 +37,7 @@ import cupy  # noqa: E402
 
 import cupy_paged  # noqa: E402
 from cupy_paged._core.types import BF16  # noqa: E402
+from cupy_paged._core.arrays import CUPY  # noqa: E402
 from cupy_paged._core.compiler import get_function  # noqa: E402
 from cupy_paged.kernels import decode as decode_ops  # noqa: E402
 from cupy_paged.kernels.decode import Tiles  # noqa: E402
@@ -124,21 +125,56 @@ def decode_problem(paged_set, num_splits=0, out=None):
 
 def ours(sets, num_splits=0, tiles=None):
     """A closure cycling through ``sets`` (out given, no host checks): one decode call each, through
-    the public function, or with ``tiles`` through ``kernels.decode.run`` on that pipeline shape."""
+    the public function, or with ``tiles`` a launch of that pipeline shape (resolved once per set,
+    on the caller's current CuPy stream).  Its ``outs`` attribute holds the outputs, a set each."""
     outs = [cupy.empty_like(s[0]) for s in sets]
-    problems = [decode_problem(s, num_splits, out) for s, out in zip(sets, outs)] if tiles is not None else None
+    launches = None
+    if tiles is not None:
+        problems = [decode_problem(s, num_splits, out) for s, out in zip(sets, outs)]
+        launches = [(decode_ops.DecodeLaunch(p, tiles), decode_ops.problem_args(p), p.q.obj) for p in problems]
     state = {"i": 0}
 
     def call():
         i = state["i"] % len(sets)
         state["i"] += 1
-        if problems is not None:
-            decode_ops.run(problems[i], tiles)
+        if launches is not None:
+            launch, args, q = launches[i]
+            launch.run(CUPY, q, *args, cupy.cuda.get_current_stream().ptr)
             return
         q, k, v, table, lens = sets[i]
         cupy_paged.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, out=outs[i],
                                            num_splits=num_splits, check_values=False)
+    call.outs = outs
     return call
+
+
+def captured(fn, count: int, stream):
+    """A CUDA graph of ``count`` calls of ``fn`` captured on the CuPy ``stream``."""
+    with stream:
+        stream.begin_capture()
+        try:
+            for _ in range(count):
+                fn()
+        finally:
+            graph = stream.end_capture()
+    return graph
+
+
+def graph_us(replay, reps: int, per_graph: int) -> float:
+    """Median microseconds a call: ``replay()`` launches a graph of ``per_graph`` calls on the
+    current stream; each sample is four replays between two events, queued behind one more, so
+    that no graph launch latency falls inside the timing."""
+    times = []
+    for _ in range(reps + 3):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        replay()  # keeps the GPU busy while the timed replays are queued
+        start.record()
+        for _ in range(4):
+            replay()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (4 * per_graph))
+    return float(np.median(times[3:]))
 
 
 def peers(batch, context, copies=1):
@@ -293,48 +329,34 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
     two waves of the registered CTAs (32 query / 8 kv heads: 8 CTAs a sequence): what
     ``choose_tiles`` decides between.  Kernel time only: each shape's launches (built once, 8
     input sets rotating past the L2) captured 32 to a CUDA graph, microseconds per launch as the
-    median of graph replays between CUDA events; beside it the shape ``num_splits=0`` now takes."""
-    from cupy_paged._core.arrays import CUPY
-
+    median of graph replays between CUDA events (``graph_us``); beside it the shape
+    ``num_splits=0`` now takes."""
     per_graph = 32
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
     for batch, context in ((64, 128), (64, 256), (48, 192), (64, 512), (64, 1024), (32, 600), (128, 128), (256, 256)):
         sets = make_paged(rng, batch, context, 16, copies=8)
-        outs = [cupy.empty_like(q) for q, *_ in sets]
-        problems = [decode_problem(one, out=o) for one, o in zip(sets, outs)]
         cupy.cuda.runtime.deviceSynchronize()  # the inputs were filled on the legacy stream; `stream` does not wait for it
-        chosen = decode_ops._problem_shape(problems[0], None)
+        chosen = decode_ops._problem_shape(decode_problem(sets[0]), None)
         row = {"name": f"{batch}x{context} bs16", "ctas": batch * KV_HEADS, "auto": chosen.tiles.label(), "shapes": {}}
         reference = None
         for tiles in (decode_ops.TILES[DIM],) + SWEEP.get(DIM, ()):
-            launches = [(decode_ops.DecodeLaunch(p, tiles), decode_ops.problem_args(p), p) for p in problems]
+            call = ours(sets, 0, tiles)
             with stream:
-                for launch, args, p in launches:  # eager first: compiles, and sizes any workspace
-                    launch.run(CUPY, p.q.obj, *args, stream.ptr)
+                for _ in sets:  # eager first: compiles, and sizes any workspace
+                    call()
                 stream.synchronize()
-                got = outs[0].astype(np.float32)
-                reference = got if reference is None else reference
-                stream.begin_capture()
-                for i in range(per_graph):
-                    launch, args, p = launches[i % len(launches)]
-                    launch.run(CUPY, p.q.obj, *args, stream.ptr)
-                graph = stream.end_capture()
-                times = []
-                for _ in range(reps + 3):
-                    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                    start.record(stream)
-                    graph.launch(stream=stream)
-                    stop.record(stream)
-                    stop.synchronize()
-                    times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / per_graph)
-            us = float(np.median(times[3:]))
+                got = call.outs[0].astype(np.float32)
+            reference = got if reference is None else reference
+            graph = captured(call, per_graph, stream)
+            us = graph_us(lambda: graph.launch(stream=cupy.cuda.get_current_stream()), reps, per_graph)
             row["shapes"][tiles.label()] = {"us": round(us, 2),
                                             "tb_s": round(kv_bytes(batch, context) / (us * 1e-6) / 1e12, 3),
                                             "maxdiff": float(cupy.abs(got - reference).max()),
-                                            "splits": launches[0][0].splits, **shape_resources(tiles)}
+                                            "splits": decode_ops.plan(decode_problem(sets[0]), tiles),
+                                            **shape_resources(tiles)}
         rows.append(row)
-        del sets, outs, problems
+        del sets
         cupy.get_default_memory_pool().free_all_blocks()
     out.write_text(json.dumps(short_report(rows), indent=1))
     print(f"{'case':14} {'CTAs':>5} {'shape':10} {'us':>7} {'TB/s':>6} {'splits':>6} {'CTAs/SM':>7} maxdiff  (num_splits=0 takes)")

@@ -28,9 +28,8 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
 
-from cupy_paged._core.types import BF16  # noqa: E402
+from bench_decode import captured, graph_us, randn_bf16  # noqa: E402  (the decode benchmark's timing and inputs)
 
 READ_CEILING = 4.44e12
 PER_GRAPH = 20
@@ -38,26 +37,6 @@ L2_PASS = 150e6  # bytes of weight copies to rotate over, three times the L2
 # (name, K, N) of the default model's products (examples/llama/config.py's GPU default).
 PRODUCTS = (("qkv", 2048, 3072), ("out", 2048, 2048), ("gate_up", 2048, 11264), ("down", 5632, 2048),
             ("lm_head", 2048, 32000))
-
-
-def graph_us(capture, replay, reps: int, per_graph: int) -> float:
-    """Median microseconds a product: ``capture()`` builds a graph of ``per_graph`` products,
-    ``replay()`` launches it once on the timed stream; each sample is four replays between two
-    events, queued behind one more, so that no graph launch latency falls inside."""
-    import cupy
-
-    capture()
-    times = []
-    for _ in range(reps + 3):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        replay()  # keeps the GPU busy while the timed replays are queued
-        start.record()
-        for _ in range(4):
-            replay()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (4 * per_graph))
-    return float(np.median(times[3:]))
 
 
 def products_per_graph(copies: int) -> int:
@@ -71,27 +50,20 @@ def ours(a, weights, rows_out: bool, reps: int, out_dtype=None) -> float:
     import cupy
     from llama.cublas import Gemm
 
-    gemm, stream, held = Gemm(), cupy.cuda.Stream(non_blocking=True), {}
-    per_graph = products_per_graph(len(weights))
+    gemm, stream = Gemm(), cupy.cuda.Stream(non_blocking=True)
+    per_graph, state = products_per_graph(len(weights)), {"i": 0}
+
+    def product():
+        gemm(a, weights[state["i"] % len(weights)], out_dtype, b_rows_out=rows_out)
+        state["i"] += 1
+
     cupy.cuda.runtime.deviceSynchronize()  # the inputs were made on the legacy stream
     with stream:
-        for w in weights:  # eager first: cuBLAS's choice of kernel, outside the capture
-            gemm(a, w, out_dtype, b_rows_out=rows_out)
+        for _ in weights:  # eager first: cuBLAS's choice of kernel, outside the capture
+            product()
         stream.synchronize()
-
-    def capture():
-        with stream:
-            stream.begin_capture()
-            try:
-                for i in range(per_graph):
-                    gemm(a, weights[i % len(weights)], out_dtype, b_rows_out=rows_out)
-            finally:
-                held["graph"] = stream.end_capture()
-
-    def replay():
-        held["graph"].launch(stream=cupy.cuda.get_current_stream())
-
-    return graph_us(capture, replay, reps, per_graph)
+    graph = captured(product, per_graph, stream)
+    return graph_us(lambda: graph.launch(stream=cupy.cuda.get_current_stream()), reps, per_graph)
 
 
 def torch_linear(a, weights, reps: int) -> float | None:
@@ -115,13 +87,10 @@ def torch_linear(a, weights, reps: int) -> float | None:
             F.linear(ta, w)
     torch.cuda.current_stream().wait_stream(side)
     graph, per_graph = torch.cuda.CUDAGraph(), products_per_graph(len(tw))
-
-    def capture():
-        with torch.cuda.graph(graph):
-            for i in range(per_graph):
-                F.linear(ta, tw[i % len(tw)])
-
-    return graph_us(capture, graph.replay, reps, per_graph)
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            F.linear(ta, tw[i % len(tw)])
+    return graph_us(graph.replay, reps, per_graph)
 
 
 def main(argv=None) -> int:
@@ -131,11 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results" / "gemm.json")
     args = parser.parse_args(argv)
-    rng = cupy.random.default_rng(0)
-
-    def randn_bf16(shape):  # the top 16 bits of float32 normals, as bench_decode.py makes them
-        bits = rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16
-        return bits.astype(np.uint16).view(BF16)
+    cupy.random.seed(0)
     cases = []
     print(f"{'product':8} {'M':>4} {'MB':>6} {'floor us':>8} {'[K,N] us':>9} {'[N,K] us':>9} {'F.linear':>9}")
     for name, k, n in PRODUCTS:

@@ -35,30 +35,20 @@ sys.path.insert(0, str(ROOT))
 
 
 def graph_time(fn, inner: int, reps: int) -> float:
-    """Median device microseconds of one ``fn()``, from a graph of ``inner`` calls."""
+    """Median device microseconds of one ``fn()``, from a graph of ``inner`` calls captured with a
+    memory pool of its own (``bench_decode.captured`` and ``graph_us``)."""
     import cupy
+    from bench_decode import captured, graph_us
 
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = cupy.cuda.MemoryPool()
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            for _ in range(inner):
-                fn()
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        times = []
-        for _ in range(reps):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / inner)
-    return float(np.median(times))
+    with cupy.cuda.using_allocator(pool.malloc):
+        with stream:
+            fn()
+            stream.synchronize()
+        graph = captured(fn, inner, stream)
+        with stream:
+            return graph_us(lambda: graph.launch(stream), reps, inner)
 
 
 def stage_times(model, batch: int, inner: int, reps: int) -> tuple[dict, dict]:

@@ -95,13 +95,13 @@ class Gemm:
         weight as checkpoints store it, torch's ``F.linear`` layout) and the product is ``a @ b.T``."""
         import cupy
 
-        k_of_b = b.shape[1] if b_rows_out else b.shape[0]
-        if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != k_of_b:
+        k_axis = 1 if b_rows_out else 0  # of b
+        if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[k_axis]:
             layout = "[N, K]" if b_rows_out else "[K, N]"
             raise ValueError(f"need [M, K] @ {layout} of one dtype; got {a.shape} {a.dtype} @ {b.shape} {b.dtype}")
         if not (a.flags.c_contiguous and b.flags.c_contiguous):
             a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
-        (m, k), n = a.shape, (b.shape[0] if b_rows_out else b.shape[1])
+        (m, k), n = a.shape, b.shape[1 - k_axis]
         out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
         if out_dtype != a.dtype and not (out_dtype == np.float32 and a.dtype.itemsize == 2):
             raise ValueError(f"a {a.dtype} product can be written as {a.dtype} or, for half precision, float32; "
