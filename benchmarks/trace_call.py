@@ -1,0 +1,155 @@
+"""Where, inside one eager call, the GPU work starts: a torch.profiler (CUPTI) trace of single calls.
+
+``bench_calls.py`` times one eager call between CUDA events: the host's path to the launch, the
+launch's latency and the kernel are all inside that figure.  This splits it.  Each call runs
+``--reps`` times on an idle GPU with the L2 overwritten before it (as in ``bench_calls.py``), inside
+a ``record_function`` range; from the profiler's trace, per call (medians, microseconds, from the
+start of the call's range on the host clock, which CUPTI aligns with the GPU's):
+
+* ``launch api``: when the call's first launch API (``cuLaunchKernel`` / ``cudaLaunchKernel``) starts;
+* ``first kernel``: when its first kernel starts on the GPU, and ``kernels``: the GPU time of its
+  kernels, first start to last end;
+* ``host``: the length of the call's range.
+
+Cases: decode 64 x 128 (bf16, 32/8 heads, D = 128, block 16, shuffled table) -- ours with torch
+tensors and with CuPy arrays (default arguments) and cuDNN SDPA on contiguous copies -- and the
+512-token chunk after a 32k prefix, ours paged and ours on contiguous K/V (torch tensors).
+
+    python benchmarks/trace_call.py [--reps 30] [--out benchmarks/results/trace_call.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import bench_calls  # noqa: E402  (the calls, inputs and L2 flush of the call benchmark)
+import bench_decode  # noqa: E402
+import bench_varlen  # noqa: E402
+
+import cupy_paged  # noqa: E402
+
+LAUNCH_APIS = ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cuGraphLaunch",
+               "cudaGraphLaunch")
+
+
+def decode_calls(batch: int = 64, context: int = 128) -> dict:
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(batch * 100_003 + context)
+    (q, k_cache, v_cache, table, lens), = bench_decode.make_paged(rng, batch, context, bench_calls.BLOCK)
+    tq, tk_cache, tv_cache, ttable, tlens = bench_calls.torch_of(q, k_cache, v_cache, table, lens)
+    gather = lambda cache: (cache.view(np.uint16)[table]  # noqa: E731
+                            .reshape(batch, context, bench_calls.KV_HEADS, bench_calls.DIM).view(bench_calls.BF16))
+    k, v = bench_calls.torch_of(gather(k_cache), gather(v_cache))
+    q_t, k_t, v_t = tq.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return {
+        f"decode {batch}x{context} ours torch": lambda: cupy_paged.flash_attn_with_kvcache(
+            tq, tk_cache, tv_cache, cache_seqlens=tlens, block_table=ttable),
+        f"decode {batch}x{context} ours cupy": lambda: cupy_paged.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, block_table=table),
+        f"decode {batch}x{context} cuDNN SDPA": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t,
+                                                                                       enable_gqa=True),
+    }
+
+
+def chunk_calls(prefix: int = 32768, chunk: int = 512) -> dict:
+    total = prefix + chunk
+    batch = bench_varlen.Batch([chunk], [total], bench_calls.DIM, seed=3)
+    k_cache, v_cache, table = batch.paged(bench_calls.BLOCK)
+    tq, tk, tv, tcu_q, tcu_k = batch.torch_views()
+    tk_cache, tv_cache, ttable = bench_calls.torch_of(k_cache, v_cache, table)
+    return {
+        "chunk512 after 32k paged": lambda: cupy_paged.flash_attn_varlen_func(
+            tq, tk_cache, tv_cache, tcu_q, tcu_k, chunk, total, causal=True, block_table=ttable),
+        "chunk512 after 32k contiguous": lambda: cupy_paged.flash_attn_varlen_func(
+            tq, tk, tv, tcu_q, tcu_k, chunk, total, causal=True),
+    }
+
+
+def traced(calls: dict, reps: int) -> list:
+    """The profiler's trace events of ``reps`` rounds of ``calls`` (each call in its own range)."""
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    stream = cupy.cuda.get_current_stream()
+    for call in calls.values():  # warm-up: compile, allocate
+        for _ in range(3):
+            call()
+    stream.synchronize()
+    path = pathlib.Path("/tmp/trace_call.json")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            for name, call in calls.items():
+                bench_calls.flush_l2(stream)
+                with record_function(f"{name}#{i}"):
+                    call()
+                torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def split(events: list, names) -> dict:
+    """{call name: {part: median us}} from the trace (see the module docstring)."""
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+              and e.get("name", "").rsplit("#", 1)[0] in names]
+    apis = [e for e in events if e.get("ph") == "X" and e.get("name") in LAUNCH_APIS]
+    kernels = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            kernels.setdefault(e.get("args", {}).get("correlation"), []).append(e)
+    parts: dict = {}
+    for r in ranges:
+        start, end = r["ts"], r["ts"] + r["dur"]
+        inside = sorted((a for a in apis if start <= a["ts"] <= end), key=lambda a: a["ts"])
+        launched = [k for a in inside for k in kernels.get(a.get("args", {}).get("correlation"), [])]
+        if not inside or not launched:
+            continue
+        first = min(k["ts"] for k in launched)
+        last = max(k["ts"] + k["dur"] for k in launched)
+        p = parts.setdefault(r["name"].rsplit("#", 1)[0], {"launch api": [], "first kernel": [], "kernels": [],
+                                                           "host": [], "launches": []})
+        p["launch api"].append(inside[0]["ts"] - start)
+        p["first kernel"].append(first - start)
+        p["kernels"].append(last - first)
+        p["host"].append(r["dur"])
+        p["launches"].append(len(inside))
+    return {name: {part: round(float(np.median(v)), 2) for part, v in p.items()} for name, p in parts.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=str(HERE / "results" / "trace_call.json"))
+    args = parser.parse_args(argv)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    report = {"date": datetime.date.today().isoformat(), "device": bench_calls.device_name(),
+              "versions": bench_calls.versions(), "reps": args.reps, "calls": {}}
+    bench_calls.warm_clocks()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        for make in (decode_calls, chunk_calls):
+            calls = make()
+            report["calls"].update(split(traced(calls, args.reps), calls))
+            del calls
+            bench_calls.release()
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print("\n| call | launch API at | first kernel at | kernels | host | launches |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, p in report["calls"].items():
+        print(f"| {name} | {p['launch api']:.2f} | {p['first kernel']:.2f} | {p['kernels']:.2f} | {p['host']:.2f} "
+              f"| {p['launches']:g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
