@@ -386,6 +386,25 @@ def test_result_is_of_the_callers_kind(name, kind, request):
     compare(call, fetch(call, out, args), expected)
 
 
+@pytest.mark.parametrize("first", ["torch", "cupy"])
+@pytest.mark.parametrize("name", list(CALLS))
+def test_mixed_kinds_take_the_checked_path_every_call(name, first, request):
+    """The first array (q, or k_cache for write_kv_cache) of one kind and the rest of the other:
+    the memoised path reads every array as the first one's kind, so these calls take the checked
+    path, three times in a row, each equal to the reference, the result of the first array's kind."""
+    request.getfixturevalue("torch_cuda")
+    other = "cupy" if first == "torch" else "torch"
+    for _ in range(3):
+        call = CALLS[name](_rng(name, "mixed"))
+        expected = call.reference()
+        args = device_args(call.args, other)
+        args[call.like] = to_device(call.args[call.like], first)
+        result = call.fn(**args)
+        if call.fn is not cupy_paged.write_kv_cache:
+            assert_kind(result if not isinstance(result, tuple) else result[0], first, args[call.like])
+        compare(call, fetch(call, result, args), expected)
+
+
 # (options, whether lse_out= is accepted) per call
 LSE_OPTIONS = {
     "varlen": [({"return_softmax_lse": True}, True), ({"return_attn_probs": True}, True)],

@@ -134,6 +134,29 @@ def kind_of(obj) -> str | None:
     return kind
 
 
+def _cupy_signature(obj):
+    return (obj.shape, obj.strides, obj.dtype, obj.data.device_id)
+
+
+def _torch_signature(obj):
+    return (obj.shape, obj.stride(), obj.dtype, obj.get_device())
+
+
+def _cupy_ptr(obj) -> int:
+    return obj.data.ptr
+
+
+def _torch_ptr(obj) -> int:
+    return obj.data_ptr()
+
+
+# ``(signature, pointer)`` readers of one kind, for the memoised call paths: a call reads every
+# array as its q's kind, without looking each one's kind up.  An object of another kind fails
+# with AttributeError there (a CuPy array has no ``stride()``, a torch tensor no ``strides``, a
+# NumPy array's ``data`` no ``device_id``), which sends the call to the checked path.
+FAST_READERS = {CUPY: (_cupy_signature, _cupy_ptr), TORCH: (_torch_signature, _torch_ptr)}
+
+
 def signature(obj):
     """What of a torch tensor or CuPy array decides a launch, cheaply: (shape, strides, dtype,
     device); None for None.  Equal signatures mean the same checks pass and the same launch fits
@@ -142,9 +165,9 @@ def signature(obj):
         return None
     kind = _KIND_OF_TYPE.get(type(obj)) or kind_of(obj)
     if kind is TORCH:
-        return (obj.shape, obj.stride(), obj.dtype, obj.get_device())
+        return _torch_signature(obj)
     if kind is CUPY:
-        return (obj.shape, obj.strides, obj.dtype, obj.data.device_id)
+        return _cupy_signature(obj)
     raise TypeError(f"no launch signature for {type(obj).__name__}")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.arrays import CUPY, NUMPY, TORCH, Array, cupy, cupy_stream, data_ptr, empty, read
+from .._core.arrays import CUPY, NUMPY, TORCH, Array, cupy, cupy_stream, empty, read
 from .._core.types import BF16, check_bool, check_real
 
 MEMO: dict = {}         # call signature -> resolved launch (kernels.*.*Launch)
@@ -86,10 +86,6 @@ def reshaped(obj, shape):
     if obj is None or tuple(obj.shape) == tuple(shape):
         return obj
     return obj.reshape(shape)
-
-
-def ptr_of(obj) -> int:
-    return 0 if obj is None else data_ptr(obj)
 
 
 def check_fa2_flags(dropout_p, deterministic, return_attn_probs):

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, TORCH, Array, data_ptr, backend_of, kind_of, read, signature, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, FAST_READERS, TORCH, Array, backend_of, kind_of, read, to_host
 from .._core.problems import DecodeProblem
 from .._core.streams import handle
 from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_size,
@@ -15,7 +15,7 @@ from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_s
                            check_head_dim, check_heads, check_index, check_int, check_lse, check_out, check_rank,
                            check_same_dtype, check_same_shape, check_scalars, check_values_mode, check_window,
                            check_writable, dtype_name, host_checked)
-from ._call import (FAST_KINDS, MEMO, alloc_stream, current_device, host_outputs, on_device, ptr_of, readable,
+from ._call import (FAST_KINDS, MEMO, alloc_stream, current_device, host_outputs, on_device, readable,
                     remember, served_empty)
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -84,9 +84,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
+        s, ptr = FAST_READERS[kind]  # every array read as q's kind; the None checks inline
         int_length = type(cache_seqlens) is int
         try:
-            s = signature  # the None checks inline: most optional arguments are None
             key = ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k),
                    None if v is None else s(v), None if rotary_cos is None else s(rotary_cos),
                    None if rotary_sin is None else s(rotary_sin),
@@ -100,7 +100,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
                    num_splits.__class__, *map(type, window_size))
             launch = MEMO.get(key)
-        except TypeError:
+        except (TypeError, AttributeError):  # unhashable, or an array of another kind: the checked path
             key = launch = None
         if launch is not None and launch.device == current_device():
             if int_length:
@@ -108,17 +108,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 fits = 0 <= cached_all and cached_all + launch.seqlen_new <= launch.capacity
             else:
                 cached_all, fits = launch.cached_default, True
-            q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr = (data_ptr(q), data_ptr(k_cache), data_ptr(v_cache),
-                                                     ptr_of(k), ptr_of(v))
+            q_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k_cache), ptr(v_cache)
+            kn_ptr, vn_ptr = (0, 0) if k is None else (ptr(k), ptr(v))
             if fits and not (q_ptr | kc_ptr | vc_ptr | kn_ptr | vn_ptr) & 15:
-                p = ptr_of
-                ptrs = (q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, 0 if int_length else p(cache_seqlens),
-                        p(block_table), 0 if cache_batch_idx is None else p(cache_batch_idx),
-                        0 if cache_leftpad is None else p(cache_leftpad), 0 if rotary_cos is None else p(rotary_cos),
-                        0 if rotary_sin is None else p(rotary_sin), 0 if alibi_slopes is None else p(alibi_slopes))
+                ptrs = (q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr,
+                        0 if int_length or cache_seqlens is None else ptr(cache_seqlens),
+                        0 if block_table is None else ptr(block_table),
+                        0 if cache_batch_idx is None else ptr(cache_batch_idx),
+                        0 if cache_leftpad is None else ptr(cache_leftpad),
+                        0 if rotary_cos is None else ptr(rotary_cos), 0 if rotary_sin is None else ptr(rotary_sin),
+                        0 if alibi_slopes is None else ptr(alibi_slopes))
                 h = handle(stream, kind, launch.device)
-                out_obj, lse = launch.run(kind, q, ptrs, cached_all, None if out is None else (out, data_ptr(out)),
-                                          None if lse_out is None else (lse_out, data_ptr(lse_out)), h,
+                out_obj, lse = launch.run(kind, q, ptrs, cached_all, None if out is None else (out, ptr(out)),
+                                          None if lse_out is None else (lse_out, ptr(lse_out)), h,
                                           None if stream is None else h)
                 return (out_obj, lse) if launch.want_lse else out_obj
     else:

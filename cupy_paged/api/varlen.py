@@ -5,14 +5,14 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, TORCH, Array, data_ptr, backend_of, kind_of, read, signature, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, FAST_READERS, TORCH, Array, backend_of, kind_of, read, to_host
 from .._core.problems import VarlenProblem
 from .._core.streams import handle
 from .._core.types import (as_read, check_alibi, check_block_size, check_block_table_values, check_bool,
                            check_cache_pair, check_dense_last, check_float, check_head_dim, check_heads, check_index,
                            check_int, check_lse, check_out, check_rank, check_same_dtype, check_same_shape,
                            check_scalars, check_values_mode, check_window, host_checked, INT32_MAX)
-from ._call import (FAST_KINDS, MEMO, alloc_stream, check_fa2_flags, current_device, host_outputs, on_device, ptr_of,
+from ._call import (FAST_KINDS, MEMO, alloc_stream, check_fa2_flags, current_device, host_outputs, on_device,
                     readable, remember, reshaped, served_empty)
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -82,8 +82,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
+        s, ptr = FAST_READERS[kind]  # every array read as q's kind
         try:
-            s = signature
             key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
                    None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
                    None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
@@ -92,17 +92,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    causal.__class__, deterministic.__class__, return_attn_probs.__class__,
                    return_softmax_lse.__class__, *map(type, window_size))
             launch = MEMO.get(key)
-        except TypeError:
+        except (TypeError, AttributeError):  # unhashable, or an array of another kind: the checked path
             key = launch = None
         if (launch is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int
                 and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == current_device()):
-            q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
+            q_ptr, k_ptr, v_ptr = ptr(q), ptr(k), ptr(v)
             if not (q_ptr | k_ptr | v_ptr) & 15:
                 h = handle(stream, kind, launch.device)
-                result = launch.run(kind, q, (q_ptr, k_ptr, v_ptr, data_ptr(cu_seqlens_q), data_ptr(cu_seqlens_k),
-                                              ptr_of(block_table), ptr_of(alibi_slopes)),
-                                    max_seqlen_q, None if out is None else (out, data_ptr(out)),
-                                    None if lse_out is None else (lse_out, data_ptr(lse_out)), h,
+                result = launch.run(kind, q, (q_ptr, k_ptr, v_ptr, ptr(cu_seqlens_q), ptr(cu_seqlens_k),
+                                              0 if block_table is None else ptr(block_table),
+                                              0 if alibi_slopes is None else ptr(alibi_slopes)),
+                                    max_seqlen_q, None if out is None else (out, ptr(out)),
+                                    None if lse_out is None else (lse_out, ptr(lse_out)), h,
                                     None if stream is None else h)
                 return _varlen_result(result, q, launch.want_lse, return_attn_probs)
     else:

@@ -125,18 +125,18 @@ class LayerLaunch:
         self.index_ptrs = (p.block_table.ptr,)
         self.out_shape = tuple(aq.shape)
 
-    def run(self, kind, q, k, v, k_cache, v_cache, out, stream, alibi_slopes=None):
-        """Launch this layer; ``alibi_slopes``: the ragged launch's, of the signature it was built with."""
+    def run(self, kind, q, k, v, k_cache, v_cache, out, stream, alibi_slopes=None, ptr=data_ptr):
+        """Launch this layer; ``alibi_slopes``: the ragged launch's, of the signature it was built
+        with; ``ptr``: reads an array's address (the plan's memoised layers pass their kind's)."""
         stream = handle(stream, kind, self.device)
-        q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k), data_ptr(v)
-        kc_ptr, vc_ptr = data_ptr(k_cache), data_ptr(v_cache)
+        q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k), ptr(v), ptr(k_cache), ptr(v_cache)
         if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
         if out is None:
             out = empty(kind, q, self.out_shape, self.launch.dtype)
-        out_arg = (out, data_ptr(out))
+        out_arg = (out, ptr(out))
         if self.ragged:
-            alibi = 0 if alibi_slopes is None else data_ptr(alibi_slopes)
+            alibi = 0 if alibi_slopes is None else ptr(alibi_slopes)
             self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], alibi), self.work,
                             out_arg[1], 0, stream)
         elif self.decode or self.split is not None:

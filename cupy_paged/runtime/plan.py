@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, signature, to_host
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, FAST_READERS, TORCH, kind_of, to_host
 from .._core.paging import gather_slots
 from ._calls import layer_through_calls
 from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
@@ -193,20 +193,21 @@ class StepPlan:
         # The ragged launch takes softcap, window and ALiBi itself, so its layers are resolved once per
         # step with them too; the other paths hand keyword arguments to the public functions.
         if fast and (not kwargs or self.path == RAGGED):
-            s = signature
+            s, ptr = FAST_READERS[kind]  # every array read as q's kind
             try:
-                options = () if not kwargs else tuple((name, s(value) if name == "alibi_slopes" else value)
+                options = () if not kwargs else tuple((name, s(value) if name == "alibi_slopes" and value is not None
+                                                       else value)
                                                       for name, value in sorted(kwargs.items()))
                 key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
                        options)
                 layer = self._layers.get(key)
-            except TypeError:
+            except (TypeError, AttributeError):  # unhashable, or an array of another kind: the public calls
                 key = layer = None
             if layer is None and key is not None:
                 layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
             if layer is not None:
-                return layer.run(kind, q, k, v, k_cache, v_cache, out, stream, alibi)
+                return layer.run(kind, q, k, v, k_cache, v_cache, out, stream, alibi, ptr)
         # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
         # check nothing on the host.  Arguments that key no memo (and the CPU backend) take the
         # public functions, path by path (_calls.py).
