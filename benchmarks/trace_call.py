@@ -2,8 +2,8 @@
 
 ``bench_calls.py`` times one eager call between CUDA events: the host's path to the launch, the
 launch's latency and the kernel are all inside that figure.  This splits it.  Each call runs
-``--reps`` times on an idle GPU with the L2 overwritten before it (as in ``bench_calls.py``), inside
-a ``record_function`` range; from the profiler's trace, per call (medians, microseconds, from the
+``--reps`` times on an idle GPU, each reading its own copy of the K/V (as in ``bench_calls.py``),
+inside a ``record_function`` range; from the profiler's trace, per call (medians, microseconds, from the
 start of the call's range on the host clock, which CUPTI aligns with the GPU's):
 
 * ``launch api``: when the call's first launch API (``cuLaunchKernel`` / ``cudaLaunchKernel``) starts;
@@ -31,7 +31,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import bench_calls  # noqa: E402  (the calls, inputs and L2 flush of the call benchmark)
+import bench_calls  # noqa: E402  (the inputs and helpers of the call benchmark)
 import bench_decode  # noqa: E402
 import bench_varlen  # noqa: E402
 
@@ -50,12 +50,13 @@ def decode_calls(batch: int = 64, context: int = 128) -> dict:
     gather = lambda cache: (cache.view(np.uint16)[table]  # noqa: E731
                             .reshape(batch, context, bench_calls.KV_HEADS, bench_calls.DIM).view(bench_calls.BF16))
     k, v = bench_calls.torch_of(gather(k_cache), gather(v_cache))
+    k_cache2, v_cache2 = k_cache.copy(), v_cache.copy()
     q_t, k_t, v_t = tq.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return {
         f"decode {batch}x{context} ours torch": lambda: cupy_paged.flash_attn_with_kvcache(
             tq, tk_cache, tv_cache, cache_seqlens=tlens, block_table=ttable),
         f"decode {batch}x{context} ours cupy": lambda: cupy_paged.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=lens, block_table=table),
+            q, k_cache2, v_cache2, cache_seqlens=lens, block_table=table),
         f"decode {batch}x{context} cuDNN SDPA": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t,
                                                                                        enable_gqa=True),
     }
@@ -90,7 +91,6 @@ def traced(calls: dict, reps: int) -> list:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(reps):
             for name, call in calls.items():
-                bench_calls.flush_l2(stream)
                 with record_function(f"{name}#{i}"):
                     call()
                 torch.cuda.synchronize()
