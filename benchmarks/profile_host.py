@@ -52,6 +52,38 @@ def mean_us(fn, n: int = N, busy: bool = False) -> float:
     return total / calls / 1e3
 
 
+def ragged_layer(kind: str, torch):
+    """One ``StepPlan.attention`` call of a ragged decode-only step (CuPy arrays or torch views)."""
+    from bench_calls import filled_cache
+    from bench_decode import randn_bf16
+
+    cache, ids = filled_cache([32768] + [512] * 63, [1] * 64, shuffle_seed=0)
+    plan = cupy_paged.build_plan(cache, ids, [1] * 64, num_heads=32)
+    assert plan.path == "ragged", plan.path
+    q, k, v = randn_bf16((64, 32, 128)), randn_bf16((64, 8, 128)), randn_bf16((64, 8, 128))
+    if kind == "torch":
+        q, k, v = (torch.from_dlpack(x) for x in (q, k, v))
+    k_cache, v_cache = cache.layer(0)
+    return lambda: plan.attention(q, k, v, k_cache, v_cache)
+
+
+def print_profile(label: str, fn, calls: int) -> None:
+    """A cProfile (tottime) of ``calls`` calls of ``fn``, queued behind a busy GPU in rounds of 100."""
+    profiler = cProfile.Profile()
+    for _ in range(max(1, calls // 100)):
+        cupy.cuda.Device().synchronize()
+        keep_busy(cupy.cuda.get_current_stream().ptr, 0.02)
+        profiler.enable()
+        for _ in range(100):
+            fn()
+        profiler.disable()
+    cupy.cuda.Device().synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    print(f"--- cProfile, {label}, {calls} calls (tottime)")
+    print("\n".join(text.getvalue().splitlines()[:40]))
+
+
 def main() -> None:
     import torch
 
@@ -71,7 +103,7 @@ def main() -> None:
         call = lambda: cupy_paged.flash_attn_with_kvcache(q_, kc_, vc_, cache_seqlens=lens_, block_table=table_)  # noqa: E731
         call()
         torch.cuda.synchronize()
-        key = None
+        key, sig = None, _arrays.FAST_READERS[kind][0]
         for k, v in _call.MEMO.items():
             if k[0] == "decode" and k[1] == _arrays.signature(q_):
                 key, launch = k, v
@@ -79,12 +111,10 @@ def main() -> None:
             "kind_of(q)": lambda: _arrays.kind_of(q_),
             "signature(q)": lambda: _arrays.signature(q_),
             "data_ptr(q)": lambda: _arrays.data_ptr(q_),
-            "key (22 entries)": lambda: ("decode", _arrays.signature(q_), _arrays.signature(kc_), _arrays.signature(vc_),
-                                         _arrays.signature(None), _arrays.signature(None), _arrays.signature(None),
-                                         _arrays.signature(None), _arrays.signature(lens_), _arrays.signature(None),
-                                         _arrays.signature(None), _arrays.signature(table_), None, False, (-1, -1), 0.0,
-                                         True, _arrays.signature(None), 0, False, _arrays.signature(None),
-                                         _arrays.signature(None)),
+            "fast signature(q)": lambda: _arrays.FAST_READERS[kind][0](q_),
+            "key (22 entries)": lambda: ("decode", sig(q_), sig(kc_), sig(vc_), None, None, None, None, sig(lens_),
+                                         None, None, sig(table_), None, False, (-1, -1), 0.0, True, None, 0, False,
+                                         None, None, bool, bool, bool, int, int, int),
             "memo get": lambda: _call.MEMO.get(key),
             "current device": _call.current_device,
             "stream handle": lambda: _streams.handle(None, kind, 0),
@@ -126,6 +156,12 @@ def main() -> None:
             chunk_layer, chunk_plan = plan_call([1536] + [context] * 15, [512] + [1] * 15)
             rows.append((kind, f"StepPlan.attention, one {chunk_plan.path} layer: write + attention (GPU busy)",
                          mean_us(chunk_layer, 1000, True)))
+        # A decode-only step through the ragged launch (a plan with num_heads): one 32k context among 63
+        # of 512, as bench_mixed.py's "ragged decode 1x32k + 63x512" (two launches: items, combine).
+        ragged = ragged_layer(kind, torch)
+        rows.append((kind, "StepPlan.attention, one ragged layer, 1x32k + 63x512 (GPU busy)",
+                     mean_us(ragged, 300, True)))
+        print_profile(f"ragged layer, {kind}", ragged, 300)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(3000):
