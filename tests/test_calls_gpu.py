@@ -388,13 +388,24 @@ def test_result_is_of_the_callers_kind(name, kind, request):
 
 @pytest.mark.parametrize("first", ["torch", "cupy"])
 @pytest.mark.parametrize("name", list(CALLS))
-def test_mixed_kinds_take_the_checked_path_every_call(name, first, request):
-    """The first array (q, or k_cache for write_kv_cache) of one kind and the rest of the other:
-    the memoised path reads every array as the first one's kind, so these calls take the checked
-    path, three times in a row, each equal to the reference, the result of the first array's kind."""
+def test_mixed_kinds_are_memoised_and_right(name, first, request, monkeypatch):
+    """The first array (q, or k_cache for write_kv_cache) of one kind and the rest of the other --
+    torch tensors beside a CuPy cache, say: three calls in a row, each equal to the reference, the
+    result of the first array's kind, and only the first call resolves its launch (the memoised
+    path reads each array as its own kind when they are not all of one)."""
     request.getfixturevalue("torch_cuda")
+    import cupy_paged.api._call
+    import cupy_paged.api.decode
+    import cupy_paged.api.kv_write
+    import cupy_paged.api.varlen
+
+    cupy_paged.api._call.MEMO.clear()  # no launch of an earlier test's calls
+    resolved = []
+    for module in (cupy_paged.api.decode, cupy_paged.api.varlen, cupy_paged.api.kv_write):
+        monkeypatch.setattr(module, "remember", lambda key, launch, original=module.remember: (
+            resolved.append(key), original(key, launch)))
     other = "cupy" if first == "torch" else "torch"
-    for _ in range(3):
+    for i in range(3):
         call = CALLS[name](_rng(name, "mixed"))
         expected = call.reference()
         args = device_args(call.args, other)
@@ -403,6 +414,8 @@ def test_mixed_kinds_take_the_checked_path_every_call(name, first, request):
         if call.fn is not cupy_paged.write_kv_cache:
             assert_kind(result if not isinstance(result, tuple) else result[0], first, args[call.like])
         compare(call, fetch(call, result, args), expected)
+        if name != "func":  # flash_attn_func resolves every call (it keeps no memo)
+            assert len(resolved) == 1 and resolved[0] is not None, f"call {i}: launches resolved {resolved}"
 
 
 # (options, whether lse_out= is accepted) per call

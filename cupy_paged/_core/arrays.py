@@ -153,7 +153,9 @@ def _torch_ptr(obj) -> int:
 # ``(signature, pointer)`` readers of one kind, for the memoised call paths: a call reads every
 # array as its q's kind, without looking each one's kind up.  An object of another kind fails
 # with AttributeError there (a CuPy array has no ``stride()``, a torch tensor no ``strides``, a
-# NumPy array's ``data`` no ``device_id``), which sends the call to the checked path.
+# NumPy array's ``data`` no ``device_id``); the call then reads each array as its own kind
+# (``signature``, ``data_ptr``: torch tensors beside a CuPy cache, say), which raises TypeError
+# for what no memo can key.
 FAST_READERS = {CUPY: (_cupy_signature, _cupy_ptr), TORCH: (_torch_signature, _torch_ptr)}
 
 
@@ -174,6 +176,10 @@ def signature(obj):
 def data_ptr(obj) -> int:
     """The address of a CuPy array's or torch tensor's element 0."""
     return obj.data_ptr() if _KIND_OF_TYPE.get(type(obj)) is TORCH else obj.data.ptr
+
+
+# The readers a memoised call tries in turn, by the kind of its first array.
+READERS = {kind: (FAST_READERS[kind], (signature, data_ptr)) for kind in FAST_READERS}
 
 
 def _torch_host(obj):

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, FAST_READERS, TORCH, Array, backend_of, kind_of, read, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, READERS, TORCH, Array, backend_of, kind_of, read, to_host
 from .._core.problems import DecodeProblem
 from .._core.streams import handle
 from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_size,
@@ -84,24 +84,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
-        s, ptr = FAST_READERS[kind]  # every array read as q's kind; the None checks inline
         int_length = type(cache_seqlens) is int
-        try:
-            key = ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k),
-                   None if v is None else s(v), None if rotary_cos is None else s(rotary_cos),
-                   None if rotary_sin is None else s(rotary_sin),
-                   "int" if int_length else None if cache_seqlens is None else s(cache_seqlens),
-                   None if cache_batch_idx is None else s(cache_batch_idx),
-                   None if cache_leftpad is None else s(cache_leftpad),
-                   None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
-                   rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
-                   return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out),
-                   # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
-                   causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
-                   num_splits.__class__, *map(type, window_size))
-            launch = MEMO.get(key)
-        except (TypeError, AttributeError):  # unhashable, or an array of another kind: the checked path
-            key = launch = None
+        key = launch = None
+        for s, ptr in READERS[kind]:  # every array read as q's kind, else each as its own
+            try:  # the None checks inline: most optional arguments are None
+                key = ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k),
+                       None if v is None else s(v), None if rotary_cos is None else s(rotary_cos),
+                       None if rotary_sin is None else s(rotary_sin),
+                       "int" if int_length else None if cache_seqlens is None else s(cache_seqlens),
+                       None if cache_batch_idx is None else s(cache_batch_idx),
+                       None if cache_leftpad is None else s(cache_leftpad),
+                       None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
+                       rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
+                       return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out),
+                       # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+                       causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
+                       num_splits.__class__, *map(type, window_size))
+                launch = MEMO.get(key)
+                break
+            except AttributeError:  # an array of another kind than q
+                continue
+            except TypeError:  # unhashable, or an array no memo can key: the checked path
+                key = None
+                break
         if launch is not None and launch.device == current_device():
             if int_length:
                 cached_all = cache_seqlens

@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, FAST_READERS, TORCH, Array, backend_of, kind_of, read, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, READERS, TORCH, Array, backend_of, kind_of, read, to_host
 from .._core.problems import VarlenProblem
 from .._core.streams import handle
 from .._core.types import (as_read, check_alibi, check_block_size, check_block_table_values, check_bool,
@@ -82,18 +82,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
-        s, ptr = FAST_READERS[kind]  # every array read as q's kind
-        try:
-            key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
-                   None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
-                   None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
-                   softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse,
-                   # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
-                   causal.__class__, deterministic.__class__, return_attn_probs.__class__,
-                   return_softmax_lse.__class__, *map(type, window_size))
-            launch = MEMO.get(key)
-        except (TypeError, AttributeError):  # unhashable, or an array of another kind: the checked path
-            key = launch = None
+        key = launch = None
+        for s, ptr in READERS[kind]:  # every array read as q's kind, else each as its own
+            try:
+                key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
+                       None if block_table is None else s(block_table),
+                       None if alibi_slopes is None else s(alibi_slopes),
+                       None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
+                       softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                       return_softmax_lse,
+                       # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+                       causal.__class__, deterministic.__class__, return_attn_probs.__class__,
+                       return_softmax_lse.__class__, *map(type, window_size))
+                launch = MEMO.get(key)
+                break
+            except AttributeError:  # an array of another kind than q
+                continue
+            except TypeError:  # unhashable, or an array no memo can key: the checked path
+                key = None
+                break
         if (launch is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int
                 and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == current_device()):
             q_ptr, k_ptr, v_ptr = ptr(q), ptr(k), ptr(v)

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, FAST_READERS, TORCH, kind_of, to_host
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, READERS, TORCH, kind_of, to_host
 from .._core.paging import gather_slots
 from ._calls import layer_through_calls
 from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
@@ -193,16 +193,21 @@ class StepPlan:
         # The ragged launch takes softcap, window and ALiBi itself, so its layers are resolved once per
         # step with them too; the other paths hand keyword arguments to the public functions.
         if fast and (not kwargs or self.path == RAGGED):
-            s, ptr = FAST_READERS[kind]  # every array read as q's kind
-            try:
-                options = () if not kwargs else tuple((name, s(value) if name == "alibi_slopes" and value is not None
-                                                       else value)
-                                                      for name, value in sorted(kwargs.items()))
-                key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
-                       options)
-                layer = self._layers.get(key)
-            except (TypeError, AttributeError):  # unhashable, or an array of another kind: the public calls
-                key = layer = None
+            key = layer = None
+            for s, ptr in READERS[kind]:  # every array read as q's kind, else each as its own
+                try:
+                    options = () if not kwargs else tuple(
+                        (name, s(value) if name == "alibi_slopes" and value is not None else value)
+                        for name, value in sorted(kwargs.items()))
+                    key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
+                           options)
+                    layer = self._layers.get(key)
+                    break
+                except AttributeError:  # an array of another kind than q
+                    continue
+                except TypeError:  # unhashable, or an array no memo can key: the public calls
+                    key = None
+                    break
             if layer is None and key is not None:
                 layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
