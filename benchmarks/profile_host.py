@@ -112,7 +112,7 @@ def main() -> None:
             "signature(q)": lambda: _arrays.signature(q_),
             "data_ptr(q)": lambda: _arrays.data_ptr(q_),
             "fast signature(q)": lambda: _arrays.FAST_READERS[kind][0](q_),
-            "key (22 entries)": lambda: ("decode", sig(q_), sig(kc_), sig(vc_), None, None, None, None, sig(lens_),
+            "key (28 entries)": lambda: ("decode", sig(q_), sig(kc_), sig(vc_), None, None, None, None, sig(lens_),
                                          None, None, sig(table_), None, False, (-1, -1), 0.0, True, None, 0, False,
                                          None, None, bool, bool, bool, int, int, int),
             "memo get": lambda: _call.MEMO.get(key),

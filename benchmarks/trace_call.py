@@ -123,7 +123,9 @@ def split(events: list, names) -> dict:
         p["kernels"].append(last - first)
         p["host"].append(r["dur"])
         p["launches"].append(len(inside))
-    return {name: {part: round(float(np.median(v)), 2) for part, v in p.items()} for name, p in parts.items()}
+    # Medians, and how many of the calls' ranges the trace matched to a launch and a kernel.
+    return {name: {**{part: round(float(np.median(v)), 2) for part, v in p.items()}, "samples": len(p["host"])}
+            for name, p in parts.items()}
 
 
 def main(argv=None) -> int:
@@ -143,11 +145,11 @@ def main(argv=None) -> int:
             del calls
             bench_calls.release()
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print("\n| call | launch API at | first kernel at | kernels | host | launches |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| call | launch API at | first kernel at | kernels | host | launches | samples |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, p in report["calls"].items():
         print(f"| {name} | {p['launch api']:.2f} | {p['first kernel']:.2f} | {p['kernels']:.2f} | {p['host']:.2f} "
-              f"| {p['launches']:g} |")
+              f"| {p['launches']:g} | {p['samples']} of {args.reps} |")
     return 0
 
 

@@ -403,6 +403,26 @@ def test_misaligned_cache_is_rejected_not_copied(function):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("function", ["varlen", "decode", "write"])
+def test_a_host_array_beside_device_arrays_is_named(function, dtype):
+    """One NumPy array among CuPy arrays -- bfloat16 included, whose NumPy buffer cannot even be
+    exported -- is a TypeError naming it, after a call of the same shapes all on the device (so
+    the memoised path, which reads every array as q's kind, is the one asked first)."""
+    import cupy
+
+    make = {"varlen": paged_varlen_args, "decode": decode_args, "write": write_args}[function]
+    host = {k: a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype == F16 else a for k, a in make().items()}
+    args = _on_gpu(host)
+    call = {"varlen": VARLEN, "decode": DECODE, "write": WRITE}[function]
+    call(**args)
+    cupy.cuda.get_current_stream().synchronize()
+    name = "k" if function in ("varlen", "write") else "k_cache"
+    with pytest.raises(TypeError, match=f"{name} is a NumPy array"):
+        call(**dict(args, **{name: host[name]}))
+
+
+@pytest.mark.gpu
 def test_decode_with_built_index_arrays_allocates_nothing():
     """A contiguous cache (no block_table) and an int cache_seqlens: the kernel takes them as they
     are (no table, one length by value), so a call with ``out=`` allocates nothing, whatever the

@@ -86,6 +86,39 @@ def test_cuda_plan_attention_from_host_or_device_plan(uploaded):
         assert plan.block_table.data.mem is plan.positions.data.mem is plan.cu_seqlens_k.data.mem
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
+def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):
+    """q, k and v as torch tensors beside the plan's CuPy cache (a torch model over a
+    ``PagedAttentionCache``): every layer equals the CPU reference, the result is a torch tensor,
+    and the plan resolves its launch on the first layer only (arrays of two kinds are still
+    memoised: each is read as its own kind)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    rng = np.random.default_rng(11)
+    layers, kv_heads, heads, dim = 3, 2, 8, 64
+    cache, host = (PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
+                                       device=device) for device in ("cuda", "cpu"))
+    lens = [40, 7] if path == "varlen" else [1, 1]
+    for c in (cache, host):
+        c.allocate("a", list(range(40)))
+        c.allocate("b", list(range(7)))
+        if path != "varlen":
+            c.mark_computed(["a", "b"], [39, 6])
+    plan = build_plan(cache, ["a", "b"], lens, **(dict(num_heads=heads, path="ragged") if path == "ragged" else {}))
+    host_plan = build_plan(host, ["a", "b"], lens)
+    assert plan.path == path
+    for layer in range(layers):
+        q, k, v = (rng.standard_normal((sum(lens), n, dim)).astype(np.float16) for n in (heads, kv_heads, kv_heads))
+        got = plan.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)), *cache.layer(layer))
+        assert isinstance(got, torch.Tensor)
+        want = host_plan.attention(q, k, v, *host.layer(layer))
+        np.testing.assert_allclose(got.float().cpu().numpy(), want.astype(np.float32), rtol=5e-3, atol=5e-3)
+        np.testing.assert_array_equal(cache.layer(layer)[0].get(), host.layer(layer)[0])  # the same writes
+    assert len(plan._layers) == 1, list(plan._layers)
+
+
 PLAN_ARRAYS = ("input_ids", "positions", "query_lens", "cache_seqlens", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
                "slot_mapping", "block_table", "logits_indices", "tail_cu_seqlens_q", "sample_mask")
 

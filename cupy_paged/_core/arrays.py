@@ -152,11 +152,13 @@ def _torch_ptr(obj) -> int:
 
 # ``(signature, pointer)`` readers of one kind, for the memoised call paths: a call reads every
 # array as its q's kind, without looking each one's kind up.  An object of another kind fails
-# with AttributeError there (a CuPy array has no ``stride()``, a torch tensor no ``strides``, a
-# NumPy array's ``data`` no ``device_id``); the call then reads each array as its own kind
-# (``signature``, ``data_ptr``: torch tensors beside a CuPy cache, say), which raises TypeError
-# for what no memo can key.
+# there with one of ``OTHER_KIND`` (a CuPy array has no ``stride()``, a torch tensor no
+# ``strides``, a NumPy array's ``data`` no ``device_id``, and for a bfloat16 NumPy array no buffer
+# at all: ValueError); the call then reads each array as its own kind (``signature``,
+# ``data_ptr``: torch tensors beside a CuPy cache, say), which raises TypeError for what no memo
+# can key.
 FAST_READERS = {CUPY: (_cupy_signature, _cupy_ptr), TORCH: (_torch_signature, _torch_ptr)}
+OTHER_KIND = (AttributeError, ValueError)
 
 
 def signature(obj):

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, READERS, TORCH, Array, backend_of, kind_of, read, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, OTHER_KIND, READERS, TORCH, Array, backend_of, kind_of, read, to_host
 from .._core.problems import DecodeProblem
 from .._core.streams import handle
 from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_size,
@@ -102,11 +102,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        num_splits.__class__, *map(type, window_size))
                 launch = MEMO.get(key)
                 break
-            except AttributeError:  # an array of another kind than q
+            except OTHER_KIND:  # an array of another kind than q
                 continue
             except TypeError:  # unhashable, or an array no memo can key: the checked path
                 key = None
                 break
+        else:  # no reader set read every array: nothing memoisable
+            key = None
         if launch is not None and launch.device == current_device():
             if int_length:
                 cached_all = cache_seqlens

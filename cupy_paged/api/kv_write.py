@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import CPU, CUDA, CUPY, READERS, TORCH, backend_of, kind_of, read, to_host
+from .._core.arrays import CPU, CUDA, CUPY, OTHER_KIND, READERS, TORCH, backend_of, kind_of, read, to_host
 from .._core.streams import handle
 from .._core.types import (as_read, check_cache_pair, check_float, check_head_dim, check_index,
                            check_rank, check_same_dtype, check_same_shape, check_values_mode, check_writable, host_checked)
@@ -48,11 +48,13 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_v
                 key = ("write", s(k_cache), s(v_cache), s(k), s(v), s(slot_mapping))
                 launch = MEMO.get(key)
                 break
-            except AttributeError:  # an array of another kind than k_cache
+            except OTHER_KIND:  # an array of another kind than k_cache
                 continue
             except TypeError:  # an array no memo can key: the checked path
                 key = None
                 break
+        else:  # no reader set read every array: nothing memoisable
+            key = None
         if launch is not None and launch.device == current_device():
             ptrs = (ptr(k_cache), ptr(v_cache), ptr(k), ptr(v), ptr(slot_mapping))
             if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15:

@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, READERS, TORCH, Array, backend_of, kind_of, read, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, OTHER_KIND, READERS, TORCH, Array, backend_of, kind_of, read, to_host
 from .._core.problems import VarlenProblem
 from .._core.streams import handle
 from .._core.types import (as_read, check_alibi, check_block_size, check_block_table_values, check_bool,
@@ -96,11 +96,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        return_softmax_lse.__class__, *map(type, window_size))
                 launch = MEMO.get(key)
                 break
-            except AttributeError:  # an array of another kind than q
+            except OTHER_KIND:  # an array of another kind than q
                 continue
             except TypeError:  # unhashable, or an array no memo can key: the checked path
                 key = None
                 break
+        else:  # no reader set read every array: nothing memoisable
+            key = None
         if (launch is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int
                 and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == current_device()):
             q_ptr, k_ptr, v_ptr = ptr(q), ptr(k), ptr(v)

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, READERS, TORCH, kind_of, to_host
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, OTHER_KIND, READERS, TORCH, kind_of, to_host
 from .._core.paging import gather_slots
 from ._calls import layer_through_calls
 from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
@@ -203,11 +203,13 @@ class StepPlan:
                            options)
                     layer = self._layers.get(key)
                     break
-                except AttributeError:  # an array of another kind than q
+                except OTHER_KIND:  # an array of another kind than q
                     continue
                 except TypeError:  # unhashable, or an array no memo can key: the public calls
                     key = None
                     break
+            else:  # no reader set read every array: nothing memoisable
+                key = None
             if layer is None and key is not None:
                 layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
