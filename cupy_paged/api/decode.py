@@ -192,7 +192,6 @@ def _decode_slow(key, kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     return result if launch.want_lse else result[0]
 
 
-
 def _check_rotary(rotary_cos, rotary_sin, q, k, head_dim: int, backend: str):
     if rotary_cos is None and rotary_sin is None:
         return None, None
@@ -399,5 +398,3 @@ def _check_decode_values(cache_seqlens, block_table, cache_batch_idx, cache_left
         b = int(np.argmax(lengths + seqlen_new))
         raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} plus {seqlen_new} new tokens is more than "
                          f"k_cache's {int(k_cache.shape[1])} positions")
-
-
