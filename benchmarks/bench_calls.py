@@ -26,7 +26,8 @@ Cases (bf16, 32 query / 8 kv heads, D = 128, block size 16, shuffled block table
   pre-gathered into contiguous K/V (``ours contiguous``); target 1.0x.
 
 Method, per case, every call of the case interleaved sample by sample (so that a clock drift
-hits all of them alike), after warm-up:
+hits all of them alike), in a fixed order (``--shuffle-order``: an order drawn for each sample from
+its seed, so that every call follows every other), after warm-up:
 
 * GPU time per call: the median over ``--reps`` samples of the CUDA-event time around ONE eager
   call (start event, call, end event, synchronise); the GPU is idle when the call starts, so the
@@ -48,7 +49,8 @@ met`` and more, ``peers`` holding every other call of the case; device, versions
 ``failed`` any case that raised, its traceback in the log) and prints a markdown table last.
 
     python benchmarks/bench_calls.py [--quick] [--cases SUBSTRING[,SUBSTRING...]] [--list]
-                                     [--reps N] [--no-profile] [--out benchmarks/results/calls.json]
+                                     [--reps N] [--no-profile] [--shuffle-order]
+                                     [--out benchmarks/results/calls.json]
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ import json
 import pathlib
 import platform
 import pstats
+import random
 import sys
 import time
 import traceback
@@ -92,6 +95,7 @@ DECODE_SHAPES = ((64, 4096), (256, 2048), (8, 32768), (64, 128))
 # Grids the decode kernel's small pipeline shape takes (fewer waves): beside cuDNN, no ratio target.
 DECODE_SHAPES_REPORTED = ((128, 128), (256, 256))
 RESULTS = HERE / "results" / "calls.json"
+SHUFFLE = False      # --shuffle-order: each sample runs the calls in an order of its own (sample_order)
 
 
 # --------------------------------------------------------------------------- timing
@@ -107,8 +111,26 @@ class Timing:
     busy_host_us: float  # per call, calls queued behind a busy GPU (the host's own cost)
 
 
-def time_calls(calls: dict, reps: int, warmup: int = WARMUP, chain: int = CHAIN) -> dict:
-    """{name: Timing} of no-argument ``calls``, sampled round-robin on the current stream."""
+def sample_order(names: list, rep: int, shuffle: bool) -> list:
+    """The order of the calls in sample ``rep``: as given, or with ``shuffle`` a permutation drawn
+    from the sample's own seed, so that over the samples every call follows every other (a call's
+    host path runs warmer after a call that shares its code).
+
+    >>> sample_order(["a", "b", "c"], 2, False)
+    ['a', 'b', 'c']
+    >>> sorted(sample_order(["a", "b", "c"], 2, True))
+    ['a', 'b', 'c']
+    """
+    names = list(names)
+    if shuffle:
+        random.Random(rep).shuffle(names)
+    return names
+
+
+def time_calls(calls: dict, reps: int, warmup: int = WARMUP, chain: int = CHAIN, shuffle: bool | None = None) -> dict:
+    """{name: Timing} of no-argument ``calls``, sampled round-robin on the current stream (in an
+    order drawn for each sample with ``shuffle``, by default ``SHUFFLE``: :func:`sample_order`)."""
+    shuffle = SHUFFLE if shuffle is None else shuffle
     import cupy
 
     stream = cupy.cuda.get_current_stream()
@@ -118,8 +140,9 @@ def time_calls(calls: dict, reps: int, warmup: int = WARMUP, chain: int = CHAIN)
     stream.synchronize()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     samples = {name: {"gpu": [], "host": [], "chain": [], "chain_host": []} for name in calls}
-    for _ in range(reps):
-        for name, call in calls.items():
+    for rep in range(reps):
+        for name in sample_order(list(calls), rep, shuffle):
+            call = calls[name]
             start.record(stream)
             t0 = time.perf_counter()
             call()
@@ -141,8 +164,9 @@ def time_calls(calls: dict, reps: int, warmup: int = WARMUP, chain: int = CHAIN)
             samples[name]["chain_host"].append((t1 - t0) * 1e6 / chain)
     # Host time with the GPU busy: the calls queue behind a spinning kernel, so the host's own
     # cost per call is measured, not a wake-up after an idle wait nor the GPU's pace.
-    for _ in range(reps):
-        for name, call in calls.items():
+    for rep in range(reps):
+        for name in sample_order(list(calls), rep, shuffle):
+            call = calls[name]
             busy(stream.ptr, BUSY_S)
             t0 = time.perf_counter()
             for _ in range(chain):
@@ -576,9 +600,14 @@ def main(argv=None) -> int:
                         help="comma-separated substrings: run only the cases whose name holds one")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile of a decode call")
+    parser.add_argument("--shuffle-order", action="store_true",
+                        help="run each sample's calls in an order drawn from the sample's seed (every call "
+                             "follows every other) instead of the fixed order")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     reps = args.reps if args.reps is not None else (15 if args.quick else 50)
+    global SHUFFLE
+    SHUFFLE = args.shuffle_order
     if reps < 1:
         parser.error("--reps must be >= 1")
     cases = all_cases(reps)
@@ -603,7 +632,8 @@ def main(argv=None) -> int:
                                 "in the decode cases each call reads its own copy of the K/V)",
                          "host": "median time.perf_counter around the same call",
                          "back_to_back": f"events around {CHAIN} consecutive calls / {CHAIN}",
-                         "stream": "legacy default stream (torch's and CuPy's current)"},
+                         "stream": "legacy default stream (torch's and CuPy's current)",
+                         "order": "drawn for each sample" if SHUFFLE else "fixed: the case's calls, then its peers"},
               "cases": []}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,65 @@
+"""The benchmarks' own logic that needs no GPU: bench_calls' sample order and trace_call's reading
+of a profiler trace (a wrong parse or order would report figures for the wrong calls)."""
+import pathlib
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_calls
+    import trace_call
+
+    return bench_calls, trace_call
+
+
+def test_shuffled_order_puts_every_call_after_every_other(benchmarks):
+    """With --shuffle-order each sample runs every call once, in an order of its own, and over the
+    samples each call follows each other one about equally often; without it the order is fixed."""
+    bench_calls, _ = benchmarks
+    names = ["ours torch", "ours cupy", "plan", "cuDNN SDPA", "torch FA2 varlen"]
+    orders = [bench_calls.sample_order(names, rep, True) for rep in range(200)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert orders == [bench_calls.sample_order(names, rep, True) for rep in range(200)]  # seeded: repeatable
+    follows = {}
+    for order in orders:
+        for before, after in zip(order, order[1:]):
+            follows[before, after] = follows.get((before, after), 0) + 1
+    assert len(follows) == len(names) * (len(names) - 1)  # every ordered pair of calls occurs
+    assert min(follows.values()) >= 20  # 40 expected each (200 samples x 4 pairs / 20 pairs)
+    assert bench_calls.sample_order(names, 3, False) == names
+    assert bench_calls.sample_order([], 3, True) == []
+
+
+def _span(name, ts, dur, cat, correlation=None, ph="X"):
+    event = {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": ph}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+def test_trace_split_matches_launches_and_kernels_to_their_call(benchmarks):
+    """Each call's range finds the launch APIs inside it and, through their correlation ids, its
+    kernels; a range with no launch is not counted, and another call's kernels are not taken."""
+    _, trace_call = benchmarks
+    events = [
+        _span("ours#0", 100.0, 50.0, "user_annotation"),
+        _span("cuLaunchKernel", 120.0, 7.0, "cuda_driver", correlation=1),
+        _span("paged_decode", 130.0, 16.0, "kernel", correlation=1),
+        _span("peer#0", 200.0, 60.0, "user_annotation"),
+        _span("cudaLaunchKernel", 210.0, 5.0, "cuda_runtime", correlation=2),
+        _span("cudnn_kernel", 222.0, 14.0, "kernel", correlation=2),
+        _span("cudaLaunchKernel", 230.0, 5.0, "cuda_runtime", correlation=3),
+        _span("cudnn_second", 240.0, 6.0, "kernel", correlation=3),
+        _span("ours#1", 300.0, 40.0, "user_annotation"),  # no launch inside: not a sample
+        _span("stray", 305.0, 3.0, "kernel", correlation=9),
+    ]
+    parts = trace_call.split(events, ["ours", "peer"])
+    assert parts["ours"] == {"launch api": 20.0, "first kernel": 30.0, "kernels": 16.0, "host": 50.0,
+                             "launches": 1.0, "samples": 1}
+    assert parts["peer"]["launch api"] == 10.0 and parts["peer"]["first kernel"] == 22.0
+    assert parts["peer"]["kernels"] == 246.0 - 222.0 and parts["peer"]["launches"] == 2.0
+    assert trace_call.split(events, ["missing"]) == {}
