@@ -379,6 +379,36 @@ def test_windows_wider_than_any_sequence_on_the_gpu():
         np.testing.assert_array_equal(function(**args, window_size=wide).get(), function(**args).get())
 
 
+class _DeviceLike:
+    """Quacks like a CuPy array at the array boundary (shape, strides, dtype, ``data.ptr``,
+    ``data.device_id``) without a GPU; registered as the CuPy kind by the test that uses it."""
+
+    def __init__(self, array):
+        self.shape, self.strides, self.dtype, self.itemsize = array.shape, array.strides, array.dtype, array.itemsize
+
+        class _Memory:
+            ptr, device_id = 1 << 20, 0
+        self.data = _Memory()
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("function", ["varlen", "decode", "write"])
+def test_a_host_array_beside_device_arrays_is_named_on_the_memoised_path(function, dtype, monkeypatch):
+    """A NumPy array among (stand-in) CuPy arrays, bfloat16 included -- whose NumPy buffer cannot
+    be exported, so the memoised path's CuPy readers fail on it with ValueError -- reaches the
+    checks and is a TypeError naming it, not an error from the readers."""
+    from cupy_paged._core import arrays
+
+    monkeypatch.setitem(arrays._KIND_OF_TYPE, _DeviceLike, arrays.CUPY)
+    make = {"varlen": paged_varlen_args, "decode": decode_args, "write": write_args}[function]
+    host = {k: a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype == F16 else a for k, a in make().items()}
+    name = "k" if function in ("varlen", "write") else "k_cache"
+    args = {k: _DeviceLike(a) if isinstance(a, np.ndarray) and k != name else a for k, a in host.items()}
+    call = {"varlen": VARLEN, "decode": DECODE, "write": WRITE}[function]
+    with pytest.raises(TypeError, match=f"{name} is a NumPy array"):
+        call(**args)
+
+
 def _misaligned(array):
     """A C-contiguous CuPy copy of ``array`` starting 2 bytes past a 16-byte boundary."""
     import cupy
