@@ -98,3 +98,32 @@ def test_cupy_stream_wraps_a_handle_without_the_deprecated_external_stream():
         stream = cupy_stream(0x7F00)
     assert isinstance(stream, cupy.cuda.Stream) and stream.ptr == 0x7F00
     assert cupy_stream(0) is cupy.cuda.Stream.null
+
+
+class _CupyLike:
+    """Quacks like a CuPy array for the memoised path's readers, without a GPU."""
+
+    class _Memory:
+        ptr, device_id = 4096, 0
+
+    def __init__(self, shape):
+        self.shape, self.strides, self.dtype, self.data = shape, (8,) * len(shape), np.dtype(np.float16), self._Memory()
+
+
+def test_memo_lookup_reads_keys_and_falls_back(monkeypatch):
+    """``memo_lookup``: one kind's readers key the call and find its memo entry; a host array among
+    the arrays (bfloat16 too, whose buffer cannot be exported) or an unhashable argument keys
+    nothing, so the call takes the checked path."""
+    from cupy_paged._core import arrays
+    from cupy_paged._core.types import BF16
+
+    monkeypatch.setitem(arrays._KIND_OF_TYPE, _CupyLike, arrays.CUPY)
+    key_of = lambda s, a, b, option: ("call", s(a), s(b), option)  # noqa: E731
+    a, b = _CupyLike((2, 3)), _CupyLike((4,))
+    key = ("call", ((2, 3), (8, 8), np.dtype(np.float16), 0), ((4,), (8,), np.dtype(np.float16), 0), 1.5)
+    found, ptr = object(), arrays.FAST_READERS[arrays.CUPY][1]
+    assert arrays.memo_lookup({key: found}, arrays.CUPY, key_of, a, b, 1.5) == (key, found, ptr)
+    assert arrays.memo_lookup({}, arrays.CUPY, key_of, a, b, 1.5) == (key, None, ptr)
+    for host in (np.zeros(4, np.float16), np.zeros(4, BF16)):
+        assert arrays.memo_lookup({key: found}, arrays.CUPY, key_of, a, host, 1.5)[:2] == (None, None)
+    assert arrays.memo_lookup({key: found}, arrays.CUPY, key_of, a, b, [1.5])[:2] == (None, None)

@@ -184,6 +184,23 @@ def data_ptr(obj) -> int:
 READERS = {kind: (FAST_READERS[kind], (signature, data_ptr)) for kind in FAST_READERS}
 
 
+def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
+    """``(key, found, ptr)`` of a memoised call whose first array is of ``kind`` (CuPy or torch):
+    ``key = key_of(signature_reader, *args)`` read with that kind's readers, else (an array of
+    another kind) with each array's own, ``found = memo.get(key)`` and ``ptr`` the pointer reader
+    that matches; ``key`` None (and ``found`` None) when no memo can key the call: an unhashable
+    argument, or an array that is neither a CuPy array nor a torch tensor."""
+    for s, ptr in READERS[kind]:
+        try:
+            key = key_of(s, *args)
+            return key, memo.get(key), ptr
+        except OTHER_KIND:
+            continue
+        except TypeError:
+            break
+    return None, None, data_ptr
+
+
 def _torch_host(obj):
     """A torch CPU tensor as a NumPy array sharing its memory (bfloat16 through its bits)."""
     torch = _torch()

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, OTHER_KIND, READERS, TORCH, Array, backend_of, kind_of, read, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUDA, CUPY, TORCH, Array, memo_lookup, backend_of, kind_of, read, to_host
 from .._core.problems import DecodeProblem
 from .._core.streams import handle
 from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_size,
@@ -85,30 +85,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
         int_length = type(cache_seqlens) is int
-        key = launch = None
-        for s, ptr in READERS[kind]:  # every array read as q's kind, else each as its own
-            try:  # the None checks inline: most optional arguments are None
-                key = ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k),
-                       None if v is None else s(v), None if rotary_cos is None else s(rotary_cos),
-                       None if rotary_sin is None else s(rotary_sin),
-                       "int" if int_length else None if cache_seqlens is None else s(cache_seqlens),
-                       None if cache_batch_idx is None else s(cache_batch_idx),
-                       None if cache_leftpad is None else s(cache_leftpad),
-                       None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
-                       rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
-                       return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out),
-                       # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
-                       causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
-                       num_splits.__class__, *map(type, window_size))
-                launch = MEMO.get(key)
-                break
-            except OTHER_KIND:  # an array of another kind than q
-                continue
-            except TypeError:  # unhashable, or an array no memo can key: the checked path
-                key = None
-                break
-        else:  # no reader set read every array: nothing memoisable
-            key = None
+        key, launch, ptr = memo_lookup(MEMO, kind, _memo_key, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                       cache_seqlens, int_length, cache_batch_idx, cache_leftpad, block_table,
+                                       softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                                       num_splits, return_softmax_lse, out, lse_out)
         if launch is not None and launch.device == current_device():
             if int_length:
                 cached_all = cache_seqlens
@@ -136,6 +116,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out, lse_out, stream,
                         check_values)
+
+
+def _memo_key(s, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, int_length, cache_batch_idx,
+              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+              alibi_slopes, num_splits, return_softmax_lse, out, lse_out) -> tuple:
+    """What decides a call's launch, its arrays read by ``s`` (``memo_lookup``); the None checks
+    inline, since most optional arguments are None; an int ``cache_seqlens`` keys as "int"."""
+    return ("decode", s(q), s(k_cache), s(v_cache), None if k is None else s(k), None if v is None else s(v),
+            None if rotary_cos is None else s(rotary_cos), None if rotary_sin is None else s(rotary_sin),
+            "int" if int_length else None if cache_seqlens is None else s(cache_seqlens),
+            None if cache_batch_idx is None else s(cache_batch_idx),
+            None if cache_leftpad is None else s(cache_leftpad),
+            None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
+            return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out),
+            # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+            causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
+            num_splits.__class__, *map(type, window_size))
 
 
 def serves_step(batch_size: int, num_tokens: int, max_seqlen_q: int) -> bool:

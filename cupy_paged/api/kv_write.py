@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import CPU, CUDA, CUPY, OTHER_KIND, READERS, TORCH, backend_of, kind_of, read, to_host
+from .._core.arrays import CPU, CUDA, CUPY, TORCH, memo_lookup, backend_of, kind_of, read, to_host
 from .._core.streams import handle
 from .._core.types import (as_read, check_cache_pair, check_float, check_head_dim, check_index,
                            check_rank, check_same_dtype, check_same_shape, check_values_mode, check_writable, host_checked)
@@ -42,19 +42,7 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_v
     kind = kind_of(k_cache)
     key = None
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
-        launch = None
-        for s, ptr in READERS[kind]:  # every array read as k_cache's kind, else each as its own
-            try:
-                key = ("write", s(k_cache), s(v_cache), s(k), s(v), s(slot_mapping))
-                launch = MEMO.get(key)
-                break
-            except OTHER_KIND:  # an array of another kind than k_cache
-                continue
-            except TypeError:  # an array no memo can key: the checked path
-                key = None
-                break
-        else:  # no reader set read every array: nothing memoisable
-            key = None
+        key, launch, ptr = memo_lookup(MEMO, kind, _memo_key, k_cache, v_cache, k, v, slot_mapping)
         if launch is not None and launch.device == current_device():
             ptrs = (ptr(k_cache), ptr(v_cache), ptr(k), ptr(v), ptr(slot_mapping))
             if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15:
@@ -77,6 +65,11 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, stream=None, check_v
             remember(key, launch)
         launch.run((a["k_cache"].ptr, a["v_cache"].ptr, k_dev.ptr, v_dev.ptr, slots.ptr), h)
     errors.after_launch()
+
+
+def _memo_key(s, k_cache, v_cache, k, v, slot_mapping) -> tuple:
+    """What decides a write's launch, its arrays read by ``s`` (``memo_lookup``)."""
+    return ("write", s(k_cache), s(v_cache), s(k), s(v), s(slot_mapping))
 
 
 def prepare_write(k_cache, v_cache, k, v, slot_mapping, check_values=None):

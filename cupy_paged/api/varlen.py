@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, OTHER_KIND, READERS, TORCH, Array, backend_of, kind_of, read, to_host
+from .._core.arrays import _KIND_OF_TYPE, CPU, CUPY, TORCH, Array, memo_lookup, backend_of, kind_of, read, to_host
 from .._core.problems import VarlenProblem
 from .._core.streams import handle
 from .._core.types import (as_read, check_alibi, check_block_size, check_block_table_values, check_bool,
@@ -82,27 +82,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
     if (kind is TORCH or kind is CUPY) and check_values is not True and not errors._debug:
-        key = launch = None
-        for s, ptr in READERS[kind]:  # every array read as q's kind, else each as its own
-            try:
-                key = ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
-                       None if block_table is None else s(block_table),
-                       None if alibi_slopes is None else s(alibi_slopes),
-                       None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
-                       softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                       return_softmax_lse,
-                       # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
-                       causal.__class__, deterministic.__class__, return_attn_probs.__class__,
-                       return_softmax_lse.__class__, *map(type, window_size))
-                launch = MEMO.get(key)
-                break
-            except OTHER_KIND:  # an array of another kind than q
-                continue
-            except TypeError:  # unhashable, or an array no memo can key: the checked path
-                key = None
-                break
-        else:  # no reader set read every array: nothing memoisable
-            key = None
+        key, launch, ptr = memo_lookup(MEMO, kind, _memo_key, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
+                                       alibi_slopes, out, lse_out, dropout_p, softmax_scale, causal, window_size,
+                                       softcap, deterministic, return_attn_probs, return_softmax_lse)
         if (launch is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int
                 and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == current_device()):
             q_ptr, k_ptr, v_ptr = ptr(q), ptr(k), ptr(v)
@@ -120,6 +102,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_slow(key, kind, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                         return_attn_probs, block_table, out, lse_out, return_softmax_lse, stream, check_values)
+
+
+def _memo_key(s, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out, lse_out, dropout_p,
+              softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+              return_softmax_lse) -> tuple:
+    """What decides a call's launch, its arrays read by ``s`` (``memo_lookup``)."""
+    return ("varlen", s(q), s(k), s(v), s(cu_seqlens_q), s(cu_seqlens_k),
+            None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
+            None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
+            softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse,
+            # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+            causal.__class__, deterministic.__class__, return_attn_probs.__class__,
+            return_softmax_lse.__class__, *map(type, window_size))
 
 
 def _varlen_result(result, q, want_lse: bool, return_attn_probs: bool):

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, OTHER_KIND, READERS, TORCH, kind_of, to_host
+from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, memo_lookup, to_host
 from .._core.paging import gather_slots
 from ._calls import layer_through_calls
 from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
@@ -193,23 +193,8 @@ class StepPlan:
         # The ragged launch takes softcap, window and ALiBi itself, so its layers are resolved once per
         # step with them too; the other paths hand keyword arguments to the public functions.
         if fast and (not kwargs or self.path == RAGGED):
-            key = layer = None
-            for s, ptr in READERS[kind]:  # every array read as q's kind, else each as its own
-                try:
-                    options = () if not kwargs else tuple(
-                        (name, s(value) if name == "alibi_slopes" and value is not None else value)
-                        for name, value in sorted(kwargs.items()))
-                    key = (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
-                           options)
-                    layer = self._layers.get(key)
-                    break
-                except OTHER_KIND:  # an array of another kind than q
-                    continue
-                except TypeError:  # unhashable, or an array no memo can key: the public calls
-                    key = None
-                    break
-            else:  # no reader set read every array: nothing memoisable
-                key = None
+            key, layer, ptr = memo_lookup(self._layers, kind, _layer_key, q, k, v, k_cache, v_cache, out,
+                                          softmax_scale, kwargs)
             if layer is None and key is not None:
                 layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
@@ -226,6 +211,13 @@ class StepPlan:
     @functools.cached_property
     def _layers(self) -> dict:
         return {}
+
+
+def _layer_key(s, q, k, v, k_cache, v_cache, out, softmax_scale, kwargs) -> tuple:
+    """What decides a layer's launches, its arrays read by ``s`` (``memo_lookup``)."""
+    options = () if not kwargs else tuple((name, s(value) if name == "alibi_slopes" and value is not None else value)
+                                          for name, value in sorted(kwargs.items()))
+    return s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale, options
 
 
 def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None,
