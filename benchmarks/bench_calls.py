@@ -400,13 +400,13 @@ def release() -> None:
 
 # --------------------------------------------------------------------------- cases
 
-def decode_case(batch: int, context: int, reps: int, target: float | None = None) -> list:
-    """Decode, one query token over ``context`` cached keys per sequence, no append."""
+def decode_calls(batch: int, context: int) -> tuple:
+    """``(calls, peers)`` of a decode case, one query token over ``context`` cached keys per
+    sequence, no append: ours with torch tensors and with CuPy arrays (each its own K/V, see the
+    module docstring), cuDNN SDPA and FlashAttention-2 on contiguous copies of the same keys."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    name = f"decode {batch}x{context}"
     rng = np.random.default_rng(batch * 100_003 + context)
     (q, k_cache, v_cache, table, lens), = bench_decode.make_paged(rng, batch, context, BLOCK)
     tq, tk_cache, tv_cache, ttable, tlens = torch_of(q, k_cache, v_cache, table, lens)
@@ -416,8 +416,7 @@ def decode_case(batch: int, context: int, reps: int, target: float | None = None
     q_t, k_t, v_t = tq.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, seq, D] views
     cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     cu_k = cu_q * context
-    # Each call its own K/V (see the module docstring): ours cupy and FA2 read copies.
-    k_cache2, v_cache2 = k_cache.copy(), v_cache.copy()
+    k_cache2, v_cache2 = k_cache.copy(), v_cache.copy()  # ours cupy's and FA2's own copies
     q_flat = tq.view(batch, HEADS, DIM)
     k_flat, v_flat = k.clone().view(-1, KV_HEADS, DIM), v.clone().view(-1, KV_HEADS, DIM)
     calls = {
@@ -431,6 +430,15 @@ def decode_case(batch: int, context: int, reps: int, target: float | None = None
         FA2: lambda: torch.ops.aten._flash_attention_forward(q_flat, k_flat, v_flat, cu_q, cu_k, 1, context,
                                                              0.0, False, False),
     }
+    return calls, peers
+
+
+def decode_case(batch: int, context: int, reps: int, target: float | None = None) -> list:
+    """Decode, one query token over ``context`` cached keys per sequence, no append."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    name = f"decode {batch}x{context}"
+    calls, peers = decode_calls(batch, context)
     extra = {}
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         peers = working_peers(peers)
@@ -469,10 +477,10 @@ def varlen_case(name: str, lengths: list, ratio_target: float, reps: int) -> lis
     return case_rows(name, timings, FA2, ratio_target, extra)
 
 
-def chunk_case(reps: int, prefix: int = 32768, chunk: int = 512) -> list:
-    """A ``chunk``-token prefill chunk after ``prefix`` cached tokens, keys read through a shuffled
-    block table, against the same kernel on the same keys gathered into contiguous K/V."""
-    name = f"paged chunk{chunk} after {prefix // 1024}k"
+def chunk_calls(prefix: int = 32768, chunk: int = 512) -> tuple:
+    """``(calls, batch)`` of the chunk case: a ``chunk``-token prefill chunk after ``prefix``
+    cached tokens, ours through a shuffled block table (torch tensors, CuPy arrays) and ours on the
+    same keys gathered into contiguous K/V (torch tensors)."""
     total = prefix + chunk
     batch = bench_varlen.Batch([chunk], [total], DIM, seed=3)
     k_cache, v_cache, table = batch.paged(BLOCK)
@@ -485,6 +493,13 @@ def chunk_case(reps: int, prefix: int = 32768, chunk: int = 512) -> list:
                                                              chunk, total, causal=True, block_table=table),
         CONTIGUOUS: lambda: cupy_paged.flash_attn_varlen_func(tq, tk, tv, tcu_q, tcu_k, chunk, total, causal=True),
     }
+    return calls, batch
+
+
+def chunk_case(reps: int, prefix: int = 32768, chunk: int = 512) -> list:
+    """The chunk case (:func:`chunk_calls`) against the same kernel on contiguous K/V."""
+    name = f"paged chunk{chunk} after {prefix // 1024}k"
+    calls, batch = chunk_calls(prefix, chunk)
     fa2 = bench_varlen.torch_fa2(batch)
     if fa2 is not None:
         calls[FA2] = fa2

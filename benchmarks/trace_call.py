@@ -31,49 +31,26 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import bench_calls  # noqa: E402  (the inputs and helpers of the call benchmark)
-import bench_decode  # noqa: E402
-import bench_varlen  # noqa: E402
-
-import cupy_paged  # noqa: E402
+import bench_calls  # noqa: E402  (the calls, inputs and helpers of the call benchmark)
 
 LAUNCH_APIS = ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cuGraphLaunch",
                "cudaGraphLaunch")
 
 
 def decode_calls(batch: int = 64, context: int = 128) -> dict:
-    import torch.nn.functional as F
-
-    rng = np.random.default_rng(batch * 100_003 + context)
-    (q, k_cache, v_cache, table, lens), = bench_decode.make_paged(rng, batch, context, bench_calls.BLOCK)
-    tq, tk_cache, tv_cache, ttable, tlens = bench_calls.torch_of(q, k_cache, v_cache, table, lens)
-    gather = lambda cache: (cache.view(np.uint16)[table]  # noqa: E731
-                            .reshape(batch, context, bench_calls.KV_HEADS, bench_calls.DIM).view(bench_calls.BF16))
-    k, v = bench_calls.torch_of(gather(k_cache), gather(v_cache))
-    k_cache2, v_cache2 = k_cache.copy(), v_cache.copy()
-    q_t, k_t, v_t = tq.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return {
-        f"decode {batch}x{context} ours torch": lambda: cupy_paged.flash_attn_with_kvcache(
-            tq, tk_cache, tv_cache, cache_seqlens=tlens, block_table=ttable),
-        f"decode {batch}x{context} ours cupy": lambda: cupy_paged.flash_attn_with_kvcache(
-            q, k_cache2, v_cache2, cache_seqlens=lens, block_table=table),
-        f"decode {batch}x{context} cuDNN SDPA": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t,
-                                                                                       enable_gqa=True),
-    }
+    """Ours with torch tensors and with CuPy arrays, and cuDNN SDPA: ``bench_calls``' decode case."""
+    calls, peers = bench_calls.decode_calls(batch, context)
+    case = f"decode {batch}x{context}"
+    return {f"{case} {bench_calls.OURS_TORCH}": calls[bench_calls.OURS_TORCH],
+            f"{case} {bench_calls.OURS_CUPY}": calls[bench_calls.OURS_CUPY],
+            f"{case} {bench_calls.CUDNN}": peers[bench_calls.CUDNN]}
 
 
 def chunk_calls(prefix: int = 32768, chunk: int = 512) -> dict:
-    total = prefix + chunk
-    batch = bench_varlen.Batch([chunk], [total], bench_calls.DIM, seed=3)
-    k_cache, v_cache, table = batch.paged(bench_calls.BLOCK)
-    tq, tk, tv, tcu_q, tcu_k = batch.torch_views()
-    tk_cache, tv_cache, ttable = bench_calls.torch_of(k_cache, v_cache, table)
-    return {
-        "chunk512 after 32k paged": lambda: cupy_paged.flash_attn_varlen_func(
-            tq, tk_cache, tv_cache, tcu_q, tcu_k, chunk, total, causal=True, block_table=ttable),
-        "chunk512 after 32k contiguous": lambda: cupy_paged.flash_attn_varlen_func(
-            tq, tk, tv, tcu_q, tcu_k, chunk, total, causal=True),
-    }
+    """Ours paged and ours on contiguous K/V, torch tensors: ``bench_calls``' chunk case."""
+    calls, _ = bench_calls.chunk_calls(prefix, chunk)
+    case = f"chunk{chunk} after {prefix // 1024}k"
+    return {f"{case} paged": calls[bench_calls.OURS_TORCH], f"{case} contiguous": calls[bench_calls.CONTIGUOUS]}
 
 
 def traced(calls: dict, reps: int) -> list:
