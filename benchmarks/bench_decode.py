@@ -337,7 +337,7 @@ def short_sweep(rng, reps, out: pathlib.Path) -> int:
     for batch, context in ((64, 128), (64, 256), (48, 192), (64, 512), (64, 1024), (32, 600), (128, 128), (256, 256)):
         sets = make_paged(rng, batch, context, 16, copies=8)
         cupy.cuda.runtime.deviceSynchronize()  # the inputs were filled on the legacy stream; `stream` does not wait for it
-        chosen = decode_ops._problem_shape(decode_problem(sets[0]), None)
+        chosen = decode_ops.DecodeLaunch(decode_problem(sets[0])).shape
         row = {"name": f"{batch}x{context} bs16", "ctas": batch * KV_HEADS, "auto": chosen.tiles.label(), "shapes": {}}
         reference = None
         for tiles in (decode_ops.TILES[DIM],) + SWEEP.get(DIM, ()):
@@ -418,8 +418,7 @@ def trace_case(rng, batch, context, block_size=16, calls=8):
     t0 = start.min()
     start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
     span = float(end.max())
-    ctas_per_sm = shape_resources(decode_ops.TILES[DIM], trace=True)["ctas_per_sm"]  # of the kernel traced
-    slots = decode_ops._num_sms(cupy.cuda.Device().id) * ctas_per_sm
+    slots = decode_ops.slots(cupy.cuda.Device().id, problem.q.dtype, DIM, decode_ops.TILES[DIM], trace=True)
     duration = end - start
     order = np.argsort(start, kind="stable")
     wave = np.empty_like(order)

@@ -421,8 +421,8 @@ def test_grids_of_several_waves_take_the_small_shape(batch):
     from cupy_paged.kernels.decode import DecodeLaunch
 
     device, ctas = cupy.cuda.Device().id, batch * 8
-    main, small = decode._slots(device, BF16, 128, decode.TILES[128]), decode._slots(device, BF16, 128,
-                                                                                     decode.SMALL_TILES[128])
+    main, small = decode.slots(device, BF16, 128, decode.TILES[128]), decode.slots(device, BF16, 128,
+                                                                                   decode.SMALL_TILES[128])
     if not (ctas > main and decode.fewer_waves(ctas, main, small)):
         pytest.skip(f"on this GPU {ctas} CTAs take no fewer waves with the small shape")
     rng = np.random.default_rng(batch)

@@ -36,15 +36,15 @@ def test_choose_tiles_takes_fewer_waves_or_keeps_the_registered_shape(monkeypatc
     """With the H200's slots (2 registered CTAs an SM, 4 small ones), the small shape is taken
     exactly when it runs the grid in fewer waves: every grid of more than one registered wave."""
     slots = {decode.TILES[128]: 2 * H200_SMS, decode.SMALL_TILES[128]: 4 * H200_SMS}
-    monkeypatch.setattr(decode, "_slots", lambda device, dtype, head_dim, tiles: slots[tiles])
+    monkeypatch.setattr(decode, "slots", lambda device, dtype, head_dim, tiles: slots[tiles])
     got = decode.choose_tiles(0, BF16, 128, ctas, splits)
     assert got == (decode.SMALL_TILES[128] if want_small else decode.TILES[128])
 
 
 def test_choose_splits_keeps_a_full_wave_and_splits_a_lone_sequence():
-    assert decode.choose_splits(256, 1280, 64, H200_SMS, 2) == 1
-    assert decode.choose_splits(8, 32768, 64, H200_SMS, 2) > 1
-    assert decode.choose_splits(1, 3 * 64, 64, H200_SMS, 2) == 1  # fewer than 4 tiles: never split
+    assert decode.choose_splits(256, 1280, 64, H200_SMS * 2) == 1
+    assert decode.choose_splits(8, 32768, 64, H200_SMS * 2) > 1
+    assert decode.choose_splits(1, 3 * 64, 64, H200_SMS * 2) == 1  # fewer than 4 tiles: never split
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def fake_h200(monkeypatch):
     fake = (lambda key, name, smem=0: SimpleNamespace(num_regs=188, key=key, name=name))
     for module in (decode, launch):
         monkeypatch.setattr(module, "get_function", fake)
-        monkeypatch.setattr(module, "_num_sms", lambda device: H200_SMS)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: H200_SMS)
     launch._shape.cache_clear()
     yield launch
     launch._shape.cache_clear()

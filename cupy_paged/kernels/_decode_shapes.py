@@ -95,7 +95,7 @@ def _num_sms(device_id: int) -> int:
     return int(device_property(device_id, "multiProcessorCount"))
 
 
-def ctas_per_sm(num_regs: int, smem: int, threads: int = 32 * WARPS) -> int:
+def ctas_per_sm(num_regs: int, smem: int, threads: int) -> int:
     """Resident CTAs of ``threads`` per SM for ``num_regs`` registers and ``smem`` bytes of dynamic
     shared memory (Hopper limits: 64 Ki registers, 228 KiB of shared memory, 1 KiB per CTA)."""
     regs_per_warp = -(-int(num_regs) * 32 // 256) * 256
@@ -104,16 +104,16 @@ def ctas_per_sm(num_regs: int, smem: int, threads: int = 32 * WARPS) -> int:
     return max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
-def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, num_sms: int, ctas_per_sm: int) -> int:
+def choose_splits(num_ctas: int, max_keys: int, keys_per_tile: int, slots: int) -> int:
     """Split count for ``num_splits=0``: fill the GPU's CTA slots in whole waves.
 
     ``num_ctas`` is batch * kv heads * row groups; ``max_keys`` the longest a sequence can be;
-    ``keys_per_tile`` the launched shape's keys per pipeline stage.
+    ``keys_per_tile`` the launched shape's keys per pipeline stage; ``slots`` its CTAs of one wave
+    (:func:`slots`).
     Enough CTAs already (>= 80% of one wave) means no split.  Otherwise take the smallest split
     count whose wave efficiency (CTAs / slots of the waves they need) is within 5% of the best,
     with at least two tiles of keys per split so each split amortises its fixed costs.
     """
-    slots = num_sms * ctas_per_sm
     tiles = -(-max_keys // keys_per_tile)
     if num_ctas >= 0.8 * slots or tiles < 4:
         return 1
@@ -133,9 +133,11 @@ def fewer_waves(num_ctas: int, slots: int, small_slots: int) -> bool:
     return -(-num_ctas // small_slots) < -(-num_ctas // slots)
 
 
-def _slots(device: int, dtype, head_dim: int, tiles: Tiles) -> int:
+def slots(device: int, dtype, head_dim: int, tiles: Tiles, **variant) -> int:
+    """CTAs of one wave of ``tiles``' paged_decode on ``device`` (``variant``: :func:`kernel_key`'s
+    rotary / trace / ragged flags): what a wave of that launch holds."""
     smem = tiles.smem_bytes(head_dim)
-    function = get_function(kernel_key(dtype, head_dim, tiles), "paged_decode", smem)
+    function = get_function(kernel_key(dtype, head_dim, tiles, **variant), "paged_decode", smem)
     return _num_sms(device) * ctas_per_sm(function.num_regs, smem, tiles.threads)
 
 
@@ -146,12 +148,12 @@ def choose_tiles(device: int, dtype, head_dim: int, num_ctas: int, num_splits: i
     the bytes it streams, which both shapes streamed at the same rate where measured, so fewer
     waves is less time.  A grid of at most one wave of main-shape CTAs keeps the main shape (whose
     split count then fills the machine; the small shape is not loaded); a grid of more is not split
-    on the small shape either (the caller's ``_shape``)."""
+    (``choose_splits`` keeps a full wave whole), so ``num_splits`` > 1 only comes from the caller."""
     tiles = TILES[head_dim]
     small = SMALL_TILES.get(head_dim)
     if small is None or num_splits > 1:
         return tiles
-    slots = _slots(device, dtype, head_dim, tiles)
-    if num_ctas > slots and fewer_waves(num_ctas, slots, _slots(device, dtype, head_dim, small)):
+    main = slots(device, dtype, head_dim, tiles)
+    if num_ctas > main and fewer_waves(num_ctas, main, slots(device, dtype, head_dim, small)):
         return small
     return tiles

@@ -50,12 +50,12 @@ from ._workspace import identity_table, split_workspace
 
 # The shapes and what a launch decides from shapes alone (re-exported: part of this module's API).
 from ._decode_shapes import (COMBINE_THREADS, MAX_SPLITS, ROWS_PER_CTA, SMALL_TILES, SOURCE, STAGES, TILE_ELEMS,
-                             TILES, WARPS, Tiles, _num_sms, all_keys, choose_splits, choose_tiles, ctas_per_sm,
-                             fewer_waves, kernel_key, tile_keys)
+                             TILES, WARPS, Tiles, all_keys, choose_splits, choose_tiles, ctas_per_sm,
+                             fewer_waves, kernel_key, slots, tile_keys)
 
 __all__ = ["COMBINE_THREADS", "MAX_SPLITS", "ROWS_PER_CTA", "SMALL_TILES", "SOURCE", "STAGES", "TILE_ELEMS", "TILES",
            "WARPS", "DecodeLaunch", "Tiles", "all_keys", "choose_splits", "choose_tiles", "ctas_per_sm", "fewer_waves",
-           "kernel_key", "plan", "problem_args", "ptr", "reserve_workspace", "run", "tile_keys", "trace_size"]
+           "kernel_key", "plan", "problem_args", "ptr", "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
 
 
 # --------------------------------------------------------------------------- workspace
@@ -141,18 +141,15 @@ def _shape(device: int, dtype, q_shape: tuple, num_kv_heads: int, max_keys: int,
     row_groups = -(-rows // ROWS_PER_CTA)
     num_ctas = batch * num_kv_heads * row_groups
     chosen = tiles is None and not (rotary or trace)
-    if tiles is None:
-        tiles = choose_tiles(device, dtype, head_dim, num_ctas, num_splits) if chosen else TILES[head_dim]
+    # The split count on the given (else the main) shape first; the shape chosen after it, since
+    # choose_tiles takes the small shape only for an unsplit grid.
+    given = tiles or TILES[head_dim]
+    splits = min(num_splits, MAX_SPLITS) or choose_splits(
+        num_ctas, max_keys, given.keys, slots(device, dtype, head_dim, given, rotary=rotary, trace=trace))
+    tiles = choose_tiles(device, dtype, head_dim, num_ctas, splits) if chosen else given
     kernels = kernel_key(dtype, head_dim, tiles, rotary, trace)
     smem = tiles.smem_bytes(head_dim)
     decode = get_function(kernels, "paged_decode", smem)
-    if num_splits:
-        splits = min(num_splits, MAX_SPLITS)
-    elif chosen and tiles != TILES[head_dim]:
-        splits = 1  # chosen for a grid of more than one main-shape wave, which that shape would not split
-    else:
-        splits = choose_splits(num_ctas, max_keys, tiles.keys, _num_sms(device),
-                               ctas_per_sm(decode.num_regs, smem, tiles.threads))
     return _Shape(decode, get_function(kernels, "combine_splits") if splits > 1 else None, smem,
                   splits, rows, row_groups, tiles)
 

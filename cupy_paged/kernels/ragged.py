@@ -16,7 +16,7 @@ from .._core.types import alibi_batch_stride, element_strides
 from .._core.compiler import get_function
 from ._launch import Launcher
 from ._workspace import split_workspace
-from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, ctas_per_sm, kernel_key
+from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, kernel_key, slots
 
 _RAGGED_LAYOUT = _DECODE_LAYOUT + "P"  # paged_decode's arguments, then the work list
 # combine_ragged(entries, part_out, part_lse, num_heads, total_q, out, lse)
@@ -30,13 +30,7 @@ def tile_keys(head_dim: int) -> int:
 
 def slots_per_head(device: int, dtype, head_dim: int, num_kv_heads: int) -> int:
     """CTA slots of one wave per kv head: what the plan shares the keys out over."""
-    from ._launch import device_property
-
-    tiles = TILES[head_dim]
-    smem = tiles.smem_bytes(head_dim)
-    function = get_function(kernel_key(dtype, head_dim, ragged=True), "paged_decode", smem)
-    per_sm = ctas_per_sm(function.num_regs, smem, tiles.threads)
-    return max(1, int(device_property(device, "multiProcessorCount")) * per_sm // max(num_kv_heads, 1))
+    return max(1, slots(device, dtype, head_dim, TILES[head_dim], ragged=True) // max(num_kv_heads, 1))
 
 
 def workspace_floats(slots: int, num_kv_heads: int, head_dim: int) -> int:
