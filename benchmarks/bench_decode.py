@@ -99,18 +99,19 @@ def randn_bf16(shape):
     return bits.astype(np.uint16).view(BF16)
 
 
-def make_paged(rng, batch, context, block_size, copies=1, shuffle=True):
+def make_paged(rng, batch, context, block_size, copies=1, shuffle=True, heads=HEADS, kv_heads=KV_HEADS):
     """``copies`` independent (q, k_cache, v_cache, table, lens) sets, blocks shuffled (or, with
-    ``shuffle=False``, each sequence's blocks in address order: a diagnostic of memory locality)."""
+    ``shuffle=False``, each sequence's blocks in address order: a diagnostic of memory locality);
+    ``heads`` / ``kv_heads`` query and kv heads (the benchmark's 32 / 8 by default)."""
     per_seq = -(-context // block_size)
     sets = []
     for _ in range(copies):
         num_blocks = batch * per_seq
-        k = randn_bf16((num_blocks, block_size, KV_HEADS, DIM))
-        v = randn_bf16((num_blocks, block_size, KV_HEADS, DIM))
+        k = randn_bf16((num_blocks, block_size, kv_heads, DIM))
+        v = randn_bf16((num_blocks, block_size, kv_heads, DIM))
         ids = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
         table = cupy.asarray(ids.astype(np.int32).reshape(batch, per_seq))
-        q = randn_bf16((batch, 1, HEADS, DIM))
+        q = randn_bf16((batch, 1, heads, DIM))
         lens = cupy.full((batch,), context, np.int32)
         sets.append((q, k, v, table, lens))
     return sets

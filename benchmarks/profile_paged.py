@@ -41,14 +41,11 @@ def decode_case(rng, spec):
     _, shape, block, *options = spec.split(":")
     batch, context = (int(x) for x in shape.split("x"))
     splits = next((int(o.split("=")[1]) for o in options if o.startswith("splits=")), 0)
-    heads = next((o.split("=")[1] for o in options if o.startswith("heads=")), None)
-    saved = bench_decode.HEADS, bench_decode.KV_HEADS
-    if heads is not None:  # make_paged reads the module's head counts
-        bench_decode.HEADS, bench_decode.KV_HEADS = (int(x) for x in heads.split("/"))
-    try:
-        sets = bench_decode.make_paged(rng, batch, context, int(block[2:]), shuffle="sorted" not in options)
-    finally:
-        bench_decode.HEADS, bench_decode.KV_HEADS = saved
+    heads = next((o.split("=")[1] for o in options if o.startswith("heads=")),
+                 f"{bench_decode.HEADS}/{bench_decode.KV_HEADS}")
+    num_heads, num_kv_heads = (int(x) for x in heads.split("/"))
+    sets = bench_decode.make_paged(rng, batch, context, int(block[2:]), shuffle="sorted" not in options,
+                                   heads=num_heads, kv_heads=num_kv_heads)
     tiles = decode_ops.TILES[bench_decode.DIM] if "main" in options else None
     return (bench_decode.ours(sets, splits, tiles),
             1 + (decode_ops.plan(bench_decode.decode_problem(sets[0], splits), tiles) > 1))

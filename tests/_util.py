@@ -2,6 +2,8 @@
 and bitwise comparison."""
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 
@@ -11,6 +13,12 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16}
 # Relative tolerances of the brief (‖out - ref‖ / ‖ref‖ and per element), by dtype.
 RTOL = {np.dtype(np.float16): 5e-3, BF16: 2e-2, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+
+
+def sanitizer_tool() -> str | None:
+    """The compute-sanitizer tool this test process runs under (``benchmarks/sanitize.sh`` sets
+    ``CUPY_PAGED_SANITIZER``), or None: for the tests whose workload or timing a tool changes."""
+    return os.environ.get("CUPY_PAGED_SANITIZER") or None
 
 
 def randn(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> np.ndarray:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import re
 import time
 import zlib
@@ -34,7 +33,7 @@ import pytest
 
 import cupy_paged
 from cupy_paged._core.arrays import cupy_stream
-from _util import BF16, assert_close, assert_same_bits, randn, scatter_paged, shuffled_block_table
+from _util import BF16, assert_close, assert_same_bits, randn, sanitizer_tool, scatter_paged, shuffled_block_table
 
 pytestmark = pytest.mark.gpu
 
@@ -542,7 +541,7 @@ SLEEP_MODES = ["torch-side", "torch-default", "cupy-side", "cupy-null"]
 def test_default_call_does_not_wait_for_its_stream(name, mode, request):
     """With the call's stream asleep on the GPU for 0.3 s, a (warm) default call returns while
     the sleep still runs: it synchronised with nothing.  Then its result is right."""
-    if os.environ.get("CUPY_PAGED_SANITIZER") == "initcheck":
+    if sanitizer_tool() == "initcheck":
         pytest.skip("compute-sanitizer's initcheck tracks each new allocation on the host, waiting for the GPU")
     kind, which = mode.split("-")
     if kind == "torch":

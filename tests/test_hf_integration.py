@@ -12,7 +12,6 @@ own ``eager`` path does (bf16 noise with random weights).
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 import warnings
@@ -25,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import cupy_paged  # noqa: E402
 from cupy_paged.integrations import transformers as cp_hf  # noqa: E402
-from _util import common_prefix  # noqa: E402
+from _util import common_prefix, sanitizer_tool  # noqa: E402
 
 pytestmark = pytest.mark.skipif(transformers.__version__ not in cp_hf.TESTED_VERSIONS,
                                 reason=f"transformers {transformers.__version__} is not a tested version")
@@ -258,7 +257,7 @@ def medium(tmp_path_factory):
     # Under compute-sanitizer (benchmarks/sanitize.sh) a cuDNN SDPA graph of the generate test
     # failed to execute (RESULTS.md, the sanitizer section): the sdpa peer takes torch's other
     # backends there, which changes no criterion here.
-    sanitized = bool(os.environ.get("CUPY_PAGED_SANITIZER")) and torch.cuda.is_available()
+    sanitized = bool(sanitizer_tool()) and torch.cuda.is_available()
     cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
     if sanitized:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -275,7 +274,7 @@ def _workload(lengths: list, new_tokens: int) -> tuple:
     kernel instrumented, each 10-100x slower: benchmarks/sanitize.sh) three prompts, the longest
     among them, and at most 8 new tokens: the same paths (chunked prefill past a 512-token step,
     mixed steps, decode, graphs) in fewer steps."""
-    if os.environ.get("CUPY_PAGED_SANITIZER"):
+    if sanitizer_tool():
         return lengths[:2] + [max(lengths)], min(new_tokens, 8)
     return lengths, new_tokens
 

@@ -33,6 +33,17 @@ from llama import (Engine, GenerationRequest, LlamaConfig, LlamaModel, SamplingP
 from llama.sampling import filtered_probs, sample  # noqa: E402
 from llama.weights import BF16, INDEX_NAME, read_raw  # noqa: E402
 from llama_dense import dense_logits  # noqa: E402
+from _util import sanitizer_tool  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _products_zeroed_under_initcheck(monkeypatch):
+    """Under initcheck the engine's products start zeroed (``Gemm.zero_outputs``): the tool does
+    not see cuBLAS's bf16 writes."""
+    if sanitizer_tool() == "initcheck":
+        from llama.cublas import Gemm
+
+        monkeypatch.setattr(Gemm, "zero_outputs", True)
 
 TINY = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=50000.0,
@@ -447,13 +458,13 @@ def _graph_requests() -> list:
     """The CUDA-graph tests' requests, greedy and sampled: 9 + 5 of 12 new tokens; under
     compute-sanitizer (benchmarks/sanitize.sh, where racecheck's host memory grows with the run
     until the machine's runs out) 3 + 2 of 8, the same paths in fewer steps."""
-    count, sampled, new_tokens = (3, 2, 8) if os.environ.get("CUPY_PAGED_SANITIZER") else (9, 5, 12)
+    count, sampled, new_tokens = (3, 2, 8) if sanitizer_tool() else (9, 5, 12)
     return request_mix(count=count, vocab=1000, new_tokens=new_tokens) + [
         GenerationRequest(f"s{r.request_id}", r.prompt, r.max_new_tokens, r.sampling)
         for r in request_mix(seed=8, count=sampled, vocab=1000, new_tokens=new_tokens, sampled=True)]
 
 
-MIN_REPLAYS = 4 if os.environ.get("CUPY_PAGED_SANITIZER") else 11  # graph replays the graph tests see at least
+MIN_REPLAYS = 4 if sanitizer_tool() else 11  # graph replays the graph tests see at least
 
 
 def _gpu_engines(graph_sizes, graph_attention="decode"):

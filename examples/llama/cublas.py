@@ -51,6 +51,12 @@ class Gemm:
     [3.0, 3.0, 3.0, 3.0]
     """
 
+    # Zero each product's output before cuBLAS writes it.  compute-sanitizer's initcheck does not
+    # see what cuBLAS's bf16 kernels write (benchmarks/sanitizer_control.py engine: every report of
+    # the engine's tests under it was a read of a product's output), so the tests set this under
+    # initcheck; the tool then checks every other kernel's reads.
+    zero_outputs = False
+
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
         import cupy
 
@@ -67,11 +73,6 @@ class Gemm:
         self._destroy = lib.cublasDestroy_v2
         self._workspace = cupy.empty(workspace_bytes, cupy.uint8)
         self._stream = None
-        # compute-sanitizer's initcheck does not see what cuBLAS's bf16 kernels write (measured:
-        # benchmarks/sanitizer_control.py engine, and every report of the engine's tests under it a
-        # read of a product's output), so under it the outputs are zeroed first: the tool then checks
-        # the reads of the engine's and cupy_paged's kernels against every other write.
-        self._zero_outputs = os.environ.get("CUPY_PAGED_SANITIZER") == "initcheck"
         # alpha = 1, beta = 0 in the compute type, read by cuBLAS from the host at each call.
         self._scalars = {_COMPUTE_32F: (ctypes.c_float(1.0), ctypes.c_float(0.0)),
                          _COMPUTE_64F: (ctypes.c_double(1.0), ctypes.c_double(0.0))}
@@ -106,7 +107,7 @@ class Gemm:
         if out_dtype != a.dtype and not (out_dtype == np.float32 and a.dtype.itemsize == 2):
             raise ValueError(f"a {a.dtype} product can be written as {a.dtype} or, for half precision, float32; "
                              f"got out_dtype {out_dtype}")
-        out = (cupy.zeros if self._zero_outputs else cupy.empty)((m, n), out_dtype)
+        out = (cupy.zeros if self.zero_outputs else cupy.empty)((m, n), out_dtype)
         if m == 0 or n == 0:
             return out
         self._bind(cupy.cuda.get_current_stream().ptr)
