@@ -379,6 +379,15 @@ def test_windows_wider_than_any_sequence_on_the_gpu():
         np.testing.assert_array_equal(function(**args, window_size=wide).get(), function(**args).get())
 
 
+def _host_array_case(function: str, dtype) -> tuple:
+    """``(call, host arguments in dtype, the float argument the tests leave on the host)`` of the
+    host-array-beside-device-arrays tests."""
+    make = {"varlen": paged_varlen_args, "decode": decode_args, "write": write_args}[function]
+    host = {k: a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype == F16 else a for k, a in make().items()}
+    call = {"varlen": VARLEN, "decode": DECODE, "write": WRITE}[function]
+    return call, host, "k" if function in ("varlen", "write") else "k_cache"
+
+
 class _DeviceLike:
     """Quacks like a CuPy array at the array boundary (shape, strides, dtype, ``data.ptr``,
     ``data.device_id``) without a GPU; registered as the CuPy kind by the test that uses it."""
@@ -400,11 +409,8 @@ def test_a_host_array_beside_device_arrays_is_named_on_the_memoised_path(functio
     from cupy_paged._core import arrays
 
     monkeypatch.setitem(arrays._KIND_OF_TYPE, _DeviceLike, arrays.CUPY)
-    make = {"varlen": paged_varlen_args, "decode": decode_args, "write": write_args}[function]
-    host = {k: a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype == F16 else a for k, a in make().items()}
-    name = "k" if function in ("varlen", "write") else "k_cache"
+    call, host, name = _host_array_case(function, dtype)
     args = {k: _DeviceLike(a) if isinstance(a, np.ndarray) and k != name else a for k, a in host.items()}
-    call = {"varlen": VARLEN, "decode": DECODE, "write": WRITE}[function]
     with pytest.raises(TypeError, match=f"{name} is a NumPy array"):
         call(**args)
 
@@ -441,13 +447,10 @@ def test_a_host_array_beside_device_arrays_is_named(function, dtype):
     the memoised path, which reads every array as q's kind, is the one asked first)."""
     import cupy
 
-    make = {"varlen": paged_varlen_args, "decode": decode_args, "write": write_args}[function]
-    host = {k: a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype == F16 else a for k, a in make().items()}
+    call, host, name = _host_array_case(function, dtype)
     args = _on_gpu(host)
-    call = {"varlen": VARLEN, "decode": DECODE, "write": WRITE}[function]
     call(**args)
     cupy.cuda.get_current_stream().synchronize()
-    name = "k" if function in ("varlen", "write") else "k_cache"
     with pytest.raises(TypeError, match=f"{name} is a NumPy array"):
         call(**dict(args, **{name: host[name]}))
 

@@ -50,7 +50,10 @@ TINY = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hid
                    rms_norm_eps=1e-6, max_position_embeddings=256)
 
 
-def tiny_model(dtype=np.float64, config=TINY, seed=3, xp=np):
+MODEL_SEED = 3  # tiny_model's weights (and _gpu_engines')
+
+
+def tiny_model(dtype=np.float64, config=TINY, seed=MODEL_SEED, xp=np):
     return LlamaModel(config, random_weights(config, seed), xp, dtype)
 
 
@@ -571,7 +574,7 @@ def test_padded_cuda_graph_logits_match_eager_and_the_dense_forward():
         graph_logits, graph_tokens = graph_logits.get(), graph_tokens.get()
         assert (graph_tokens == graph_logits.argmax(-1)).all()
     cupy_paged.check_errors()
-    weights = {k: np.asarray(v) for k, v in random_weights(model.config, 3, BF16).items()}
+    weights = {k: np.asarray(v) for k, v in random_weights(model.config, MODEL_SEED, BF16).items()}
     for row, graph_row, request in zip(eager_logits, graph_logits, live):
         dense = dense_logits(model.config, weights, request.token_ids)[-1]
         for got in (row, graph_row):
@@ -676,7 +679,7 @@ def test_gpu_weight_layouts_give_the_same_logits():
 
     model, engine, _ = _gpu_engines(graph_sizes=[8])
     config = model.config
-    other = LlamaModel(config, random_weights(config, 3), cupy, BF16, weight_layout="out_in")  # _gpu_engines' weights
+    other = LlamaModel(config, random_weights(config, MODEL_SEED), cupy, BF16, weight_layout="out_in")
     assert other.layers[0].qkv.shape == model.layers[0].qkv.shape[::-1]
     for r in request_mix(count=5, vocab=1000, new_tokens=3):
         engine.add_request(r)
