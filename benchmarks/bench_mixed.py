@@ -51,6 +51,9 @@ HEADS, KV_HEADS, DIM = bench_calls.HEADS, bench_calls.KV_HEADS, bench_calls.DIM 
 READ_TBS, TFLOPS = 4.44e12, 700e12
 RESULTS = HERE / "results" / "mixed.json"
 OURS, OURS_RAGGED, SPLIT, FA2 = "ours", "ours ragged", "split", "FA2"
+# Decode-only cases also time the public calls a framework without host lengths makes
+# (flash_attn_with_kvcache is the split path there), beside the launches they replaced.
+KV_KERNEL, VARLEN_CALL, VARLEN_KERNEL = "kvcache decode kernel", "varlen call", "varlen kernel"
 
 
 def floor_ms(cached, new) -> float:
@@ -137,6 +140,48 @@ class Step:
         return lambda: cupy_paged.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
                                                           block_table=table, causal=True)
 
+    def decode_only_peers(self) -> dict:
+        """For a step of one-token rows: ``KV_KERNEL``, the decode kernel's launch that
+        ``flash_attn_with_kvcache`` made before it balanced on the device (``DecodeLaunch`` run
+        directly: the kernel path, no public-call host work); ``VARLEN_CALL``, the public
+        ``flash_attn_varlen_func`` over the paged cache with every row's new key already in it (as
+        Hugging Face calls it on a decode step); ``VARLEN_KERNEL``, the same call with the short-row
+        path off (``kernels.ragged.BALANCE = False``), i.e. the varlen kernel."""
+        import cupy
+        import torch
+
+        from cupy_paged.api.decode import prepare_decode
+        from cupy_paged.kernels import decode, ragged
+
+        t = torch.from_dlpack
+        plan = cupy_paged.build_plan(self.cache, self.ids, self.new)
+        rows = len(self.new)
+        table = plan.block_table[:rows]
+        seqlens = cupy.asarray(np.asarray(self.cached, np.int32))
+        p = prepare_decode(self.q[:, None], self.k_cache, self.v_cache, self.k[:, None], self.v[:, None],
+                           cache_seqlens=seqlens, block_table=table, causal=True)
+        kernel = decode.DecodeLaunch(p)
+        args = decode.problem_args(p)
+        lens_k = np.asarray(self.cached) + 1
+        cu_q = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+        kc, vc, ttable = t(self.k_cache), t(self.v_cache), t(table)
+
+        def varlen():
+            return cupy_paged.flash_attn_varlen_func(self.tq, kc, vc, cu_q, cu_k, 1, int(lens_k.max()), causal=True,
+                                                     block_table=ttable)
+
+        def varlen_kernel():
+            ragged.BALANCE = False
+            try:
+                return varlen()
+            finally:
+                ragged.BALANCE = None
+
+        stream = cupy.cuda.get_current_stream().ptr
+        return {KV_KERNEL: lambda: kernel.run(p.q.kind, p.q.obj, *args, stream),
+                VARLEN_CALL: varlen, VARLEN_KERNEL: varlen_kernel}
+
     def fa2(self):
         """torch FA2 varlen over contiguous copies of each sequence's keys (the new ones included)."""
         import torch
@@ -198,6 +243,12 @@ def run_case(name: str, reps: int) -> dict:
     got = calls[OURS]().float()
     want = torch.cat([o.reshape(-1, HEADS, DIM) for o in peers[SPLIT]()]).float()
     diff = float((got - want).abs().max())
+    extra = {}
+    if max(new) == 1:
+        peers.update(step.decode_only_peers())
+        # The short-row path and the varlen kernel give the same rows (the new keys are in the cache now).
+        extra["max_abs_diff_varlen_paths"] = float((peers[VARLEN_CALL]().float() - peers[VARLEN_KERNEL]().float())
+                                                   .abs().max())
     t0 = time.perf_counter()
     for _ in range(20):
         step.plan()
@@ -210,7 +261,7 @@ def run_case(name: str, reps: int) -> dict:
                host_us={k: timings[k].host_us for k in timings}, back_to_back_us={k: timings[k].chain_us for k in timings},
                host_us_busy_gpu={k: timings[k].busy_host_us for k in timings},
                build_plan_us=round(build_us, 1), max_abs_diff_vs_split=diff, items=plan.num_items,
-               splits=plan.num_entries, rows=len(new), tokens=int(sum(new)))
+               splits=plan.num_entries, rows=len(new), tokens=int(sum(new)), **extra)
     print(f"  {row['value']:.3f} ms (floor {floor:.3f}, x{row['over_floor']:.2f}, path {plan.path}) "
           f"peers {row['peers']}  diff {diff:.3g}", flush=True)
     return row
@@ -278,6 +329,16 @@ def main(argv=None) -> int:
               f"| {p.get(SPLIT, float('nan')):.3f} | {fa2 or float('nan'):.3f} "
               f"| {p.get(OURS_RAGGED, float('nan')):.3f} | {(fa2 or 0) / r['value']:.2f} "
               f"| {r['host_us'][OURS]:.1f} | {r['host_us'][SPLIT]:.1f} | {r['host_us'][FA2]:.1f} |")
+    decode_only = [r for r in report["cases"] if VARLEN_CALL in r["peers"]]
+    if decode_only:
+        print(f"\n| decode-only case | floor ms | ours (plan) ms | split = {{kvcache call}} ms | {KV_KERNEL} ms "
+              f"| {VARLEN_CALL} ms | {VARLEN_KERNEL} ms | FA2 ms | read ceiling fraction: plan / kvcache / varlen |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in decode_only:
+            p = r["peers"]
+            fractions = " / ".join(f"{r['floor'] / v:.2f}" for v in (r["value"], p[SPLIT], p[VARLEN_CALL]))
+            print(f"| {r['name']} | {r['floor']:.3f} | {r['value']:.3f} | {p[SPLIT]:.3f} | {p[KV_KERNEL]:.3f} "
+                  f"| {p[VARLEN_CALL]:.3f} | {p[VARLEN_KERNEL]:.3f} | {p[FA2]:.3f} | {fractions} |")
     return 1 if report.get("failed") else 0
 
 

@@ -1287,3 +1287,180 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_ragged(
   if (lse && threadIdx.x == 0) lse[(long long)head * total_q + token] = row_lse;
 }
 #endif
+
+#if RAGGED
+// ---------------------------------------------------------------------------- ragged_list
+
+// ragged_list: the work list of a ragged launch built on the device, for the calls that have no
+// host lengths -- flash_attn_with_kvcache (cache_seqlens on the GPU) and flash_attn_varlen_func's
+// short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  One CTA, launched just
+// before paged_decode on the same stream; the rule is the step plan's (runtime/_work.py): the row
+// groups' keys shared out over kListWaves waves of CTA slots per kv head (at least kListMinTiles
+// tiles a range), a sequence split only past 1.5 ranges, the range doubled while the list would
+// not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
+// (the order within a class is the atomics'; results do not depend on it: each row is written by
+// one item, or merged by combine_ragged in split order).  Rows past the list are zeroed (padding:
+// query length 0), so the launches' fixed grids (the capacities) do nothing there.
+//
+// Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q, and a
+// cu_seqlens_k entry that decreases, drop the sequence (no item) and are reported; cache_seqlens
+// travels in the items as given (paged_decode checks it), counted within [0, key_limit] here.
+constexpr int kListThreads = 512;
+constexpr int kListWarps = kListThreads / 32;
+constexpr int kListBuckets = 32;
+constexpr int kListMinTiles = 4;    // runtime/_work.py MIN_SPLIT_TILES
+constexpr int kListWaves = 2;       // runtime/_work.py WAVES
+constexpr int kListMaxSplits = 128; // runtime/_work.py MAX_SPLITS (combine_ragged: kCombineThreads)
+
+struct ListArgs {
+  const int* cache_seqlens;  // [B]: decode calls, else null
+  const int* cu_seqlens_q;   // [B + 1]: varlen calls, else null
+  const int* cu_seqlens_k;
+  int batch, seqlen_q, total_q, max_seqlen_q, appends, group, key_limit;
+};
+
+struct ListSeq {
+  int q_start, q_len, cached;  // as the WorkItem carries them
+  long long keys;              // what the sequence's items read, for the balance
+  int row_groups;
+};
+
+__device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* errors, bool report) {
+  ListSeq s;
+  if (a.cache_seqlens) {
+    s.q_start = b * a.seqlen_q;
+    s.q_len = a.seqlen_q;
+    s.cached = a.cache_seqlens[b];
+    s.keys = (long long)min(max(s.cached, 0), a.key_limit) + (a.appends ? s.q_len : 0);
+  } else {
+    const int q0 = a.cu_seqlens_q[b], q1 = a.cu_seqlens_q[b + 1];
+    const int k0 = a.cu_seqlens_k[b], k1 = a.cu_seqlens_k[b + 1];
+    const bool q_ok = q0 >= 0 && q1 >= q0 && q1 <= a.total_q && q1 - q0 <= a.max_seqlen_q && (b > 0 || q0 == 0);
+    const bool k_ok = k0 >= 0 && k1 >= k0;
+    if (report && !q_ok) cp::report_error(errors, cp::kErrCuSeqlensQ, b, (long long)q1 - q0);
+    else if (report && !k_ok) cp::report_error(errors, cp::kErrCuSeqlensK, b, (long long)k1 - k0);
+    s.q_start = q0;
+    s.q_len = q_ok && k_ok ? q1 - q0 : 0;
+    s.cached = k1 - k0;
+    s.keys = q_ok && k_ok ? (long long)min(s.cached, a.key_limit) : 0;
+  }
+  s.row_groups = s.q_len > 0 ? (a.group * s.q_len + kRows - 1) / kRows : 0;
+  return s;
+}
+
+__device__ __forceinline__ int list_splits(const ListSeq& s, long long chunk) {
+  if (s.row_groups == 0 || 2 * s.keys <= 3 * chunk) return 1;
+  return (int)min((s.keys + chunk - 1) / chunk, (long long)kListMaxSplits);
+}
+
+// The sum (or max) over the CTA of every thread's value; every thread gets it.
+__device__ __forceinline__ long long list_reduce(long long v, long long* scratch, bool take_max) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = take_max ? max(v, other) : v + other;
+  }
+  __syncthreads();  // scratch free: every thread has read the last reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  long long all = scratch[0];
+  for (int w = 1; w < kListWarps; ++w) all = take_max ? max(all, scratch[w]) : all + scratch[w];
+  return all;
+}
+
+__device__ __forceinline__ void store_item(int* list, long long index, int b, int row_group, int split, int splits,
+                                           const ListSeq& s, int slot) {
+  int4* at = reinterpret_cast<int4*>(list) + 2 * index;
+  at[0] = make_int4(b, row_group, split, splits);
+  at[1] = make_int4(s.q_start, s.q_len, s.cached, slot);
+}
+
+extern "C" __global__ void __launch_bounds__(kListThreads) ragged_list(
+    const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+    int batch, int seqlen_q, int total_q, int max_seqlen_q, int appends, int group, int key_limit,
+    int slots_per_head, int max_items, int max_entries, int max_slots,
+    int* __restrict__ work, int* __restrict__ entries, int* errors) {
+  const ListArgs a{cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
+                   key_limit};
+  __shared__ long long scratch[kListWarps];
+  __shared__ int bucket_start[kListBuckets];
+  __shared__ int slot_cursor, entry_cursor;
+  long long total = 0, base = 0;
+  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    const ListSeq s = list_sequence(a, b, errors, true);
+    total += s.row_groups * s.keys;
+    base += s.row_groups;
+  }
+  total = list_reduce(total, scratch, false);
+  base = list_reduce(base, scratch, false);
+  long long chunk = max((long long)kListMinTiles * kTileKeys,
+                        (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
+  long long items = 0, used_slots = 0, used_entries = 0, longest = 0;
+  for (int round = 0; round < 48; ++round) {
+    chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
+    items = used_slots = used_entries = longest = 0;
+    for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+      const ListSeq s = list_sequence(a, b, errors, false);
+      const int n = list_splits(s, chunk);
+      items += (long long)s.row_groups * n;
+      if (n > 1) {
+        used_slots += (long long)s.row_groups * n;
+        used_entries += s.row_groups;
+      }
+      if (s.row_groups) longest = max(longest, (s.keys + n - 1) / n);
+    }
+    items = list_reduce(items, scratch, false);
+    used_slots = list_reduce(used_slots, scratch, false);
+    used_entries = list_reduce(used_entries, scratch, false);
+    longest = list_reduce(longest, scratch, true);
+    if ((items <= max_items && used_slots <= max_slots && used_entries <= max_entries) || items == base) break;
+    chunk *= 2;
+  }
+  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.
+  if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
+  if (threadIdx.x == 0) slot_cursor = entry_cursor = 0;
+  __syncthreads();
+  auto bucket = [&](const ListSeq& s, int n) {
+    const long long span = (s.keys + n - 1) / n;
+    return longest > 0 ? (int)((longest - span) * (kListBuckets - 1) / longest) : 0;
+  };
+  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    const ListSeq s = list_sequence(a, b, errors, false);
+    if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int at = 0;
+    for (int k = 0; k < kListBuckets; ++k) {
+      const int count = bucket_start[k];
+      bucket_start[k] = at;
+      at += count;
+    }
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    const ListSeq s = list_sequence(a, b, errors, false);
+    if (s.row_groups == 0) continue;
+    const int n = list_splits(s, chunk);
+    const int first = atomicAdd(&bucket_start[bucket(s, n)], s.row_groups * n);
+    const int slot = n > 1 ? atomicAdd(&slot_cursor, s.row_groups * n) : 0;
+    const int entry = n > 1 ? atomicAdd(&entry_cursor, s.row_groups) : 0;
+    for (int rg = 0; rg < s.row_groups; ++rg) {
+      const int rg_slot = n > 1 ? slot + rg * n : 0;
+      for (int split = 0; split < n; ++split)
+        if (first + rg * n + split < max_items) store_item(work, first + rg * n + split, b, rg, split, n, s, rg_slot);
+      if (n > 1 && entry + rg < max_entries) store_item(entries, entry + rg, b, rg, 0, n, s, rg_slot);
+    }
+  }
+  // Padding past the list (the launches' grids are the capacities).
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (long long i = items + threadIdx.x; i < max_items; i += kListThreads) {
+    reinterpret_cast<int4*>(work)[2 * i] = zero;
+    reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
+  }
+  for (long long i = used_entries + threadIdx.x; i < max_entries; i += kListThreads) {
+    reinterpret_cast<int4*>(entries)[2 * i] = zero;
+    reinterpret_cast<int4*>(entries)[2 * i + 1] = zero;
+  }
+}
+#endif

@@ -108,6 +108,32 @@ def test_long_contexts_split_and_short_rows_do_not():
     assert plan.num_entries == 1
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("group,seqlen_q", [(4, 1), (8, 1), (4, 4), (8, 4), (1, 2)])
+def test_device_list_capacities_hold_every_list_of_the_rule(seed, group, seqlen_q):
+    """The fixed capacities of a device-built list (kernels.ragged.list_capacities) hold the list the
+    rule makes of any lengths, without the range doubling: long-tailed draws, one long sequence among
+    short ones, all equal, all empty."""
+    from cupy_paged.kernels.ragged import ROWS as LIST_ROWS, list_capacities
+    from cupy_paged.runtime._work import plan_work
+
+    rng = np.random.default_rng(seed)
+    tile = 64
+    for batch in (1, 7, 64, 300):
+        draws = [rng.lognormal(7.0, 1.5, batch), np.full(batch, 40.0), np.zeros(batch),
+                 np.r_[[200_000.0], np.full(batch - 1, 30.0)]]
+        for per_head in (1, 8, 33, 66):
+            row_groups = -(-group * seqlen_q // LIST_ROWS)
+            items_cap, slots_cap, entries_cap = list_capacities(batch, row_groups, per_head)
+            for draw in draws:
+                cached = draw.astype(np.int64)
+                query = np.full(batch, seqlen_q, np.int64)
+                _, splits, items, entries, slots = plan_work(query, cached, group, tile, per_head,
+                                                             1 << 40, 1 << 40, 1 << 40)
+                assert items <= items_cap and slots <= slots_cap and entries <= entries_cap, (
+                    batch, per_head, items, slots, entries, (items_cap, slots_cap, entries_cap))
+
+
 def test_path_rule_and_arguments():
     cache, ids = make_cache([2000] * 8, [1] * 8)
     assert build_plan(cache, ids, [1] * 8).path == "decode"                 # no num_heads: as before

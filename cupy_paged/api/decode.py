@@ -180,7 +180,7 @@ def _decode_slow(key, kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
         setattr(p, name, value)
         copied |= c
     with on_device(p.q.device):
-        launch = kernels.decode.DecodeLaunch(p)
+        launch = kernels.decode.launch_for(p)
         if not copied and (cache_seqlens is None or type(cache_seqlens) is int or isinstance(p.cache_seqlens, Array)):
             remember(key, launch)
         ptrs, cached_all, out_arg, lse_arg = kernels.decode.problem_args(p)

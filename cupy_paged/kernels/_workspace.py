@@ -13,6 +13,7 @@ import numpy as np
 from .._core.streams import is_capturing
 
 _WORKSPACES: dict[tuple[int, int], object] = {}
+_WORK_LISTS: dict[tuple[int, int], object] = {}
 _IDENTITIES: dict[int, object] = {}
 _RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
 
@@ -45,6 +46,20 @@ def split_workspace(num_floats: int, device: int, stream: int):
         return workspace
 
     return _grown(_WORKSPACES, (device, stream), num_floats, make, "the split-KV workspace", stream)
+
+
+def work_buffer(num_ints: int, device: int, stream: int):
+    """The int32 buffer of (device, stream), of at least ``num_ints``, that a device-built ragged
+    work list lives in (``kernels/ragged.py``, ``DeviceListLaunch``): written by one launch and read
+    by the next ones on the same stream."""
+    import cupy
+
+    def make(n):
+        buffer = cupy.zeros(n, np.int32)
+        cupy.cuda.Device(device).synchronize()  # allocated before another stream uses it
+        return buffer
+
+    return _grown(_WORK_LISTS, (device, stream), num_ints, make, "the ragged work-list buffer", stream)
 
 
 def identity_table(size: int, device: int, stream: int):

@@ -54,8 +54,9 @@ from ._decode_shapes import (COMBINE_THREADS, MAX_SPLITS, ROWS_PER_CTA, SMALL_TI
                              fewer_waves, kernel_key, slots, tile_keys)
 
 __all__ = ["COMBINE_THREADS", "MAX_SPLITS", "ROWS_PER_CTA", "SMALL_TILES", "SOURCE", "STAGES", "TILE_ELEMS", "TILES",
-           "WARPS", "DecodeLaunch", "Tiles", "all_keys", "choose_splits", "choose_tiles", "ctas_per_sm", "fewer_waves",
-           "kernel_key", "plan", "problem_args", "ptr", "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
+           "WARPS", "BalancedDecodeLaunch", "DecodeLaunch", "Tiles", "all_keys", "balances", "choose_splits",
+           "choose_tiles", "ctas_per_sm", "fewer_waves", "kernel_key", "launch_for", "plan", "problem_args", "ptr",
+           "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
 
 
 # --------------------------------------------------------------------------- workspace
@@ -252,6 +253,90 @@ class DecodeLaunch:
             self.combine(self.combine_grid, COMBINE_THREADS, 0, stream, part_out, part_lse, self.splits,
                          self.rows_total, self.out_shape[1], self.out_shape[2], out_ptr, lse_ptr)
         return out_obj, lse_obj
+
+
+def token_strides(array, seqlen: int):
+    """``(token, head)`` element strides of ``[B, seqlen, heads, D]`` read as ``[B * seqlen, heads,
+    D]`` packed tokens, or None when its rows are not evenly spaced so."""
+    batch_stride, token, head = _strides3(array)
+    if seqlen == 1:
+        return batch_stride, head
+    return (token, head) if batch_stride == seqlen * token or int(array.shape[0]) <= 1 else None
+
+
+def balances(p: DecodeProblem) -> bool:
+    """Whether ``flash_attn_with_kvcache`` takes :class:`BalancedDecodeLaunch` for ``p``.
+
+    It can when the cache is paged, ``cache_seqlens`` an array, no rotary, no LSE asked for,
+    ``num_splits=0``, the new tokens (if any) are the query tokens and q, k, v read as packed tokens.
+    By default (``ragged.BALANCE`` None) it does when the decode kernel's own choice would not split
+    the grid (a full wave of CTAs or more), so that one long sequence would run on one CTA per kv
+    head while the rest finish, and a sequence can be long enough to split (more than 1.5 ranges of
+    the rule's shortest).  The lengths themselves are on the device: batches of equal lengths take it
+    too (the list then splits nothing)."""
+    from . import ragged
+
+    if ragged.BALANCE is False or p.block_table is None or isinstance(p.cache_seqlens, int):
+        return False
+    seqlen_q = int(p.q.shape[1])
+    if (p.rotary_cos is not None or p.num_splits != 0 or p.want_lse or p.lse is not None
+            or p.seqlen_new not in (0, seqlen_q) or int(p.q.shape[3]) not in TILES
+            or token_strides(p.q, seqlen_q) is None
+            or (p.k_new is not None and (token_strides(p.k_new, seqlen_q) is None
+                                         or token_strides(p.v_new, seqlen_q) is None))):
+        return False
+    if ragged.BALANCE:
+        return True
+    max_blocks, _, shift = _cache_geometry(p)
+    shortest = ragged.MIN_SPLIT_TILES * ragged.tile_keys(int(p.q.shape[3]))
+    return 2 * (max_blocks << shift) > 3 * shortest and _problem_shape(p, None).splits == 1
+
+
+class BalancedDecodeLaunch:
+    """A ``flash_attn_with_kvcache`` call on the ragged kernel with its work list built on the
+    device (:class:`ragged.DeviceListLaunch`): each sequence's keys shared out in ranges of one size
+    for the whole batch, long sequences split and merged by LSE, so a batch of mixed lengths runs
+    at about the rate of a uniform one.  The interface of :class:`DecodeLaunch` (chosen by
+    :func:`launch_for`)."""
+
+    def __init__(self, p: DecodeProblem):
+        from .ragged import ROWS, DeviceListLaunch, RaggedLaunch
+
+        batch, seqlen_q, num_heads, head_dim = (int(x) for x in p.q.shape)
+        max_blocks, num_blocks, shift = _cache_geometry(p)
+        self.device, self.batch, self.seqlen_q, self.dtype = p.q.device, batch, seqlen_q, p.q.dtype
+        self.out_shape = (batch, seqlen_q, num_heads, head_dim)
+        self.lse_shape = (batch, num_heads, seqlen_q)
+        self.want_lse = False
+        self.capacity = max_blocks << shift
+        self.seqlen_new = p.seqlen_new
+        self.cached_default = 0
+        self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
+        appends = p.k_new is not None
+        ragged = RaggedLaunch.packed(
+            self.device, p.q.dtype, (batch * seqlen_q, num_heads, head_dim), token_strides(p.q, seqlen_q),
+            token_strides(p.k_new, seqlen_q) if appends else None, token_strides(p.v_new, seqlen_q) if appends else None,
+            (num_blocks, 1 << shift, p.num_kv_heads), max_blocks, p.softmax_scale, p.window, p.softcap,
+            alibi_batch_stride(p.alibi_slopes))
+        row_groups = -(-(num_heads // p.num_kv_heads) * seqlen_q // ROWS)
+        self.balanced = DeviceListLaunch(ragged, batch, row_groups, seqlen_q, self.capacity)
+
+    def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,
+            alloc_stream: int | None = None):
+        """As :meth:`DecodeLaunch.run`."""
+        out_obj, out_ptr, _, _ = outputs(kind, like, out, None, self.out_shape, self.lse_shape, self.dtype, False,
+                                         self.q_contiguous, alloc_stream)
+        if self.batch:
+            q, k_cache, v_cache, k_new, v_new, seqlens, table, _, _, _, _, alibi = ptrs
+            self.balanced.run((q, k_cache, v_cache, k_new, v_new, table, alibi), (seqlens, 0, 0), self.seqlen_q,
+                              out_ptr, 0, stream)
+        return out_obj, None
+
+
+def launch_for(p: DecodeProblem):
+    """The launch of a ``flash_attn_with_kvcache`` call: :class:`BalancedDecodeLaunch` where
+    :func:`balances`, else :class:`DecodeLaunch`."""
+    return BalancedDecodeLaunch(p) if balances(p) else DecodeLaunch(p)
 
 
 def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:

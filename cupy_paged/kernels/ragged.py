@@ -15,10 +15,29 @@ from .._core.errors import word
 from .._core.types import alibi_batch_stride, element_strides
 from .._core.compiler import get_function
 from ._launch import Launcher
-from ._workspace import split_workspace
+from ._workspace import split_workspace, work_buffer
 from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, kernel_key, slots
 
 _RAGGED_LAYOUT = _DECODE_LAYOUT + "P"  # paged_decode's arguments, then the work list
+# ragged_list(cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
+#             key_limit, slots_per_head, max_items, max_entries, max_slots, work, entries, errors)
+_LIST_LAYOUT = "PPP" + "iiiiiii" + "iiii" + "PPP"
+LIST_THREADS = 512  # kListThreads
+
+# The balance rule, shared by the plan's host list (runtime/_work.py) and ragged_list (decode.cu's
+# kList* constants): the keys of a step shared out over WAVES waves of CTA slots per kv head, a
+# range at least MIN_SPLIT_TILES tiles, at most MAX_SPLITS splits a sequence.
+ROWS = 16          # decode.cu kRows: rows of a row group
+WORK_INTS = 8      # decode.cu WorkItem
+WAVES = 2
+MIN_SPLIT_TILES = 4
+MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 32
+
+# Whether calls without host lengths take the device-built list (DeviceListLaunch): None lets
+# kernels.decode.balances (flash_attn_with_kvcache) and VarlenLaunch (short rows) decide; True /
+# False: always where it can serve / never.  For benchmarks and tests: a memoised
+# flash_attn_with_kvcache call keeps the launch chosen when it was first made.
+BALANCE = None
 # combine_ragged(entries, part_out, part_lse, num_heads, total_q, out, lse)
 _COMBINE_LAYOUT = "PPPiiPP"
 
@@ -61,26 +80,45 @@ class RaggedLaunch:
     def __init__(self, q, k_cache, k_new, v_new, max_blocks: int, softmax_scale: float, window=(-1, -1),
                  softcap: float = 0.0, alibi_slopes=None):
         total, num_heads, head_dim = (int(x) for x in q.shape)
-        num_blocks, block_size, num_kv_heads = (int(x) for x in k_cache.shape[:3])
-        self.device, self.dtype = q.device, q.dtype
+        self._setup(q.device, q.dtype, (total, num_heads, head_dim), element_strides(q)[:2],
+                    None if k_new is None else element_strides(k_new)[:2],
+                    None if v_new is None else element_strides(v_new)[:2], tuple(int(x) for x in k_cache.shape[:3]),
+                    max_blocks, softmax_scale, window, softcap, alibi_batch_stride(alibi_slopes))
+
+    @classmethod
+    def packed(cls, device: int, dtype, q_shape: tuple, q_strides: tuple, kn_strides, vn_strides, cache_shape: tuple,
+               max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int) -> "RaggedLaunch":
+        """The launch from numbers: ``q_shape`` ``(T, H, D)`` and the (token, head) element strides of
+        q and of the new keys / values (None: no append), ``cache_shape`` ``(num_blocks, block_size,
+        Hkv)``; for calls whose arrays are other shapes viewed as packed tokens."""
+        launch = cls.__new__(cls)
+        launch._setup(device, dtype, q_shape, q_strides, kn_strides, vn_strides, cache_shape, max_blocks,
+                      softmax_scale, window, softcap, alibi_stride)
+        return launch
+
+    def _setup(self, device, dtype, q_shape, q_strides, kn_strides, vn_strides, cache_shape, max_blocks,
+               softmax_scale, window, softcap, alibi_stride):
+        total, num_heads, head_dim = q_shape
+        num_blocks, block_size, num_kv_heads = cache_shape
+        self.device, self.dtype = device, dtype
         self.out_shape, self.lse_shape = (total, num_heads, head_dim), (num_heads, total)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         tiles = TILES[head_dim]
         self.threads, self.smem = tiles.threads, tiles.smem_bytes(head_dim)
-        key = kernel_key(q.dtype, head_dim, ragged=True)
+        self.key = key = kernel_key(dtype, head_dim, ragged=True)
         decode = get_function(key, "paged_decode", self.smem)
-        q_strides = tuple(int(s) for s in element_strides(q)[:2])
-        kn = tuple(int(s) for s in element_strides(k_new)[:2]) if k_new is not None else (0, 0)
-        vn = tuple(int(s) for s in element_strides(v_new)[:2]) if v_new is not None else (0, 0)
+        appends = kn_strides is not None
+        kn = tuple(int(s) for s in kn_strides) if appends else (0, 0)
+        vn = tuple(int(s) for s in vn_strides) if appends else (0, 0)
         left, right = window
-        params = [0, *q_strides, 0, *kn, 0, *vn, max_blocks, num_blocks, block_size.bit_length() - 1, 0,
-                  total, int(k_new is not None), num_heads, num_kv_heads, 0, 0, left, right, 0, 0, 0, 0, 0,
-                  alibi_batch_stride(alibi_slopes), 0, 0, float(softmax_scale), float(softcap)]
+        params = [0, *(int(s) for s in q_strides), 0, *kn, 0, *vn, max_blocks, num_blocks,
+                  block_size.bit_length() - 1, 0, total, int(appends), num_heads, num_kv_heads, 0, 0, left, right,
+                  0, 0, 0, 0, 0, alibi_stride, 0, 0, float(softmax_scale), float(softcap)]
         self.launch = Launcher(decode, _RAGGED_LAYOUT)
         self.launch.pack(*params, *([0] * 20))
         self._pointer_span = self.launch.span(len(params), 20)
         self.combine = Launcher(get_function(key, "combine_ragged"), _COMBINE_LAYOUT)
-        self.num_heads, self.total = num_heads, total
+        self.num_heads, self.total, self.appends = num_heads, total, appends
         self.errors = word(self.device)
 
     def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int) -> None:
@@ -104,3 +142,63 @@ class RaggedLaunch:
         if entries:
             self.combine((entries, self.num_kv_heads, ROWS_PER_CTA), COMBINE_THREADS, 0, stream, entries_ptr, part_out,
                          part_lse, self.num_heads, self.total, out_ptr, lse_ptr)
+
+
+def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, int, int]:
+    """``(items, workspace slots, combine entries)`` that any list of ``batch`` sequences of at most
+    ``row_groups`` row groups needs under the balance rule with ``per_head`` CTA slots a kv head
+    (:class:`DeviceListLaunch` gives the reasoning)."""
+    spread = -(-10 * per_head // 3) + 1
+    return row_groups * batch + spread, spread, min(row_groups * batch, -(-4 * per_head // 3) + 1)
+
+
+class DeviceListLaunch:
+    """A ragged launch whose work list the device builds: for calls that have no host lengths
+    (``flash_attn_with_kvcache``'s ``cache_seqlens``, ``flash_attn_varlen_func``'s ``cu_seqlens``
+    on the GPU).  ``ragged_list`` (one CTA) lists the items by the plan's rule from the lengths,
+    then ``paged_decode`` and ``combine_ragged`` run it, on grids of the list's capacities (padding
+    items do nothing), so a CUDA graph captures the three launches and replays them with other
+    lengths.
+
+    The capacities follow from the rule: a split sequence has more than 1.5 ranges of at least
+    ``total / (WAVES * slots)`` keys, so its items number less than 5/3 of its keys over a range,
+    and all split items together less than ``10/3 * slots``; the split sequences number less than
+    ``4/3 * slots`` row groups (``slots``: CTA slots of a wave per kv head).  ``ragged_list`` also
+    doubles the range while a list would not fit, as the host list does.
+
+    Parameters
+    ----------
+    ragged : RaggedLaunch
+    batch : int
+        Sequences.
+    row_groups : int
+        The most row groups a sequence has (its query heads of a kv head times its query tokens,
+        in 16s).
+    seqlen_q : int
+        Query tokens of every sequence (``flash_attn_with_kvcache``); 0 for ``cu_seqlens`` calls.
+    key_limit : int
+        Keys a block table row holds: lengths beyond it are counted at it (the kernel reports them).
+    """
+
+    def __init__(self, ragged: RaggedLaunch, batch: int, row_groups: int, seqlen_q: int, key_limit: int):
+        self.ragged = ragged
+        per_head = slots_per_head(ragged.device, ragged.dtype, ragged.head_dim, ragged.num_kv_heads)
+        self.max_items, self.max_slots, self.max_entries = list_capacities(batch, row_groups, per_head)
+        self.ints = WORK_INTS * (self.max_items + self.max_entries)
+        self.list = Launcher(get_function(ragged.key, "ragged_list"), _LIST_LAYOUT)
+        group = ragged.num_heads // ragged.num_kv_heads
+        self.list.pack(0, 0, 0, batch, seqlen_q, ragged.total, seqlen_q, int(ragged.appends), group, key_limit,
+                       per_head, self.max_items, self.max_entries, self.max_slots, 0, 0, ragged.errors)
+        self._lengths_span = self.list.span(0, 3)
+        self._max_q_span = self.list.span(6, 1)
+        self._buffers_span = self.list.span(14, 2)
+
+    def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
+        """Launch the three on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:
+        the pointers of cache_seqlens, cu_seqlens_q, cu_seqlens_k (0 for those not given)."""
+        work = work_buffer(self.ints, self.ragged.device, stream).data.ptr
+        entries = work + 4 * WORK_INTS * self.max_items
+        self.list.launch((1, 1, 1), LIST_THREADS, 0, stream, (*self._lengths_span, lengths),
+                         (*self._max_q_span, (max_seqlen_q,)), (*self._buffers_span, (work, entries)))
+        self.ragged.run(ptrs, (work, self.max_items, entries, self.max_entries, self.max_slots), out_ptr, lse_ptr,
+                        stream)

@@ -12,6 +12,11 @@ The kernel is chosen by the tile shape a launch is given: ``VarlenLaunch(p, tile
 ``run(p, tiles)`` launch the mma.sync kernel for a :class:`Tiles` and the wgmma kernel for a
 :class:`WgmmaTiles` (compute capability 9.0 only); ``tiles=None``, what the public functions
 pass, takes the registered shape of the kernel this GPU runs.
+
+A call over a paged cache whose rows are all short (``num_heads / num_kv_heads * max_seqlen_q <=
+16``: the one-token rows of a decode step, speculative rows) runs on the ragged decode kernel
+instead, with a work list built on the device from ``cu_seqlens`` (:meth:`VarlenLaunch.short_rows`):
+the choice is made per call from ``max_seqlen_q``, a host value.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, wgmma_available
 from .varlen_wgmma import kernel_key as wgmma_key
 from .varlen_wgmma import KERNEL as WGMMA_KERNEL
 from ._launch import Launcher, cuda_scalar, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
+from . import ragged
+from ._decode_shapes import TILES as DECODE_TILES
+from .ragged import ROWS
 
 SOURCE = "varlen.cu"
 KERNEL = "varlen_fwd"
@@ -161,6 +169,14 @@ class VarlenLaunch:
         self._pointer_span = self.launch.span(0, 9)
         self._max_q_span = self.launch.span(9 + len(self.scalars), 1)
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
+        # Short rows over a paged cache go to the ragged kernel (made at the first such call).
+        self.group = num_heads // p.num_kv_heads
+        self._short = None
+        self._short_args = None if not paged or head_dim not in DECODE_TILES or self.group > ROWS else (
+            device, p.q.dtype, self.out_shape, (q_row, q_head), None, None,
+            (kv_rows, p.block_size, p.num_kv_heads), table_width, p.softmax_scale, p.window, p.softcap,
+            self.alibi_stride)
+        self._short_keys = table_width << block_shift  # keys a table row holds
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
@@ -172,6 +188,10 @@ class VarlenLaunch:
         if self.batch == 0 or self.total_q == 0 or max_seqlen_q == 0:
             return out_obj, lse_obj
         q, k, v, cu_q, cu_k, table, alibi = ptrs
+        if self._short_args is not None and self.group * max_seqlen_q <= ROWS and ragged.BALANCE is not False:
+            self.short_rows().run((q, k, v, 0, 0, table, alibi), (0, cu_q, cu_k), max_seqlen_q, out_ptr, lse_ptr,
+                                  stream)
+            return out_obj, lse_obj
         block_m = self.tiles.block_m
         grid = ((max_seqlen_q + block_m - 1) // block_m, self.heads, self.batch)
         pointer_struct, pointer_at = self._pointer_span
@@ -180,6 +200,18 @@ class VarlenLaunch:
                            (pointer_struct, pointer_at, (q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table, alibi)),
                            (max_q_struct, max_q_at, (max_seqlen_q,)))
         return out_obj, lse_obj
+
+
+    def short_rows(self):
+        """The launch of calls whose rows are all short (``num_heads / num_kv_heads * max_seqlen_q
+        <= 16``: decodes, speculative rows) over a paged cache: the ragged kernel on a work list
+        built on the device from ``cu_seqlens`` (:class:`ragged.DeviceListLaunch`), so that a row of
+        one to a few tokens does not fill a 64- or 128-row tile alone and its kv head's keys are read
+        once for the whole GQA group."""
+        if self._short is None:
+            launch = ragged.RaggedLaunch.packed(*self._short_args)
+            self._short = ragged.DeviceListLaunch(launch, self.batch, 1, 0, self._short_keys)
+        return self._short
 
 
 def problem_args(p: VarlenProblem) -> tuple:

@@ -22,15 +22,12 @@ import numpy as np
 from .._core.arrays import CUDA
 from .._core.types import HEAD_DIMS
 from ..api.decode import serves_step
+# The rule's constants are the kernels' (decode.cu's ragged_list builds the same list on the device).
+from ..kernels.ragged import MAX_SPLITS, MIN_SPLIT_TILES, ROWS, WAVES, WORK_INTS  # noqa: F401 (re-exported)
 
 # StepPlan.path values (runtime/_layer.py spells them too).
 DECODE, VARLEN, RAGGED, SPLIT = "decode", "varlen", "ragged", "split"
 PATHS = (DECODE, VARLEN, RAGGED, SPLIT)
-ROWS = 16          # decode.cu kRows: rows of a row group
-WORK_INTS = 8      # decode.cu WorkItem
-MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 32
-MIN_SPLIT_TILES = 4
-WAVES = 2          # the keys are shared out over two waves of CTA slots (benchmarks/NOTES_mixed.md)
 
 
 @numba.njit(cache=True, nogil=True)

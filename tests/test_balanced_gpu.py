@@ -1,0 +1,270 @@
+"""Calls without host lengths balanced on the device: ``flash_attn_with_kvcache`` over a paged cache
+(``kernels.decode.BalancedDecodeLaunch``) and ``flash_attn_varlen_func``'s short rows over a paged
+cache (``VarlenLaunch.short_rows``), both on the ragged kernel with a work list that
+``ragged_list`` builds from the device's lengths.
+
+Against the CPU reference backend with NaN-poisoned outputs: long sequences among short ones (so
+the list splits), empty and one-token sequences, every head dim, GQA ratios, block sizes, appends,
+windows, softcap and ALiBi; the auto rule's choice; hostile lengths and block ids (holes, the error
+word naming the argument); a CUDA graph replayed with other lengths.  Test ids containing
+``sanitize`` are the compute-sanitizer subset.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import cupy_paged
+from _util import BF16, assert_close, assert_same_bits, poisoned, randn, scatter_paged, to_numpy
+from test_decode_gpu import make_case
+
+pytestmark = pytest.mark.gpu
+F16 = np.dtype(np.float16)
+
+
+@pytest.fixture
+def balance(monkeypatch):
+    """Set ``kernels.ragged.BALANCE`` for the test (the call memo forgets the launches chosen before)."""
+    from cupy_paged.api._call import MEMO
+    from cupy_paged.kernels import ragged
+
+    def set_to(value):
+        monkeypatch.setattr(ragged, "BALANCE", value)
+        MEMO.clear()
+
+    yield set_to
+    MEMO.clear()
+
+
+def decode_both(case, **options):
+    """(reference out, k_cache, v_cache), (GPU out, k_cache, v_cache) as NumPy, the GPU output poisoned."""
+    import cupy
+
+    host = {name: np.array(value) for name, value in case.items()}
+    ref = cupy_paged.flash_attn_with_kvcache(**host, **options)
+    dev = {name: cupy.asarray(value) for name, value in case.items()}
+    dev_options = {name: cupy.asarray(value) if isinstance(value, np.ndarray) else value
+                   for name, value in options.items()}
+    out = poisoned(case["q"].shape, case["q"].dtype, xp=cupy)
+    got = cupy_paged.flash_attn_with_kvcache(**dev, out=out, **dev_options)
+    assert got is out
+    return (ref, host["k_cache"], host["v_cache"]), tuple(to_numpy(x) for x in (got, dev["k_cache"], dev["v_cache"]))
+
+
+def check_decode(case, **options):
+    (ref, ref_k, ref_v), (out, k_cache, v_cache) = decode_both(case, **options)
+    assert_close(out, ref, case["q"].dtype)
+    assert_same_bits(k_cache, ref_k, "k_cache after the append")
+    assert_same_bits(v_cache, ref_v, "v_cache after the append")
+
+
+def launch_of_last_call():
+    from cupy_paged.api._call import MEMO
+
+    return list(MEMO.values())[-1]
+
+
+# Lengths: one long sequence among short ones (split by the list), a long-tailed draw, empty ones.
+MIXES = {
+    "one-long": [9000] + [37] * 23,
+    "lognormal": np.random.default_rng(3).lognormal(6.5, 1.2, 40).clip(0, 12000).astype(int).tolist(),
+    "zeros-ones": [0, 1, 0, 5000, 1, 2, 15, 16, 17, 0],
+}
+
+# (id, dtype, head_dim, H, Hkv, block_size, seqlen_q, seqlen_new, options)
+GRID = [
+    ("sanitize-bf16-d128-gqa4-bs16", BF16, 128, 16, 4, 16, 1, 1, {"causal": True}),
+    ("f16-d64-gqa8-bs32-noappend", F16, 64, 16, 2, 32, 1, 0, {}),
+    ("bf16-d32-mha-bs8-sq2", BF16, 32, 4, 4, 8, 2, 2, {"causal": True}),
+    ("f16-d96-gqa4-bs64-softcap", F16, 96, 8, 2, 64, 1, 1, {"softcap": 25.0}),
+    ("bf16-d256-gqa2-bs256-window", BF16, 256, 4, 2, 256, 3, 3, {"causal": True, "window_size": (700, 0)}),
+    ("sanitize-f16-d128-gqa4-bs16-sq4-alibi", F16, 128, 8, 2, 16, 4, 4, {"causal": True, "alibi": True}),
+    ("bf16-d128-gqa8-bs128-sq4-2groups", BF16, 128, 16, 2, 128, 4, 0, {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("case_id,dtype,head_dim,num_heads,num_kv_heads,block_size,seqlen_q,seqlen_new,options",
+                         GRID, ids=[g[0] for g in GRID])
+def test_balanced_decode_matches_reference(balance, mix, case_id, dtype, head_dim, num_heads, num_kv_heads,
+                                           block_size, seqlen_q, seqlen_new, options):
+    from cupy_paged.kernels.decode import BalancedDecodeLaunch
+
+    balance(True)
+    rng = np.random.default_rng(zlib.crc32(f"{case_id}{mix}".encode()))
+    seqlens = [max(n, seqlen_q - seqlen_new) for n in MIXES[mix]]  # every query token has its key
+    case = make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, seqlens, seqlen_q, seqlen_new)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = rng.uniform(0.01, 0.5, num_heads).astype(np.float32)
+    check_decode(case, **options)
+    assert isinstance(launch_of_last_call(), BalancedDecodeLaunch)
+
+
+def test_auto_rule():
+    """Without LSE, a full wave of sequences whose table can hold long ones takes the balanced launch;
+    a table of 128 keys, a small batch (the decode kernel splits it itself), an LSE or a forced split
+    count keep the decode kernel."""
+    import cupy
+
+    from cupy_paged.api.decode import prepare_decode
+    from cupy_paged.kernels.decode import balances
+
+    def problem(batch, capacity, **options):  # shapes only: the rule reads no values
+        arrays = dict(q=cupy.empty((batch, 1, 32, 128), BF16), k_cache=cupy.empty((8, 16, 8, 128), BF16),
+                      v_cache=cupy.empty((8, 16, 8, 128), BF16), k=cupy.empty((batch, 1, 8, 128), BF16),
+                      v=cupy.empty((batch, 1, 8, 128), BF16), cache_seqlens=cupy.zeros(batch, np.int32),
+                      block_table=cupy.zeros((batch, capacity // 16), np.int32))
+        return prepare_decode(**arrays, **options)
+
+    assert balances(problem(64, 4096))
+    assert balances(problem(256, 2048))
+    assert not balances(problem(64, 128))
+    assert not balances(problem(4, 32768))
+    assert not balances(problem(64, 4096, return_softmax_lse=True))
+    assert not balances(problem(64, 4096, num_splits=1))
+
+
+def test_one_long_sequence_is_split_over_ctas(balance):
+    """The list the device builds for one 20k-key sequence among 63 short ones splits the long one
+    into ranges of about the batch's keys per CTA slot pair, and covers every sequence once."""
+    import cupy
+
+    from cupy_paged.kernels.ragged import WORK_INTS
+
+    balance(True)
+    rng = np.random.default_rng(9)
+    seqlens = [20_000] + [300] * 63
+    case = make_case(rng, BF16, 128, 32, 8, 16, seqlens, 1, 1)
+    check_decode(case, causal=True)
+    launch = launch_of_last_call().balanced
+    from cupy_paged.kernels._workspace import _WORK_LISTS
+
+    stream = cupy.cuda.get_current_stream().ptr
+    work = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), stream)])[:WORK_INTS * launch.max_items]
+    items = work.reshape(-1, WORK_INTS)
+    items = items[items[:, 5] > 0]
+    long_items = items[items[:, 0] == 0]
+    assert len(long_items) > 4 and set(long_items[:, 2].tolist()) == set(range(len(long_items)))
+    assert (long_items[:, 3] == len(long_items)).all()
+    assert sorted(items[items[:, 0] != 0][:, 0].tolist()) == list(range(1, 64))
+    assert items[0, 0] == 0, "the long sequence's items come first"
+
+
+# Varlen short rows: query lengths 0 to 4 with 4 query heads per kv head (at most 16 rows).
+@pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size,max_q,options", [
+    (BF16, 128, 16, 4, 16, 1, {"causal": True}),
+    (F16, 64, 8, 2, 32, 4, {"causal": True, "return_softmax_lse": True}),
+    (BF16, 256, 8, 8, 64, 2, {"softcap": 30.0, "window_size": (300, 0), "causal": True}),
+    (F16, 32, 16, 1, 8, 1, {"alibi": True, "return_softmax_lse": True}),
+], ids=["sanitize-bf16-d128-decode", "f16-d64-sq4-lse", "bf16-d256-mha-window", "f16-d32-mqa16-alibi"])
+@pytest.mark.parametrize("balanced", [True, False], ids=["ragged", "varlen-kernel"])
+def test_varlen_short_rows_match_reference(balance, balanced, dtype, head_dim, num_heads, num_kv_heads, block_size,
+                                           max_q, options):
+    import cupy
+
+    balance(None if balanced else False)
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{head_dim}{max_q}".encode()))
+    lens_q = rng.integers(1, max_q + 1, 30)
+    lens_q[3] = 0
+    lens_k = (rng.lognormal(6.0, 1.3, 30).clip(0, 9000).astype(np.int64) + lens_q)
+    lens_k[0] = 9000
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = randn(rng, (int(cu_q[-1]), num_heads, head_dim), dtype)
+    k = randn(rng, (int(cu_k[-1]), num_kv_heads, head_dim), dtype)
+    v = randn(rng, (int(cu_k[-1]), num_kv_heads, head_dim), dtype)
+    (k_cache, v_cache), table = scatter_paged(rng, [k, v], lens_k, block_size)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = rng.uniform(0.01, 0.5, num_heads).astype(np.float32)
+    args = (cu_q, cu_k, int(lens_q.max()), int(lens_k.max()))
+    ref = cupy_paged.flash_attn_varlen_func(q, k_cache, v_cache, *args, block_table=table, **options)
+    dev = [cupy.asarray(x) for x in (q, k_cache, v_cache, cu_q, cu_k)]
+    dev_options = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
+    out = poisoned(q.shape, dtype, xp=cupy)
+    got = cupy_paged.flash_attn_varlen_func(*dev[:3], dev[3], dev[4], *args[2:], block_table=cupy.asarray(table),
+                                            out=out, **dev_options)
+    if options.get("return_softmax_lse"):
+        (ref, ref_lse), (got, lse) = ref, got
+        assert_close(lse, ref_lse, np.float32, what="lse", rtol=2e-3)
+    assert got is out
+    assert_close(got, ref, dtype)
+    assert (launch_of_last_call()._short is not None) == balanced
+
+
+def test_sanitize_hostile_lengths_and_ids(balance):
+    """Device lengths past the table, a negative length and block ids outside the cache in a
+    balanced decode call, then a decreasing cu_seqlens_q in a short-row varlen call: no fault, the
+    good sequences right, and check_errors naming the argument."""
+    import cupy
+
+    balance(True)
+    cupy_paged.check_errors()
+    rng = np.random.default_rng(77)
+    seqlens = [3000, 40, 40, 40, 200, 10]
+    case = make_case(rng, F16, 64, 8, 2, 16, seqlens, 1, 1)
+    (ref, _, _), _ = decode_both(case, causal=True)
+    bad = dict(case, cache_seqlens=case["cache_seqlens"].copy(), block_table=case["block_table"].copy())
+    bad["cache_seqlens"][1] = 100_000   # past its table row
+    bad["cache_seqlens"][2] = -5
+    bad["block_table"][3, 0] = 1 << 20  # outside the cache
+    dev = {name: cupy.asarray(value) for name, value in bad.items()}
+    out = poisoned(case["q"].shape, F16, xp=cupy)
+    cupy_paged.flash_attn_with_kvcache(**dev, causal=True, out=out)
+    good = [0, 4, 5]
+    assert_close(to_numpy(out)[good], ref[good], F16)
+    with pytest.raises(ValueError, match="cache_seqlens|block_table"):
+        cupy_paged.check_errors()
+
+    lens = np.array([1, 1, 1, 1])
+    cu_q = cupy.asarray(np.array([0, 1, 3, 2, 4], np.int32))  # decreases at sequence 2
+    cu_k = cupy.asarray(np.array([0, 50, 100, 150, 200], np.int32))
+    q = cupy.asarray(randn(rng, (4, 8, 64), F16))
+    (k_cache, v_cache), table = scatter_paged(rng, [randn(rng, (200, 2, 64), F16)] * 2, [50] * 4, 16)
+    cupy_paged.flash_attn_varlen_func(q, cupy.asarray(k_cache), cupy.asarray(v_cache), cu_q, cu_k, int(lens.max()),
+                                      50, block_table=cupy.asarray(table), causal=True)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        cupy_paged.check_errors()
+
+
+def test_cuda_graph_of_a_balanced_call_replays_other_lengths(balance):
+    """A balanced decode call captured once (list, attention, combine) and replayed with three other
+    sets of lengths equals eager calls with those lengths, bitwise, caches included."""
+    import cupy
+
+    balance(True)
+    rng = np.random.default_rng(31)
+    batch, capacity = 24, 12_000
+    full = make_case(rng, BF16, 128, 16, 4, 16, [capacity] * batch, 1, 1)
+    length_sets = [rng.integers(0, capacity, batch) for _ in range(4)]
+    for lengths in length_sets[1:]:
+        lengths[rng.integers(batch)] = capacity - 1  # one long sequence: split
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        static = {n: cupy.asarray(full[n]) for n in ("q", "k", "v", "block_table")}
+        static["cache_seqlens"] = cupy.asarray(length_sets[0].astype(np.int32))
+        graph_k, graph_v = cupy.asarray(full["k_cache"]), cupy.asarray(full["v_cache"])
+        eager_k, eager_v = graph_k.copy(), graph_v.copy()
+        out = cupy.empty(full["q"].shape, BF16)
+
+        def call(k_cache, v_cache, result, **arrays):
+            return cupy_paged.flash_attn_with_kvcache(arrays["q"], k_cache, v_cache, arrays["k"], arrays["v"],
+                                                     cache_seqlens=arrays["cache_seqlens"],
+                                                     block_table=arrays["block_table"], causal=True, out=result)
+
+        call(graph_k.copy(), graph_v.copy(), cupy.empty_like(out), **static)  # warm-up: sizes the buffers
+        stream.begin_capture()
+        call(graph_k, graph_v, out, **static)
+        graph = stream.end_capture()
+        for lengths in length_sets[1:]:
+            static["cache_seqlens"][...] = cupy.asarray(lengths.astype(np.int32))
+            graph.launch(stream=stream)
+            eager_out = poisoned(full["q"].shape, BF16, xp=cupy)
+            call(eager_k, eager_v, eager_out, **dict(static, cache_seqlens=cupy.asarray(lengths.astype(np.int32))))
+            stream.synchronize()
+            assert_same_bits(out, eager_out, "graph out")
+        assert_same_bits(graph_k, eager_k, "graph k_cache")
