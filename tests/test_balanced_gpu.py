@@ -161,11 +161,16 @@ def test_one_long_sequence_is_split_over_ctas(balance):
     (F16, 32, 16, 1, 8, 1, {"alibi": True, "return_softmax_lse": True}),
 ], ids=["sanitize-bf16-d128-decode", "f16-d64-sq4-lse", "bf16-d256-mha-window", "f16-d32-mqa16-alibi"])
 @pytest.mark.parametrize("balanced", [True, False], ids=["ragged", "varlen-kernel"])
-def test_varlen_short_rows_match_reference(balance, balanced, dtype, head_dim, num_heads, num_kv_heads, block_size,
-                                           max_q, options):
+def test_varlen_short_rows_match_reference(balance, monkeypatch, balanced, dtype, head_dim, num_heads, num_kv_heads,
+                                           block_size, max_q, options):
     import cupy
 
+    from cupy_paged.kernels import ragged
+
     balance(None if balanced else False)
+    runs = []
+    real_run = ragged.DeviceListLaunch.run
+    monkeypatch.setattr(ragged.DeviceListLaunch, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
     rng = np.random.default_rng(zlib.crc32(f"{dtype}{head_dim}{max_q}".encode()))
     lens_q = rng.integers(1, max_q + 1, 30)
     lens_q[3] = 0
@@ -192,7 +197,48 @@ def test_varlen_short_rows_match_reference(balance, balanced, dtype, head_dim, n
         assert_close(lse, ref_lse, np.float32, what="lse", rtol=2e-3)
     assert got is out
     assert_close(got, ref, dtype)
-    assert (launch_of_last_call()._short is not None) == balanced
+    assert bool(runs) == balanced, "the short-row path ran" if runs else "the short-row path did not run"
+
+
+def test_new_tokens_of_length_zero_append_nothing(balance):
+    """k / v of shape [B, 0, Hkv, D] beside one query token: nothing appended, the cached keys attended."""
+    balance(True)
+    rng = np.random.default_rng(41)
+    case = make_case(rng, BF16, 128, 16, 4, 16, [5000] + [60] * 20, 1, 0)
+    case["k"] = np.zeros((21, 0, 4, 128), BF16)
+    case["v"] = np.zeros((21, 0, 4, 128), BF16)
+    check_decode(case, causal=True)
+
+
+def test_capture_on_an_unprepared_stream_takes_the_decode_kernel(balance):
+    """A balanced call captured on a stream no eager call has used (its work-list buffer and split
+    workspace not sized: nothing may be allocated in a capture) launches the decode kernel instead;
+    the replay equals an eager balanced call."""
+    import cupy
+
+    from cupy_paged.kernels.decode import BalancedDecodeLaunch
+
+    balance(None)  # the default rule: 64 sequences x 4 kv heads, a full wave, take it
+    rng = np.random.default_rng(43)
+    case = make_case(rng, BF16, 128, 16, 4, 16, rng.integers(0, 3000, 64).tolist(), 1, 1)
+    dev = {n: cupy.asarray(v) for n, v in case.items()}
+    eager_k, eager_v = dev["k_cache"].copy(), dev["v_cache"].copy()
+    eager = cupy_paged.flash_attn_with_kvcache(dev["q"], eager_k, eager_v, dev["k"], dev["v"],
+                                              cache_seqlens=dev["cache_seqlens"], block_table=dev["block_table"],
+                                              causal=True)
+    assert isinstance(launch_of_last_call(), BalancedDecodeLaunch)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out = cupy.empty_like(eager)
+    with stream:
+        stream.begin_capture()
+        cupy_paged.flash_attn_with_kvcache(dev["q"], dev["k_cache"], dev["v_cache"], dev["k"], dev["v"],
+                                           cache_seqlens=dev["cache_seqlens"], block_table=dev["block_table"],
+                                           causal=True, out=out)
+        graph = stream.end_capture()
+        graph.launch(stream=stream)
+        stream.synchronize()
+    assert_close(out, to_numpy(eager), BF16)
+    assert_same_bits(dev["k_cache"], eager_k, "k_cache after the replayed append")
 
 
 def test_sanitize_hostile_lengths_and_ids(balance):

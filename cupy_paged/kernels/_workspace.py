@@ -36,6 +36,13 @@ def _grown(store: dict, key, size: int, make, what: str, stream: int):
     return current
 
 
+def holds(num_floats: int, num_ints: int, device: int, stream: int) -> bool:
+    """Whether (device, stream)'s split workspace and work-list buffer already hold ``num_floats``
+    and ``num_ints``: a launch that needs both can run without growing them (inside a capture)."""
+    return all(store.get((device, stream)) is not None and store[(device, stream)].size >= size
+               for store, size in ((_WORKSPACES, num_floats), (_WORK_LISTS, num_ints)))
+
+
 def split_workspace(num_floats: int, device: int, stream: int):
     """The float32 split-KV workspace of (device, stream), of at least ``num_floats``."""
     import cupy

@@ -282,8 +282,8 @@ def balances(p: DecodeProblem) -> bool:
     if (p.rotary_cos is not None or p.num_splits != 0 or p.want_lse or p.lse is not None
             or p.seqlen_new not in (0, seqlen_q) or int(p.q.shape[3]) not in TILES
             or token_strides(p.q, seqlen_q) is None
-            or (p.k_new is not None and (token_strides(p.k_new, seqlen_q) is None
-                                         or token_strides(p.v_new, seqlen_q) is None))):
+            or (p.seqlen_new and (token_strides(p.k_new, seqlen_q) is None
+                                  or token_strides(p.v_new, seqlen_q) is None))):
         return False
     if ragged.BALANCE:
         return True
@@ -312,7 +312,8 @@ class BalancedDecodeLaunch:
         self.seqlen_new = p.seqlen_new
         self.cached_default = 0
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
-        appends = p.k_new is not None
+        self.unbalanced = DecodeLaunch(p)  # inside a capture on a stream whose buffers are not sized yet
+        appends = p.seqlen_new > 0  # k / v of no tokens append nothing
         ragged = RaggedLaunch.packed(
             self.device, p.q.dtype, (batch * seqlen_q, num_heads, head_dim), token_strides(p.q, seqlen_q),
             token_strides(p.k_new, seqlen_q) if appends else None, token_strides(p.v_new, seqlen_q) if appends else None,
@@ -324,6 +325,8 @@ class BalancedDecodeLaunch:
     def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
         """As :meth:`DecodeLaunch.run`."""
+        if not self.balanced.ready(stream):
+            return self.unbalanced.run(kind, like, ptrs, cached_all, out, lse_out, stream, alloc_stream)
         out_obj, out_ptr, _, _ = outputs(kind, like, out, None, self.out_shape, self.lse_shape, self.dtype, False,
                                          self.q_contiguous, alloc_stream)
         if self.batch:

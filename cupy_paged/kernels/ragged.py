@@ -15,7 +15,8 @@ from .._core.errors import word
 from .._core.types import alibi_batch_stride, element_strides
 from .._core.compiler import get_function
 from ._launch import Launcher
-from ._workspace import split_workspace, work_buffer
+from .._core.streams import is_capturing
+from ._workspace import holds, split_workspace, work_buffer
 from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, kernel_key, slots
 
 _RAGGED_LAYOUT = _DECODE_LAYOUT + "P"  # paged_decode's arguments, then the work list
@@ -193,9 +194,21 @@ class DeviceListLaunch:
         self._max_q_span = self.list.span(6, 1)
         self._buffers_span = self.list.span(14, 2)
 
+    def ready(self, stream: int) -> bool:
+        """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
+        capture before an eager call on that stream has sized its buffers (the callers then take
+        the kernel they would take without balancing, which needs none)."""
+        ragged = self.ragged
+        floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
+        return holds(floats, self.ints, ragged.device, stream) or not is_capturing(stream)
+
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
         """Launch the three on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:
-        the pointers of cache_seqlens, cu_seqlens_q, cu_seqlens_k (0 for those not given)."""
+        the pointers of cache_seqlens, cu_seqlens_q, cu_seqlens_k (0 for those not given).
+
+        The work list lives in a buffer of (device, stream), like the split workspace: calls on one
+        stream are ordered, so each call's list is read before the next call writes it; two host
+        threads launching on the same stream at once must not share it."""
         work = work_buffer(self.ints, self.ragged.device, stream).data.ptr
         entries = work + 4 * WORK_INTS * self.max_items
         self.list.launch((1, 1, 1), LIST_THREADS, 0, stream, (*self._lengths_span, lengths),

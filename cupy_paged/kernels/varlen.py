@@ -16,7 +16,8 @@ pass, takes the registered shape of the kernel this GPU runs.
 A call over a paged cache whose rows are all short (``num_heads / num_kv_heads * max_seqlen_q <=
 16``: the one-token rows of a decode step, speculative rows) runs on the ragged decode kernel
 instead, with a work list built on the device from ``cu_seqlens`` (:meth:`VarlenLaunch.short_rows`):
-the choice is made per call from ``max_seqlen_q``, a host value.
+the choice is made per call from ``max_seqlen_q``, a host value (and inside a CUDA graph capture
+only on a stream whose buffers an eager call has sized; else the varlen kernel serves).
 """
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ class VarlenLaunch:
     def __init__(self, p: VarlenProblem, tiles: Tiles | WgmmaTiles | None = None):
         head_dim, num_heads = p.head_dim, p.num_heads
         self.device = device = p.q.device
+        given = tiles is not None  # a named shape runs that kernel, short rows too
         self.tiles = tiles = tiles or default_tiles(head_dim, device)
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
         self.launch = Launcher(function, _LAYOUT)
@@ -172,11 +174,14 @@ class VarlenLaunch:
         # Short rows over a paged cache go to the ragged kernel (made at the first such call).
         self.group = num_heads // p.num_kv_heads
         self._short = None
-        self._short_args = None if not paged or head_dim not in DECODE_TILES or self.group > ROWS else (
+        self._short_args = None if (given or not paged or head_dim not in DECODE_TILES
+                                    or self.group > ROWS) else (
             device, p.q.dtype, self.out_shape, (q_row, q_head), None, None,
             (kv_rows, p.block_size, p.num_kv_heads), table_width, p.softmax_scale, p.window, p.softcap,
             self.alibi_stride)
         self._short_keys = table_width << block_shift  # keys a table row holds
+        if self._short_args is not None:
+            self.short_rows()  # made here, not at a first short call that may be inside a capture
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
@@ -188,8 +193,9 @@ class VarlenLaunch:
         if self.batch == 0 or self.total_q == 0 or max_seqlen_q == 0:
             return out_obj, lse_obj
         q, k, v, cu_q, cu_k, table, alibi = ptrs
-        if self._short_args is not None and self.group * max_seqlen_q <= ROWS and ragged.BALANCE is not False:
-            self.short_rows().run((q, k, v, 0, 0, table, alibi), (0, cu_q, cu_k), max_seqlen_q, out_ptr, lse_ptr,
+        if (self._short is not None and self.group * max_seqlen_q <= ROWS and ragged.BALANCE is not False
+                and self._short.ready(stream)):
+            self._short.run((q, k, v, 0, 0, table, alibi), (0, cu_q, cu_k), max_seqlen_q, out_ptr, lse_ptr,
                                   stream)
             return out_obj, lse_obj
         block_m = self.tiles.block_m
