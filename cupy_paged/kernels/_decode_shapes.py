@@ -62,8 +62,7 @@ class Tiles:
 
 # The main shape of each head dim: every variant (plain, rotary, ragged) has it.
 TILES = {head_dim: Tiles(tile_keys(head_dim)) for head_dim in HEAD_DIMS}
-# The small shape, plain and device-listed ragged launches (kernels/ragged.py): half the keys on
-# half the warps, about half the shared
+# The small shape, plain launches only: half the keys on half the warps, about half the shared
 # memory, so about twice the CTAs an SM and a grid of more than one wave of main-shape CTAs runs
 # in about half the waves (:func:`choose_tiles`).  Registered where it was measured against the
 # main shape (head dim 128, benchmarks/NOTES_decode.md v15); ``Tiles(keys // 2, warps=2)`` of
@@ -87,8 +86,7 @@ def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = 
 def all_keys():
     return [kernel_key(dtype, d, rotary=r, ragged=g) for r, g in ((False, False), (True, False), (False, True))
             for dtype in KERNEL_DTYPES for d in HEAD_DIMS] + [
-        kernel_key(dtype, d, tiles, ragged=g) for g in (False, True) for dtype in KERNEL_DTYPES
-        for d, tiles in SMALL_TILES.items()]
+        kernel_key(dtype, d, tiles) for dtype in KERNEL_DTYPES for d, tiles in SMALL_TILES.items()]
 
 
 # --------------------------------------------------------------------------- split count and shape

@@ -300,7 +300,7 @@ class BalancedDecodeLaunch:
     :func:`launch_for`)."""
 
     def __init__(self, p: DecodeProblem):
-        from .ragged import ROWS, DeviceListLaunch, RaggedLaunch, launch_tiles
+        from .ragged import ROWS, DeviceListLaunch, RaggedLaunch
 
         batch, seqlen_q, num_heads, head_dim = (int(x) for x in p.q.shape)
         max_blocks, num_blocks, shift = _cache_geometry(p)
@@ -314,13 +314,12 @@ class BalancedDecodeLaunch:
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
         self.unbalanced = DecodeLaunch(p)  # inside a capture on a stream whose buffers are not sized yet
         appends = p.seqlen_new > 0  # k / v of no tokens append nothing
-        row_groups = -(-(num_heads // p.num_kv_heads) * seqlen_q // ROWS)
-        tiles = launch_tiles(self.device, p.q.dtype, head_dim, row_groups * p.num_kv_heads * batch)
         ragged = RaggedLaunch.packed(
             self.device, p.q.dtype, (batch * seqlen_q, num_heads, head_dim), token_strides(p.q, seqlen_q),
             token_strides(p.k_new, seqlen_q) if appends else None, token_strides(p.v_new, seqlen_q) if appends else None,
             (num_blocks, 1 << shift, p.num_kv_heads), max_blocks, p.softmax_scale, p.window, p.softcap,
-            alibi_batch_stride(p.alibi_slopes), tiles)
+            alibi_batch_stride(p.alibi_slopes))
+        row_groups = -(-(num_heads // p.num_kv_heads) * seqlen_q // ROWS)
         self.balanced = DeviceListLaunch(ragged, batch, row_groups, seqlen_q, self.capacity)
 
     def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,

@@ -17,7 +17,7 @@ from .._core.compiler import get_function
 from ._launch import Launcher
 from .._core.streams import is_capturing
 from ._workspace import holds, split_workspace, work_buffer
-from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, choose_tiles, kernel_key, slots
+from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, kernel_key, slots
 
 _RAGGED_LAYOUT = _DECODE_LAYOUT + "P"  # paged_decode's arguments, then the work list
 # ragged_list(cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
@@ -51,15 +51,6 @@ def tile_keys(head_dim: int) -> int:
 def slots_per_head(device: int, dtype, head_dim: int, num_kv_heads: int) -> int:
     """CTA slots of one wave per kv head: what the plan shares the keys out over."""
     return max(1, slots(device, dtype, head_dim, TILES[head_dim], ragged=True) // max(num_kv_heads, 1))
-
-
-def launch_tiles(device: int, dtype, head_dim: int, num_ctas: int):
-    """The pipeline shape of a device-listed launch of about ``num_ctas`` CTAs when nothing splits
-    (a row group per sequence and kv head): the small shape where the decode kernel would take it
-    (:func:`choose_tiles`: fewer waves), so a batch of equal lengths runs as the decode kernel runs
-    it.  The list's ranges stay those of the main shape's slots (:func:`slots_per_head`), so such a
-    batch is not split; a ragged one runs its split ranges on the smaller CTAs."""
-    return choose_tiles(device, dtype, head_dim, num_ctas, 1)
 
 
 def workspace_floats(slots: int, num_kv_heads: int, head_dim: int) -> int:
@@ -97,27 +88,25 @@ class RaggedLaunch:
 
     @classmethod
     def packed(cls, device: int, dtype, q_shape: tuple, q_strides: tuple, kn_strides, vn_strides, cache_shape: tuple,
-               max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int,
-               tiles=None) -> "RaggedLaunch":
+               max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int) -> "RaggedLaunch":
         """The launch from numbers: ``q_shape`` ``(T, H, D)`` and the (token, head) element strides of
         q and of the new keys / values (None: no append), ``cache_shape`` ``(num_blocks, block_size,
-        Hkv)``; for calls whose arrays are other shapes viewed as packed tokens.  ``tiles``: the
-        pipeline shape (default ``TILES[head_dim]``; :func:`launch_tiles`)."""
+        Hkv)``; for calls whose arrays are other shapes viewed as packed tokens."""
         launch = cls.__new__(cls)
         launch._setup(device, dtype, q_shape, q_strides, kn_strides, vn_strides, cache_shape, max_blocks,
-                      softmax_scale, window, softcap, alibi_stride, tiles)
+                      softmax_scale, window, softcap, alibi_stride)
         return launch
 
     def _setup(self, device, dtype, q_shape, q_strides, kn_strides, vn_strides, cache_shape, max_blocks,
-               softmax_scale, window, softcap, alibi_stride, tiles=None):
+               softmax_scale, window, softcap, alibi_stride):
         total, num_heads, head_dim = q_shape
         num_blocks, block_size, num_kv_heads = cache_shape
         self.device, self.dtype = device, dtype
         self.out_shape, self.lse_shape = (total, num_heads, head_dim), (num_heads, total)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        tiles = tiles or TILES[head_dim]
+        tiles = TILES[head_dim]
         self.threads, self.smem = tiles.threads, tiles.smem_bytes(head_dim)
-        self.key = key = kernel_key(dtype, head_dim, tiles, ragged=True)
+        self.key = key = kernel_key(dtype, head_dim, ragged=True)
         decode = get_function(key, "paged_decode", self.smem)
         appends = kn_strides is not None
         kn = tuple(int(s) for s in kn_strides) if appends else (0, 0)

@@ -178,7 +178,7 @@ class VarlenLaunch:
                                     or self.group > ROWS) else (
             device, p.q.dtype, self.out_shape, (q_row, q_head), None, None,
             (kv_rows, p.block_size, p.num_kv_heads), table_width, p.softmax_scale, p.window, p.softcap,
-            self.alibi_stride, ragged.launch_tiles(device, p.q.dtype, head_dim, p.batch * p.num_kv_heads))
+            self.alibi_stride)
         self._short_keys = table_width << block_shift  # keys a table row holds
         if self._short_args is not None:
             self.short_rows()  # made here, not at a first short call that may be inside a capture
