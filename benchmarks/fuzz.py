@@ -67,7 +67,9 @@ from fuzz_hostile import CORRUPT  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
-KERNELS = ("varlen", "varlen_paged", "decode", "write_kv_cache", "merge", "step")
+# "balanced": flash_attn_with_kvcache on the device-built work list (forced on the GPU side);
+# "varlen_short": paged flash_attn_varlen_func with every row short (the same list, from cu_seqlens).
+KERNELS = ("varlen", "varlen_paged", "decode", "write_kv_cache", "merge", "step", "balanced", "varlen_short")
 WORK_CAP = 4e6  # query-key-head products per configuration: keeps the CPU reference in milliseconds
 
 
@@ -149,15 +151,30 @@ def _punch_holes(rng, table: np.ndarray, needed_blocks: list, num_blocks: int) -
     return True
 
 
-def draw_varlen(rng, paged: bool) -> dict:
+def _one_long(rng, lengths: list, low: int, high: int) -> list:
+    """Half the time one of ``lengths`` made ``low..high`` long: a sequence the balance rule splits."""
+    if lengths and rng.random() < 0.5:
+        lengths[int(rng.integers(len(lengths)))] = int(rng.integers(low, high))
+    return lengths
+
+
+def draw_varlen(rng, paged: bool, short: bool = False) -> dict:
+    """``short``: many sequences, every row at most 16 // (query heads per kv head) tokens and
+    ``max_seqlen_q`` exact, so that the GPU takes the short-row path (paged only)."""
     num_heads, kv_heads, head_dim, dtype = _heads(rng)
-    batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
-    lengths_q, lengths_k = _fit(_lengths(rng, batch, 96), _lengths(rng, batch, 300), num_heads)
+    if short:
+        batch = int(rng.integers(1, 41))
+        longest_q = max(1, 16 // (num_heads // kv_heads))
+        lengths_q = [int(rng.integers(0, longest_q + 1)) for _ in range(batch)]
+        lengths_q, lengths_k = _fit(lengths_q, _one_long(rng, _lengths(rng, batch, 600), 1000, 6000), num_heads)
+    else:
+        batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
+        lengths_q, lengths_k = _fit(_lengths(rng, batch, 96), _lengths(rng, batch, 300), num_heads)
     cu_q = np.concatenate([[0], np.cumsum(lengths_q, dtype=np.int64)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lengths_k, dtype=np.int64)]).astype(np.int32)
     args = dict(q=_values(rng, (int(cu_q[-1]), num_heads, head_dim), dtype),
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=max(lengths_q, default=0) + int(rng.choice([0, 0, 0, 3])),
+                max_seqlen_q=max(lengths_q, default=0) + (0 if short else int(rng.choice([0, 0, 0, 3]))),
                 max_seqlen_k=max(lengths_k, default=0) + int(rng.choice([0, 0, 0, 5])))
     args.update(_attention_options(rng, num_heads, batch, head_dim))
     holes = False
@@ -232,6 +249,55 @@ def draw_decode(rng) -> dict:
     out = (batch, seqlen_q, num_heads, head_dim) if rng.random() < 0.4 else None
     return dict(function="flash_attn_with_kvcache", dtype=dtype, args=args, out_shape=out, holes=holes,
                 in_place=("k_cache", "v_cache") if seqlen_new else (), lse_key="return_softmax_lse")
+
+
+def draw_balanced(rng) -> dict:
+    """``flash_attn_with_kvcache`` as the device-built list serves it (``balanced_decode`` forces
+    that path on the GPU side): a paged cache, an int32 ``cache_seqlens`` of up to 40 sequences with
+    one long one half the time, 1-4 query tokens with or without their appends, no rotary, no LSE."""
+    num_heads, kv_heads, head_dim, dtype = _heads(rng)
+    batch = int(rng.integers(1, 41))
+    seqlen_q = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
+    seqlen_new = seqlen_q if rng.random() < 0.7 else 0
+    cached = _fit([seqlen_q] * batch, _one_long(rng, _lengths(rng, batch, 600), 1000, 6000), num_heads)[1]
+    block_size = int(rng.choice(BLOCK_SIZES))
+    table, num_blocks = _paged_table(rng, [n + seqlen_new + int(rng.integers(0, 2 * block_size)) for n in cached],
+                                     block_size)
+    holes = _punch_holes(rng, table, [-(-(n + seqlen_new) // block_size) for n in cached], num_blocks)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    args = dict(q=_values(rng, (batch, seqlen_q, num_heads, head_dim), dtype), k_cache=_values(rng, shape, dtype),
+                v_cache=_values(rng, shape, dtype), block_table=table, cache_seqlens=np.array(cached, np.int32))
+    if seqlen_new:
+        args.update(k=_values(rng, (batch, seqlen_new, kv_heads, head_dim), dtype),
+                    v=_values(rng, (batch, seqlen_new, kv_heads, head_dim), dtype))
+    args.update(_attention_options(rng, num_heads, batch, head_dim), return_softmax_lse=False)
+    if holes:
+        args["check_values"] = False
+    out = (batch, seqlen_q, num_heads, head_dim) if rng.random() < 0.4 else None
+    return dict(function="balanced_decode", dtype=dtype, args=args, out_shape=out, holes=holes,
+                in_place=("k_cache", "v_cache") if seqlen_new else (), lse_key=None)
+
+
+def balanced_decode(**args):
+    """``flash_attn_with_kvcache``: on NumPy arrays the reference; on CuPy arrays with the device-built
+    list forced (``kernels.ragged.BALANCE``), checked to be the launch that ran."""
+    if isinstance(args["q"], np.ndarray):
+        return cupy_paged.flash_attn_with_kvcache(**args)
+    from cupy_paged.api._call import MEMO
+    from cupy_paged.kernels import ragged
+    from cupy_paged.kernels.decode import BalancedDecodeLaunch
+
+    ragged.BALANCE = True
+    MEMO.clear()
+    try:
+        result = cupy_paged.flash_attn_with_kvcache(**args)
+        if args["q"].shape[0] and args.get("check_values") is not True:
+            launch = list(MEMO.values())[-1]
+            assert isinstance(launch, BalancedDecodeLaunch), f"the call ran {type(launch).__name__}"
+        return result
+    finally:
+        ragged.BALANCE = None
+        MEMO.clear()
 
 
 def draw_write(rng) -> dict:
@@ -327,7 +393,7 @@ def plan_step(k_cache, v_cache, q, k, v, cached, new, path, num_heads, shuffle, 
     return result
 
 
-RUNNERS = {"plan_step": plan_step}
+RUNNERS = {"plan_step": plan_step, "balanced_decode": balanced_decode}
 
 
 def draw(kernel: str, seed: int, index: int, hostile: bool = False) -> dict:
@@ -337,7 +403,8 @@ def draw(kernel: str, seed: int, index: int, hostile: bool = False) -> dict:
     rng = np.random.default_rng([seed, KERNELS.index(kernel), index] + ([1] if hostile else []))
     drawer = {"varlen": lambda: draw_varlen(rng, False), "varlen_paged": lambda: draw_varlen(rng, True),
               "decode": lambda: draw_decode(rng), "write_kv_cache": lambda: draw_write(rng),
-              "merge": lambda: draw_merge(rng), "step": lambda: draw_step(rng)}[kernel]
+              "merge": lambda: draw_merge(rng), "step": lambda: draw_step(rng),
+              "balanced": lambda: draw_balanced(rng), "varlen_short": lambda: draw_varlen(rng, True, short=True)}[kernel]
     case = drawer()
     if hostile:
         if kernel not in CORRUPT:

@@ -217,3 +217,23 @@ def test_kernels_in_processes_share_one_time_limit(tmp_path):
     assert set(configs) == {"merge", "write_kv_cache", "decode"} and max(configs.values()) <= 1
     assert len(log.read_text().splitlines()) == sum(configs.values())
     assert not list(tmp_path.glob("fuzz.log.*"))
+
+
+def test_device_list_draws_take_that_path(drawn):
+    """The "balanced" and "varlen_short" draws are calls the device-built work list serves: paged,
+    short rows (query heads per kv head x max_seqlen_q <= 16) for varlen; an int32 cache_seqlens, no
+    LSE, no rotary, num_splits 0 and appends of all or none of the query tokens for decode; and some
+    of them hold a sequence long enough to be split."""
+    for case in drawn["varlen_short"]:
+        a = case["args"]
+        group = a["q"].shape[1] // a["k"].shape[2]
+        assert "block_table" in a and group * a["max_seqlen_q"] <= 16
+        assert a["max_seqlen_q"] == max(np.diff(a["cu_seqlens_q"]).tolist(), default=0)
+    assert any(np.diff(c["args"]["cu_seqlens_k"]).max() >= 1000 for c in drawn["varlen_short"])
+    for case in drawn["balanced"]:
+        a = case["args"]
+        assert isinstance(a["cache_seqlens"], np.ndarray) and "block_table" in a and "rotary_cos" not in a
+        assert not a["return_softmax_lse"] and a.get("num_splits", 0) == 0
+        assert "k" not in a or a["k"].shape[1] == a["q"].shape[1]
+    assert any(c["args"]["cache_seqlens"].max() >= 1000 for c in drawn["balanced"])
+    assert any(c["holes"] for c in drawn["balanced"]) and any("k" in c["args"] for c in drawn["balanced"])
