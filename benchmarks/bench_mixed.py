@@ -172,11 +172,11 @@ class Step:
                                                      block_table=ttable)
 
         def varlen_kernel():
-            ragged.BALANCE = False
+            before, ragged.BALANCE = ragged.BALANCE, False
             try:
                 return varlen()
             finally:
-                ragged.BALANCE = None
+                ragged.BALANCE = before
 
         stream = cupy.cuda.get_current_stream().ptr
         return {KV_KERNEL: lambda: kernel.run(p.q.kind, p.q.obj, *args, stream),

@@ -287,7 +287,7 @@ def balanced_decode(**args):
     from cupy_paged.kernels import ragged
     from cupy_paged.kernels.decode import BalancedDecodeLaunch
 
-    ragged.BALANCE = True
+    before, ragged.BALANCE = ragged.BALANCE, True
     MEMO.clear()
     try:
         result = cupy_paged.flash_attn_with_kvcache(**args)
@@ -296,7 +296,7 @@ def balanced_decode(**args):
             assert isinstance(launch, BalancedDecodeLaunch), f"the call ran {type(launch).__name__}"
         return result
     finally:
-        ragged.BALANCE = None
+        ragged.BALANCE = before
         MEMO.clear()
 
 

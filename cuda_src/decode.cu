@@ -12,7 +12,8 @@
 //               stays out of the ROTARY=0 kernel entirely, its K/V loop included.
 //   TRACE       0 or 1: whether paged_decode takes a trace buffer and records each CTA's start,
 //               end and SM in it (default 0; only the decode benchmark's keys set it)
-//   RAGGED      0 or 1: the work-list kernel of a continuous-batching step (default 0), below
+//   RAGGED      0 or 1: the work-list kernel of a continuous-batching step, or of a call balanced by
+//               length on the device (ragged_list), (default 0), below
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q, rotary layout)
 // is a run-time argument, so two dtypes x five head dims (x rotary or not) are the whole family.
 //
@@ -62,7 +63,7 @@
 // RAGGED=1: one launch for a whole step whose sequences have different query lengths (prefill
 // chunks, decodes, speculative rows), q / k_new / v_new / out packed as [T, H(kv), D] tokens.  The
 // CTA of (blockIdx.x, kv head blockIdx.y) takes work item blockIdx.x, which the step plan built on
-// the host (runtime/_work.py): sequence b, row group, split of its keys, its split count, its first
+// the host (runtime/_work.py), or ragged_list on the device from a call's lengths (at the end): sequence b, row group, split of its keys, its split count, its first
 // token in the packed arrays, its query length, its cached keys, and the first workspace slot of its
 // splits.  Rows are (group head, query token) as above, per sequence; a row group whose rows see
 // none of a split's keys loads none.  Query token i of b sits at key cached + i (its own key, read
@@ -1308,9 +1309,12 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_ragged(
 constexpr int kListThreads = 512;
 constexpr int kListWarps = kListThreads / 32;
 constexpr int kListBuckets = 32;
-constexpr int kListMinTiles = 4;    // runtime/_work.py MIN_SPLIT_TILES
-constexpr int kListWaves = 2;       // runtime/_work.py WAVES
-constexpr int kListMaxSplits = 128; // runtime/_work.py MAX_SPLITS (combine_ragged: kCombineThreads)
+// kernels/ragged.py's LIST_THREADS, MIN_SPLIT_TILES, WAVES, MAX_SPLITS (the host list's rule too;
+// tests/test_launch_layout.py reads these lines and compares).
+constexpr int kListMinTiles = 4;
+constexpr int kListWaves = 2;
+constexpr int kListMaxSplits = 128;
+static_assert(kListMaxSplits <= kCombineThreads, "combine_ragged merges at most kCombineThreads splits");
 
 struct ListArgs {
   const int* cache_seqlens;  // [B]: decode calls, else null

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cupy_paged._core.compiler import load_source
-from cupy_paged.kernels import decode, kv_write, varlen, varlen_wgmma
+from cupy_paged.kernels import decode, kv_write, ragged, varlen, varlen_wgmma
 
 # C parameter type -> struct code of the same size and alignment.
 CODES = {"int": "i", "long long": "q", "float": "f", "unsigned": "I"}
@@ -68,7 +68,11 @@ def _decode_layout(layout: str) -> str:
     (varlen.SOURCE, "varlen_fwd", frozenset(), varlen._LAYOUT),
     (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset(), varlen._LAYOUT),
     (kv_write.SOURCE, "write_kv_cache", frozenset(), kv_write._LAYOUT),
-], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache"])
+    (decode.SOURCE, "paged_decode", frozenset({"RAGGED"}), _decode_layout(ragged._RAGGED_LAYOUT)),
+    (decode.SOURCE, "combine_ragged", frozenset({"RAGGED"}), ragged._COMBINE_LAYOUT),
+    (decode.SOURCE, "ragged_list", frozenset({"RAGGED"}), ragged._LIST_LAYOUT),
+], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache",
+        "paged_decode-RAGGED", "combine_ragged", "ragged_list"])
 def test_layout_matches_the_kernel_signature(source, kernel, macros, layout):
     expected = [code_of(p) for p in parameters(source, kernel, macros)]
     assert expand(layout) == expected, f"{kernel}: layout {layout} against the signature {expected}"
@@ -113,3 +117,12 @@ def test_spans_rewrite_exactly_their_fields(layout):
             span.pack_into(launcher._buffer, offset, *changed[first:first + count])
             expected = struct.Struct("@" + layout).pack(*changed)
             assert bytes(launcher._buffer[:len(expected)]) == expected, (first, count)
+
+
+def test_device_list_constants_match_the_kernel_source():
+    """ragged_list's rule constants (decode.cu) are kernels/ragged.py's, which the host list uses."""
+    source = load_source(decode.SOURCE)
+    found = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", source)}
+    assert (found["kListThreads"], found["kListMinTiles"], found["kListWaves"], found["kListMaxSplits"],
+            found["kRows"]) == (ragged.LIST_THREADS, ragged.MIN_SPLIT_TILES, ragged.WAVES, ragged.MAX_SPLITS,
+                                ragged.ROWS)

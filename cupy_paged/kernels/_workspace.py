@@ -1,6 +1,6 @@
 """Device buffers that launches keep between calls and only ever grow: the split-KV workspace of
-``paged_decode`` (per device and stream) and the identity block table of a contiguous decode cache
-(per device).
+``paged_decode`` and the work-list buffer of a device-listed ragged launch (per device and stream),
+and the identity block table of a contiguous decode cache (per device).
 
 Growing allocates, which a CUDA graph capture must not do: while the stream captures, a buffer
 that would have to grow raises instead.  An outgrown buffer is kept alive, so a graph captured

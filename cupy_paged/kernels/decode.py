@@ -2,6 +2,10 @@
 
 One launch of ``paged_decode`` appends the new tokens (if any) and computes attention; with
 ``num_splits > 1`` a second launch, ``combine_splits``, merges the per-split partial outputs.
+:func:`launch_for` picks, for ``num_splits=0`` over a paged cache with a full grid (see
+:func:`balances`), :class:`BalancedDecodeLaunch` instead: the ragged kernel on a work list that the
+GPU builds from ``cache_seqlens`` (three launches, ``kernels/ragged.py``), so that one long sequence
+does not run on one CTA per kv head while the rest of the batch has finished.
 
 Split-KV and CUDA graphs
 ------------------------
@@ -14,8 +18,11 @@ workspaces are kept alive, so a graph captured earlier never points at freed mem
 
 With ``num_splits=0`` the split count is chosen on the host from shapes alone (batch, heads,
 the cache's capacity per sequence: ``max_blocks * block_size``, or S of a contiguous
-``[B, S, Hkv, D]`` cache), never from ``cache_seqlens`` values, so
-choosing it needs no device-to-host copy and a captured graph replays the same choice.  What the
+``[B, S, Hkv, D]`` cache), never from ``cache_seqlens`` values on the host, so
+choosing it needs no device-to-host copy and a captured graph replays the same choice (the
+balanced launch splits by those values on the device, inside the launches a graph captures).  Its
+work-list buffer, like the workspace, is sized by an eager call on the capturing stream; a capture
+on a stream without one launches the decode kernel instead.  What the
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
 the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).  A contiguous
 cache is read as blocks of one token through one identity table per device (grown like the
@@ -255,7 +262,7 @@ class DecodeLaunch:
         return out_obj, lse_obj
 
 
-def token_strides(array, seqlen: int):
+def _token_strides(array, seqlen: int):
     """``(token, head)`` element strides of ``[B, seqlen, heads, D]`` read as ``[B * seqlen, heads,
     D]`` packed tokens, or None when its rows are not evenly spaced so."""
     batch_stride, token, head = _strides3(array)
@@ -281,9 +288,9 @@ def balances(p: DecodeProblem) -> bool:
     seqlen_q = int(p.q.shape[1])
     if (p.rotary_cos is not None or p.num_splits != 0 or p.want_lse or p.lse is not None
             or p.seqlen_new not in (0, seqlen_q) or int(p.q.shape[3]) not in TILES
-            or token_strides(p.q, seqlen_q) is None
-            or (p.seqlen_new and (token_strides(p.k_new, seqlen_q) is None
-                                  or token_strides(p.v_new, seqlen_q) is None))):
+            or _token_strides(p.q, seqlen_q) is None
+            or (p.seqlen_new and (_token_strides(p.k_new, seqlen_q) is None
+                                  or _token_strides(p.v_new, seqlen_q) is None))):
         return False
     if ragged.BALANCE:
         return True
@@ -315,8 +322,8 @@ class BalancedDecodeLaunch:
         self.unbalanced = DecodeLaunch(p)  # inside a capture on a stream whose buffers are not sized yet
         appends = p.seqlen_new > 0  # k / v of no tokens append nothing
         ragged = RaggedLaunch.packed(
-            self.device, p.q.dtype, (batch * seqlen_q, num_heads, head_dim), token_strides(p.q, seqlen_q),
-            token_strides(p.k_new, seqlen_q) if appends else None, token_strides(p.v_new, seqlen_q) if appends else None,
+            self.device, p.q.dtype, (batch * seqlen_q, num_heads, head_dim), _token_strides(p.q, seqlen_q),
+            _token_strides(p.k_new, seqlen_q) if appends else None, _token_strides(p.v_new, seqlen_q) if appends else None,
             (num_blocks, 1 << shift, p.num_kv_heads), max_blocks, p.softmax_scale, p.window, p.softcap,
             alibi_batch_stride(p.alibi_slopes))
         row_groups = -(-(num_heads // p.num_kv_heads) * seqlen_q // ROWS)

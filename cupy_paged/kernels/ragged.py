@@ -1,4 +1,5 @@
-"""Launch glue of ``decode.cu``'s ``RAGGED`` specialization: one launch for a whole step.
+"""Launch glue of ``decode.cu``'s ``RAGGED`` specialization: one launch for a whole step, and the
+same launch on a work list built on the device for calls without host lengths (:class:`DeviceListLaunch`).
 
 A continuous-batching step mixes prefill chunks, one-token decodes and short multi-token rows.
 ``paged_decode`` with ``RAGGED=1`` takes them all in one launch over the packed tokens
@@ -8,6 +9,11 @@ index arrays.  Each item appends its share of the new tokens to the paged cache 
 rows; the sequences split over several items are merged by ``combine_ragged`` (a second launch,
 only when some sequence is split).  Both launches read the item list's pointer and count from the
 plan, so a CUDA graph replays them with another list of the same length.
+
+``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` have their lengths on the device only
+(``cache_seqlens``, ``cu_seqlens``).  :class:`DeviceListLaunch` launches ``ragged_list`` first: one
+CTA that reads them and writes the list by the same rule (the constants below), padded to
+capacities fixed by host values (:func:`list_capacities`), so the three launches are capturable.
 """
 from __future__ import annotations
 
@@ -36,8 +42,9 @@ MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 3
 
 # Whether calls without host lengths take the device-built list (DeviceListLaunch): None lets
 # kernels.decode.balances (flash_attn_with_kvcache) and VarlenLaunch (short rows) decide; True /
-# False: always where it can serve / never.  For benchmarks and tests: a memoised
-# flash_attn_with_kvcache call keeps the launch chosen when it was first made.
+# False: always where it can serve / never.  For benchmarks and tests.  flash_attn_with_kvcache reads
+# it when its launch is made (a memoised call keeps that choice: clear api._call.MEMO after a
+# change); flash_attn_varlen_func at every call.
 BALANCE = None
 # combine_ragged(entries, part_out, part_lse, num_heads, total_q, out, lse)
 _COMBINE_LAYOUT = "PPPiiPP"
@@ -186,6 +193,8 @@ class DeviceListLaunch:
         per_head = slots_per_head(ragged.device, ragged.dtype, ragged.head_dim, ragged.num_kv_heads)
         self.max_items, self.max_slots, self.max_entries = list_capacities(batch, row_groups, per_head)
         self.ints = WORK_INTS * (self.max_items + self.max_entries)
+        self.floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
+        self._ready: set[int] = set()  # streams whose buffers hold this list (they only ever grow)
         self.list = Launcher(get_function(ragged.key, "ragged_list"), _LIST_LAYOUT)
         group = ragged.num_heads // ragged.num_kv_heads
         self.list.pack(0, 0, 0, batch, seqlen_q, ragged.total, seqlen_q, int(ragged.appends), group, key_limit,
@@ -198,9 +207,12 @@ class DeviceListLaunch:
         """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
         capture before an eager call on that stream has sized its buffers (the callers then take
         the kernel they would take without balancing, which needs none)."""
-        ragged = self.ragged
-        floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
-        return holds(floats, self.ints, ragged.device, stream) or not is_capturing(stream)
+        if stream in self._ready:
+            return True
+        if holds(self.floats, self.ints, self.ragged.device, stream):
+            self._ready.add(stream)
+            return True
+        return not is_capturing(stream)
 
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
         """Launch the three on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:

@@ -28,7 +28,7 @@ from .._core.problems import VarlenProblem
 from .._core.types import HEAD_DIMS, KERNEL_DTYPES, alibi_batch_stride, element_strides
 from .._core.compiler import KernelKey, get_function
 from .._core.errors import word
-from .._core.streams import handle
+from .._core.streams import handle, is_capturing
 from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, wgmma_available
 from .varlen_wgmma import kernel_key as wgmma_key
 from .varlen_wgmma import KERNEL as WGMMA_KERNEL
@@ -171,7 +171,8 @@ class VarlenLaunch:
         self._pointer_span = self.launch.span(0, 9)
         self._max_q_span = self.launch.span(9 + len(self.scalars), 1)
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
-        # Short rows over a paged cache go to the ragged kernel (made at the first such call).
+        # Short rows over a paged cache go to the ragged kernel, its launch made at the first such call
+        # outside a graph capture (paged prefill shapes never make it).
         self.group = num_heads // p.num_kv_heads
         self._short = None
         self._short_args = None if (given or not paged or head_dim not in DECODE_TILES
@@ -180,8 +181,6 @@ class VarlenLaunch:
             (kv_rows, p.block_size, p.num_kv_heads), table_width, p.softmax_scale, p.window, p.softcap,
             self.alibi_stride)
         self._short_keys = table_width << block_shift  # keys a table row holds
-        if self._short_args is not None:
-            self.short_rows()  # made here, not at a first short call that may be inside a capture
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
@@ -193,10 +192,11 @@ class VarlenLaunch:
         if self.batch == 0 or self.total_q == 0 or max_seqlen_q == 0:
             return out_obj, lse_obj
         q, k, v, cu_q, cu_k, table, alibi = ptrs
-        if (self._short is not None and self.group * max_seqlen_q <= ROWS and ragged.BALANCE is not False
-                and self._short.ready(stream)):
-            self._short.run((q, k, v, 0, 0, table, alibi), (0, cu_q, cu_k), max_seqlen_q, out_ptr, lse_ptr,
-                                  stream)
+        short = None
+        if self._short_args is not None and self.group * max_seqlen_q <= ROWS and ragged.BALANCE is not False:
+            short = self._short or (None if is_capturing(stream) else self.short_rows())
+        if short is not None and short.ready(stream):
+            short.run((q, k, v, 0, 0, table, alibi), (0, cu_q, cu_k), max_seqlen_q, out_ptr, lse_ptr, stream)
             return out_obj, lse_obj
         block_m = self.tiles.block_m
         grid = ((max_seqlen_q + block_m - 1) // block_m, self.heads, self.batch)
