@@ -153,6 +153,34 @@ def test_one_long_sequence_is_split_over_ctas(balance):
     assert items[0, 0] == 0, "the long sequence's items come first"
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_device_list_splits_as_the_host_rule(balance, seed):
+    """Each sequence's split count in the list ragged_list writes equals the host rule's
+    (runtime/_work.py plan_work) for the same lengths, slots and capacities: one rule, two builders."""
+    import cupy
+
+    from cupy_paged.kernels._workspace import _WORK_LISTS
+    from cupy_paged.kernels.ragged import WORK_INTS, slots_per_head, tile_keys
+    from cupy_paged.runtime._work import plan_work
+
+    balance(True)
+    rng = np.random.default_rng(seed)
+    seqlens = rng.lognormal(6.5, 1.3, 48).clip(0, 20_000).astype(int).tolist()
+    case = make_case(rng, F16, 128, 16, 4, 16, seqlens, 1, 1)
+    check_decode(case, causal=True)
+    launch = launch_of_last_call().balanced
+    per_head = slots_per_head(cupy.cuda.runtime.getDevice(), F16, 128, 4)
+    query = np.ones(len(seqlens), np.int64)
+    _, splits, *_ = plan_work(query, np.asarray(seqlens, np.int64), 4, tile_keys(128), per_head, launch.max_items,
+                              launch.max_slots, launch.max_entries)
+    stream = cupy.cuda.get_current_stream().ptr
+    items = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), stream)])[:WORK_INTS * launch.max_items]
+    items = items.reshape(-1, WORK_INTS)
+    items = items[items[:, 5] > 0]
+    device = {int(b): int(n) for b, n in zip(items[:, 0], items[:, 3])}
+    assert device == {b: int(n) for b, n in enumerate(splits)}
+
+
 # Varlen short rows: query lengths 0 to 4 with 4 query heads per kv head (at most 16 rows).
 @pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size,max_q,options", [
     (BF16, 128, 16, 4, 16, 1, {"causal": True}),
