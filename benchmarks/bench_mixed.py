@@ -52,7 +52,7 @@ READ_TBS, TFLOPS = 4.44e12, 700e12
 RESULTS = HERE / "results" / "mixed.json"
 OURS, OURS_RAGGED, SPLIT, FA2 = "ours", "ours ragged", "split", "FA2"
 # Decode-only cases also time the public calls a framework without host lengths makes
-# (flash_attn_with_kvcache is the split path there), beside the launches they replaced.
+# (flash_attn_with_kvcache is the split path there), beside the same calls on the kernels they replaced.
 KV_KERNEL, VARLEN_CALL, VARLEN_KERNEL = "kvcache decode kernel", "varlen call", "varlen kernel"
 
 
@@ -141,35 +141,33 @@ class Step:
                                                           block_table=table, causal=True)
 
     def decode_only_peers(self) -> dict:
-        """For a step of one-token rows: ``KV_KERNEL``, the decode kernel's launch that
-        ``flash_attn_with_kvcache`` made before it balanced on the device (``DecodeLaunch`` run
-        directly: the kernel path, no public-call host work); ``VARLEN_CALL``, the public
-        ``flash_attn_varlen_func`` over the paged cache with every row's new key already in it (as
-        Hugging Face calls it on a decode step); ``VARLEN_KERNEL``, the same call with the short-row
-        path off (``kernels.ragged.BALANCE = False``), i.e. the varlen kernel."""
-        import cupy
+        """For a step of one-token rows, public calls with torch tensors: ``KV_KERNEL``,
+        ``flash_attn_with_kvcache`` (appending) as the split path calls it but with ``num_splits=1``,
+        the decode kernel's launch that the default made before it balanced on the device;
+        ``VARLEN_CALL``, ``flash_attn_varlen_func`` over the paged cache with every row's new key
+        already in it (as Hugging Face calls it on a decode step); ``VARLEN_KERNEL``, the same call
+        with the short-row path off (``kernels.ragged.BALANCE = False``), i.e. the varlen kernel."""
         import torch
 
-        from cupy_paged.api.decode import prepare_decode
-        from cupy_paged.kernels import decode, ragged
+        from cupy_paged.kernels import ragged
 
         t = torch.from_dlpack
         plan = cupy_paged.build_plan(self.cache, self.ids, self.new)
         rows = len(self.new)
-        table = plan.block_table[:rows]
-        seqlens = cupy.asarray(np.asarray(self.cached, np.int32))
-        p = prepare_decode(self.q[:, None], self.k_cache, self.v_cache, self.k[:, None], self.v[:, None],
-                           cache_seqlens=seqlens, block_table=table, causal=True)
-        kernel = decode.DecodeLaunch(p)
-        args = decode.problem_args(p)
+        seqlens = torch.tensor(np.asarray(self.cached, np.int32), device="cuda")
         lens_k = np.asarray(self.cached) + 1
         cu_q = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
         cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
-        kc, vc, ttable = t(self.k_cache), t(self.v_cache), t(table)
+        kc, vc, table = t(self.k_cache), t(self.v_cache), t(plan.block_table)[:rows]
+        q, k, v = self.tq[:, None], self.tk[:, None], self.tv[:, None]
+
+        def kv_kernel():
+            return cupy_paged.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens, block_table=table,
+                                                      causal=True, num_splits=1)
 
         def varlen():
             return cupy_paged.flash_attn_varlen_func(self.tq, kc, vc, cu_q, cu_k, 1, int(lens_k.max()), causal=True,
-                                                     block_table=ttable)
+                                                     block_table=table)
 
         def varlen_kernel():
             before, ragged.BALANCE = ragged.BALANCE, False
@@ -178,9 +176,7 @@ class Step:
             finally:
                 ragged.BALANCE = before
 
-        stream = cupy.cuda.get_current_stream().ptr
-        return {KV_KERNEL: lambda: kernel.run(p.q.kind, p.q.obj, *args, stream),
-                VARLEN_CALL: varlen, VARLEN_KERNEL: varlen_kernel}
+        return {KV_KERNEL: kv_kernel, VARLEN_CALL: varlen, VARLEN_KERNEL: varlen_kernel}
 
     def fa2(self):
         """torch FA2 varlen over contiguous copies of each sequence's keys (the new ones included)."""

@@ -60,32 +60,38 @@ def make_case(rng, dtype, head_dim, num_heads, num_kv_heads, block_size, cache_s
     return case
 
 
-def run_both(case, tiles=None, **options):
+def run_both(case, tiles=None, lse=True, **options):
     """(reference out, lse, k_cache, v_cache), (gpu out, lse, k_cache, v_cache) as NumPy; the GPU
-    call on pipeline shape ``tiles`` (None: the registered one, through the public function)."""
+    call on pipeline shape ``tiles`` (None: the registered one, through the public function), its
+    output poisoned; ``lse`` False: calls without the LSE (both LSEs None)."""
     import cupy
 
+    def outputs(result):
+        return result if lse else (result, None)
+
     host = {name: np.array(value) for name, value in case.items()}
-    ref_out, ref_lse = cupy_paged.flash_attn_with_kvcache(**host, return_softmax_lse=True, **options)
+    ref_out, ref_lse = outputs(cupy_paged.flash_attn_with_kvcache(**host, return_softmax_lse=lse, **options))
     dev = {name: cupy.asarray(value) for name, value in case.items()}
     dev_options = {name: cupy.asarray(value) if isinstance(value, np.ndarray) else value
                    for name, value in options.items()}
     out = poisoned(case["q"].shape, case["q"].dtype, xp=cupy)
-    got_out, got_lse = decode_on_gpu(tiles, **dev, return_softmax_lse=True, out=out, **dev_options)
+    got_out, got_lse = outputs(decode_on_gpu(tiles, **dev, return_softmax_lse=lse, out=out, **dev_options))
     assert got_out is out
     reference = (ref_out, ref_lse, host["k_cache"], host["v_cache"])
-    return reference, tuple(to_numpy(x) for x in (got_out, got_lse, dev["k_cache"], dev["v_cache"]))
+    return reference, tuple(None if x is None else to_numpy(x) for x in (got_out, got_lse, dev["k_cache"],
+                                                                         dev["v_cache"]))
 
 
-def check(case, tiles=None, **options):
+def check(case, tiles=None, lse=True, **options):
     dtype = case["q"].dtype
-    (ref_out, ref_lse, ref_k, ref_v), (out, lse, k_cache, v_cache) = run_both(case, tiles, **options)
+    (ref_out, ref_lse, ref_k, ref_v), (out, got_lse, k_cache, v_cache) = run_both(case, tiles, lse, **options)
     assert_close(out, ref_out, dtype)
-    assert_close(lse, ref_lse, np.float32, what="lse", rtol=LSE_RTOL)
+    if lse:
+        assert_close(got_lse, ref_lse, np.float32, what="lse", rtol=LSE_RTOL)
     # The whole caches: old contents everywhere, new tokens at their slots (bitwise).
     assert_same_bits(k_cache, ref_k, "k_cache after the append")
     assert_same_bits(v_cache, ref_v, "v_cache after the append")
-    return out, lse
+    return out, got_lse
 
 
 # (id, dtype, head_dim, H, Hkv, block_size, cache_seqlens, seqlen_q, seqlen_new, options)

@@ -299,29 +299,22 @@ def balances(p: DecodeProblem) -> bool:
     return 2 * (max_blocks << shift) > 3 * shortest and _problem_shape(p, None).splits == 1
 
 
-class BalancedDecodeLaunch:
+class BalancedDecodeLaunch(DecodeLaunch):
     """A ``flash_attn_with_kvcache`` call on the ragged kernel with its work list built on the
     device (:class:`ragged.DeviceListLaunch`): each sequence's keys shared out in ranges of one size
     for the whole batch, long sequences split and merged by LSE, so a batch of mixed lengths runs
-    at about the rate of a uniform one.  The interface of :class:`DecodeLaunch` (chosen by
-    :func:`launch_for`)."""
+    at about the rate of a uniform one.  Chosen by :func:`launch_for`; inside a CUDA graph capture
+    on a stream that no eager call has prepared (its work-list buffer and split workspace), it runs
+    as the :class:`DecodeLaunch` it also is."""
 
     def __init__(self, p: DecodeProblem):
         from .ragged import ROWS, DeviceListLaunch, RaggedLaunch
 
-        batch, seqlen_q, num_heads, head_dim = (int(x) for x in p.q.shape)
+        super().__init__(p)
+        batch, seqlen_q, num_heads, head_dim = self.out_shape
         max_blocks, num_blocks, shift = _cache_geometry(p)
-        self.device, self.batch, self.seqlen_q, self.dtype = p.q.device, batch, seqlen_q, p.q.dtype
-        self.out_shape = (batch, seqlen_q, num_heads, head_dim)
-        self.lse_shape = (batch, num_heads, seqlen_q)
-        self.want_lse = False
-        self.capacity = max_blocks << shift
-        self.seqlen_new = p.seqlen_new
-        self.cached_default = 0
-        self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
-        self.unbalanced = DecodeLaunch(p)  # inside a capture on a stream whose buffers are not sized yet
         appends = p.seqlen_new > 0  # k / v of no tokens append nothing
-        ragged = RaggedLaunch.packed(
+        ragged = RaggedLaunch(
             self.device, p.q.dtype, (batch * seqlen_q, num_heads, head_dim), _token_strides(p.q, seqlen_q),
             _token_strides(p.k_new, seqlen_q) if appends else None, _token_strides(p.v_new, seqlen_q) if appends else None,
             (num_blocks, 1 << shift, p.num_kv_heads), max_blocks, p.softmax_scale, p.window, p.softcap,
@@ -331,14 +324,14 @@ class BalancedDecodeLaunch:
 
     def run(self, kind: str, like, ptrs: tuple, cached_all: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
-        """As :meth:`DecodeLaunch.run`."""
+        """As :meth:`DecodeLaunch.run` (no LSE: :func:`balances` takes no call that asks for one)."""
         if not self.balanced.ready(stream):
-            return self.unbalanced.run(kind, like, ptrs, cached_all, out, lse_out, stream, alloc_stream)
+            return super().run(kind, like, ptrs, cached_all, out, lse_out, stream, alloc_stream)
         out_obj, out_ptr, _, _ = outputs(kind, like, out, None, self.out_shape, self.lse_shape, self.dtype, False,
                                          self.q_contiguous, alloc_stream)
         if self.batch:
             q, k_cache, v_cache, k_new, v_new, seqlens, table, _, _, _, _, alibi = ptrs
-            self.balanced.run((q, k_cache, v_cache, k_new, v_new, table, alibi), (seqlens, 0, 0), self.seqlen_q,
+            self.balanced.run((q, k_cache, v_cache, k_new, v_new, table, alibi), (seqlens, 0, 0), self.out_shape[1],
                               out_ptr, 0, stream)
         return out_obj, None
 

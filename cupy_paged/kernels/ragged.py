@@ -71,41 +71,39 @@ class RaggedLaunch:
 
     Parameters
     ----------
-    q : Array
-        ``[T, H, D]`` with 16-byte aligned rows.
-    k_cache : Array
-        ``[num_blocks, block_size, Hkv, D]``.
-    k_new, v_new : Array or None
-        ``[T, Hkv, D]``: the query tokens' keys and values, appended to the cache; None when the
+    device : int
+    dtype : numpy.dtype
+    q_shape : tuple
+        ``(T, H, D)``: the packed query tokens (16-byte aligned rows).
+    q_strides : tuple
+        Their ``(token, head)`` element strides.
+    kn_strides, vn_strides : tuple or None
+        The same of the new keys and values ``[T, Hkv, D]``, appended to the cache; None when the
         cache already holds them (query token i of a sequence is then its key cached - q_len + i).
+    cache_shape : tuple
+        ``(num_blocks, block_size, Hkv)`` of the paged cache.
     max_blocks : int
         Block table width.
     softmax_scale, softcap : float
     window : tuple of int
-    alibi_slopes : Array or None
+    alibi_stride : int
+        ``alibi_batch_stride`` of the slopes (0 for ``[H]`` or none).
+
+    :meth:`from_arrays` takes the step's arrays instead.
     """
 
-    def __init__(self, q, k_cache, k_new, v_new, max_blocks: int, softmax_scale: float, window=(-1, -1),
-                 softcap: float = 0.0, alibi_slopes=None):
-        total, num_heads, head_dim = (int(x) for x in q.shape)
-        self._setup(q.device, q.dtype, (total, num_heads, head_dim), element_strides(q)[:2],
-                    None if k_new is None else element_strides(k_new)[:2],
-                    None if v_new is None else element_strides(v_new)[:2], tuple(int(x) for x in k_cache.shape[:3]),
-                    max_blocks, softmax_scale, window, softcap, alibi_batch_stride(alibi_slopes))
-
     @classmethod
-    def packed(cls, device: int, dtype, q_shape: tuple, q_strides: tuple, kn_strides, vn_strides, cache_shape: tuple,
-               max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int) -> "RaggedLaunch":
-        """The launch from numbers: ``q_shape`` ``(T, H, D)`` and the (token, head) element strides of
-        q and of the new keys / values (None: no append), ``cache_shape`` ``(num_blocks, block_size,
-        Hkv)``; for calls whose arrays are other shapes viewed as packed tokens."""
-        launch = cls.__new__(cls)
-        launch._setup(device, dtype, q_shape, q_strides, kn_strides, vn_strides, cache_shape, max_blocks,
-                      softmax_scale, window, softcap, alibi_stride)
-        return launch
+    def from_arrays(cls, q, k_cache, k_new, v_new, max_blocks: int, softmax_scale: float, window=(-1, -1),
+                    softcap: float = 0.0, alibi_slopes=None) -> "RaggedLaunch":
+        """The launch of Array descriptors: ``q`` ``[T, H, D]``, ``k_cache`` ``[num_blocks,
+        block_size, Hkv, D]``, ``k_new``/``v_new`` ``[T, Hkv, D]`` or None, ``alibi_slopes`` or None."""
+        return cls(q.device, q.dtype, tuple(int(x) for x in q.shape), element_strides(q)[:2],
+                   None if k_new is None else element_strides(k_new)[:2],
+                   None if v_new is None else element_strides(v_new)[:2], tuple(int(x) for x in k_cache.shape[:3]),
+                   max_blocks, softmax_scale, window, softcap, alibi_batch_stride(alibi_slopes))
 
-    def _setup(self, device, dtype, q_shape, q_strides, kn_strides, vn_strides, cache_shape, max_blocks,
-               softmax_scale, window, softcap, alibi_stride):
+    def __init__(self, device: int, dtype, q_shape: tuple, q_strides: tuple, kn_strides, vn_strides,
+                 cache_shape: tuple, max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int):
         total, num_heads, head_dim = q_shape
         num_blocks, block_size, num_kv_heads = cache_shape
         self.device, self.dtype = device, dtype

@@ -215,7 +215,7 @@ class VarlenLaunch:
         one to a few tokens does not fill a 64- or 128-row tile alone and its kv head's keys are read
         once for the whole GQA group."""
         if self._short is None:
-            launch = ragged.RaggedLaunch.packed(*self._short_args)
+            launch = ragged.RaggedLaunch(*self._short_args)
             self._short = ragged.DeviceListLaunch(launch, self.batch, 1, 0, self._short_keys)
         return self._short
 

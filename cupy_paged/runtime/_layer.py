@@ -118,8 +118,8 @@ class LayerLaunch:
                 raise ValueError(f"{name} of a layer must have 16-byte aligned rows")
         if aout is not None and not aout.c_contiguous():
             raise ValueError("out of a ragged step must be contiguous")
-        self.launch = RaggedLaunch(p.q, p.k, ak, av, int(p.block_table.shape[1]), p.softmax_scale, p.window,
-                                   p.softcap, p.alibi_slopes)
+        self.launch = RaggedLaunch.from_arrays(p.q, p.k, ak, av, int(p.block_table.shape[1]), p.softmax_scale,
+                                               p.window, p.softcap, p.alibi_slopes)
         self.work = (read(plan.work, "work").ptr, plan.num_items, read(plan.entries, "entries").ptr,
                      plan.num_entries, plan.num_slots)
         self.index_ptrs = (p.block_table.ptr,)
