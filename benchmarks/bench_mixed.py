@@ -257,7 +257,7 @@ def run_case(name: str, reps: int) -> dict:
                host_us={k: timings[k].host_us for k in timings}, back_to_back_us={k: timings[k].chain_us for k in timings},
                host_us_busy_gpu={k: timings[k].busy_host_us for k in timings},
                build_plan_us=round(build_us, 1), max_abs_diff_vs_split=diff, items=plan.num_items,
-               splits=plan.num_entries, rows=len(new), tokens=int(sum(new)), **extra)
+               split_items=plan.num_slots, rows=len(new), tokens=int(sum(new)), **extra)
     print(f"  {row['value']:.3f} ms (floor {floor:.3f}, x{row['over_floor']:.2f}, path {plan.path}) "
           f"peers {row['peers']}  diff {diff:.3g}", flush=True)
     return row

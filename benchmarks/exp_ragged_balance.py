@@ -35,7 +35,7 @@ def ragged_us(cached, new, scale: float = 1.0) -> tuple[float, int, int]:
     call = lambda: plan.attention(step.q, step.k, step.v, step.k_cache, step.v_cache)  # noqa: E731
     timing = bench_calls.time_calls({"ragged": call}, 15)["ragged"]
     bench_calls.release()
-    return timing.chain_us, plan.num_items, plan.num_entries
+    return timing.chain_us, plan.num_items, plan.num_slots
 
 
 def main() -> int:
@@ -45,8 +45,8 @@ def main() -> int:
         cached, new = bench_mixed.CASES[name]
         floor = bench_mixed.floor_ms(cached, new) * 1e3
         for scale in (0.5, 1.0, 2.0, 4.0, 8.0):
-            us, items, entries = ragged_us(cached, new, scale)
-            print(f"{name:40s} slots x{scale:<4} {us:8.1f} us  floor {floor:6.1f}  items {items:5d} split groups {entries}",
+            us, items, split_items = ragged_us(cached, new, scale)
+            print(f"{name:40s} slots x{scale:<4} {us:8.1f} us  floor {floor:6.1f}  items {items:5d} split items {split_items}",
                   flush=True)
         if any(n > 1 for n in new):
             rows = [b for b, n in enumerate(new) if n > 1], [b for b, n in enumerate(new) if n == 1]

@@ -139,4 +139,5 @@ def corrupt_step(case: dict, rng) -> bool:
 
 
 CORRUPT = {"varlen": corrupt_varlen, "varlen_paged": corrupt_varlen, "decode": corrupt_decode,
-           "write_kv_cache": corrupt_write, "step": corrupt_step}
+           "write_kv_cache": corrupt_write, "step": corrupt_step, "balanced": corrupt_decode,
+           "varlen_short": corrupt_varlen}

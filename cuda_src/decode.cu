@@ -69,7 +69,7 @@
 // none of a split's keys loads none.  Query token i of b sits at key cached + i (its own key, read
 // from k_new), and the CTAs of split 0 append b's new tokens, each row group its share.  A sequence
 // of one split writes out directly; the splits of a longer one write partial rows to workspace slot
-// (slot + split) and combine_ragged merges them.  An item of query length 0 is padding (a graph
+// (slot + split) and the last of them to finish merges them (merge_if_last).  An item of query length 0 is padding (a graph
 // replayed with fewer items) and does nothing.  ROTARY and a contiguous cache are not offered here.
 #include "common.cuh"
 #include "mma.cuh"
@@ -1062,6 +1062,75 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
   }
 }
 
+#if RAGGED
+// The splits of a sequence's row group merged by whichever of its CTAs (one kv head) finishes last,
+// so a ragged launch needs no second one.  Each split CTA publishes its partial rows (store_rows),
+// fences, and counts itself in merge_count[slot][kv head]; the CTA that brings the count to the
+// split count reads every split's rows back from L2 (__ldcg: none of them were ever in this SM's
+// L1), writes out = sum_s w_s * part_s with w_s = exp(lse_s - lse) and the LSE, and sets the count
+// back to zero, so the counts stay zero between launches (the host allocates them zeroed).  A split
+// that saw no key has weight 0 and a partial row of zeros, so every term is finite.
+constexpr int kMaxSplits = 128;  // kernels/ragged.py MAX_SPLITS; the merge's weights are [kRows][kMaxSplits]
+static_assert((kRows * kMaxSplits + kRows) * 4 <= Smem::kBytes, "the merge's weights fit the dynamic shared memory");
+__device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* smem_raw, T* out, float* lse,
+                                              const float* part_out, const float* part_lse, int* merge_count) {
+  if (cta.num_splits <= 1) return;  // CTA-uniform
+  __shared__ int last;
+  __threadfence();  // this thread's partial rows visible to the device before the count
+  __syncthreads();  // every thread fenced; the merge area of shared memory free again
+  int* const count = merge_count + (long long)cta.slot * gridDim.y + cta.kv_head;
+  if (threadIdx.x == 0) last = atomicAdd(count, 1) == cta.num_splits - 1;
+  __syncthreads();
+  if (!last) return;  // CTA-uniform
+  __threadfence();
+  const int num_splits = min(cta.num_splits, kMaxSplits);
+  float* weights = reinterpret_cast<float*>(smem_raw);  // [kRows][kMaxSplits], then the scale of each row
+  float* scale = weights + kRows * kMaxSplits;
+  const long long split_rows = (long long)gridDim.y * kRows;  // rows between split s and s + 1
+  const long long first = ((long long)cta.slot * gridDim.y + cta.kv_head) * kRows;
+  for (int r = cta.warp; r < kRows; r += kWarps) {
+    const int row = cta.row_group * kRows + r;
+    if (row >= cta.num_rows) continue;  // warp-uniform
+    float m = -inf();
+    for (int s = cta.lane; s < num_splits; s += 32) m = fmaxf(m, __ldcg(part_lse + first + s * split_rows + r));
+    m = cp::warp_max(m);
+    const float m_use = m == -inf() ? 0.f : m;
+    float sum = 0.f;
+    for (int s = cta.lane; s < num_splits; s += 32) {
+      const float w = __expf(__ldcg(part_lse + first + s * split_rows + r) - m_use);
+      weights[r * kMaxSplits + s] = w;
+      sum += w;
+    }
+    sum = cp::warp_sum(sum);
+    if (cta.lane == 0) {
+      scale[r] = sum > 0.f ? 1.f / sum : 0.f;
+      const int head = cta.kv_head * cta.group + row / cta.seqlen_q;
+      if (lse) lse[(long long)head * cta.total_q + cta.q_start + row % cta.seqlen_q] = sum > 0.f ? m_use + __logf(sum) : -inf();
+    }
+  }
+  __syncthreads();
+  constexpr int kUnroll = 4;
+  for (int index = threadIdx.x; index < kRows * kHeadDim; index += kThreads) {
+    const int r = index / kHeadDim, d = index % kHeadDim;
+    const int row = cta.row_group * kRows + r;
+    if (row >= cta.num_rows) continue;
+    const float* part = part_out + (first + r) * kHeadDim + d;
+    float acc = 0.f;
+    for (int s0 = 0; s0 < num_splits; s0 += kUnroll) {
+      float x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) x[u] = s0 + u < num_splits ? __ldcg(part + (s0 + u) * split_rows * kHeadDim) : 0.f;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) acc = fmaf(s0 + u < num_splits ? weights[r * kMaxSplits + s0 + u] : 0.f, x[u], acc);
+    }
+    const int head = cta.kv_head * cta.group + row / cta.seqlen_q;
+    const long long token = (long long)cta.q_start + row % cta.seqlen_q;
+    out[(token * cta.num_heads + head) * kHeadDim + d] = cp::from_float<T>(acc * scale[r]);
+  }
+  if (threadIdx.x == 0) *count = 0;
+}
+#endif
+
 #if TRACE
 // The benchmark's trace row of this CTA: start ns, end ns, SM.
 __device__ __forceinline__ unsigned long long* trace_row(unsigned long long* trace) {
@@ -1093,6 +1162,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     int* errors                           // the device error word (cp::report_error) or null
 #if RAGGED
     , const int* __restrict__ work        // [gridDim.x][8]: the WorkItem of each CTA column
+    , int* merge_count                    // [slots][Hkv], zero between launches (merge_if_last)
 #endif
 #if TRACE
     , unsigned long long* __restrict__ trace  // [CTAs][3]: start ns, end ns, SM
@@ -1138,6 +1208,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   attend(st, votes, loader, buf, cta, rows, mods, ro, sq.first_pos);
   share_state(st, smem_raw, cta);
   store_rows(cta, smem_raw, out, lse, part_out, part_lse);
+#if RAGGED
+  merge_if_last(cta, smem_raw, out, lse, part_out, part_lse, merge_count);
+#endif
 #if TRACE
   if (trace && threadIdx.x == 0) {
     unsigned long long* row = trace_row(trace);
@@ -1230,66 +1303,6 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
 #endif
 
 #if RAGGED
-// ---------------------------------------------------------------------------- combine_ragged
-
-// combine_ragged: the splits of a RAGGED launch merged, one CTA of kCombineThreads per (entry,
-// kv head, row of the row group); an entry is the work item of split 0 of a (sequence, row group)
-// with num_splits > 1 (one of fewer splits, or of query length 0, is padding and does nothing).
-// Warp 0 finds the row's weights exp(lse_s - lse) (lanes over splits) and LSE; then each thread
-// sums its dims over the splits, kUnroll loads in flight.  A split that saw no key has weight 0 and
-// a partial row of zeros (store_rows), so every term is finite.
-extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_ragged(
-    const int* __restrict__ entries, const float* __restrict__ part_out, const float* __restrict__ part_lse,
-    int num_heads, int total_q, T* __restrict__ out, float* __restrict__ lse) {
-  constexpr int kUnroll = 8;
-  __shared__ float weights[kCombineThreads];
-  __shared__ float row_scale, row_lse;
-  const WorkItem e = load_item(entries, blockIdx.x);
-  const int num_splits = min(e.num_splits, kCombineThreads);
-  const int num_kv_heads = gridDim.y, kv_head = blockIdx.y, r = blockIdx.z;
-  const int group = num_heads / num_kv_heads, row = e.row_group * kRows + r;
-  if (e.q_len <= 0 || num_splits <= 1 || row >= group * e.q_len) return;  // CTA-uniform
-  // Split s's partial row: slot (e.slot + s), [Hkv][16] rows of kHeadDim.
-  const long long first = ((long long)e.slot * num_kv_heads + kv_head) * kRows + r;
-  const long long split_stride = (long long)num_kv_heads * kRows;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float m = -inf();
-    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, part_lse[first + s * split_stride]);
-    m = cp::warp_max(m);
-    const float m_use = m == -inf() ? 0.f : m;
-    float sum = 0.f;
-    for (int s = lane; s < num_splits; s += 32) {
-      const float w = __expf(part_lse[first + s * split_stride] - m_use);
-      weights[s] = w;
-      sum += w;
-    }
-    sum = cp::warp_sum(sum);
-    if (lane == 0) {
-      row_scale = sum > 0.f ? 1.f / sum : 0.f;
-      row_lse = sum > 0.f ? m_use + __logf(sum) : -inf();
-    }
-  }
-  __syncthreads();
-  const int head = kv_head * group + row / e.q_len;
-  const long long token = (long long)e.q_start + row % e.q_len;
-  const float* rows = part_out + first * kHeadDim;
-  for (int d = threadIdx.x; d < kHeadDim; d += kCombineThreads) {
-    float acc = 0.f;
-    for (int s0 = 0; s0 < num_splits; s0 += kUnroll) {
-      float x[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) x[u] = s0 + u < num_splits ? rows[(s0 + u) * split_stride * kHeadDim + d] : 0.f;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) acc = fmaf(s0 + u < num_splits ? weights[s0 + u] : 0.f, x[u], acc);
-    }
-    out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(acc * row_scale);
-  }
-  if (lse && threadIdx.x == 0) lse[(long long)head * total_q + token] = row_lse;
-}
-#endif
-
-#if RAGGED
 // ---------------------------------------------------------------------------- ragged_list
 
 // ragged_list: the work list of a ragged launch built on the device, for the calls that have no
@@ -1300,12 +1313,15 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_ragged(
 // tiles a range), a sequence split only past 1.5 ranges, the range doubled while the list would
 // not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
 // (the order within a class is the atomics'; results do not depend on it: each row is written by
-// one item, or merged by combine_ragged in split order).  Rows past the list are zeroed (padding:
-// query length 0), so the launches' fixed grids (the capacities) do nothing there.
+// one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
+// query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of
+// at most kListThreads, thread b reads sequence b once and keeps it for every pass.
 //
-// Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q, and a
-// cu_seqlens_k entry that decreases, drop the sequence (no item) and are reported; cache_seqlens
-// travels in the items as given (paged_decode checks it), counted within [0, key_limit] here.
+// Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q drops the
+// sequence (no item: its rows are not where q says); a cu_seqlens_k entry that decreases gives
+// the sequence's items a negative key count, which paged_decode treats as a sequence without keys
+// (zero rows, LSE -inf, as the reference); both are reported.  cache_seqlens travels in the items
+// as given (paged_decode checks it), counted within [0, key_limit] here.
 constexpr int kListThreads = 512;
 constexpr int kListWarps = kListThreads / 32;
 constexpr int kListBuckets = 32;
@@ -1314,7 +1330,7 @@ constexpr int kListBuckets = 32;
 constexpr int kListMinTiles = 4;
 constexpr int kListWaves = 2;
 constexpr int kListMaxSplits = 128;
-static_assert(kListMaxSplits <= kCombineThreads, "combine_ragged merges at most kCombineThreads splits");
+static_assert(kListMaxSplits <= kMaxSplits, "merge_if_last merges at most kMaxSplits splits");
 
 struct ListArgs {
   const int* cache_seqlens;  // [B]: decode calls, else null
@@ -1344,7 +1360,7 @@ __device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* 
     if (report && !q_ok) cp::report_error(errors, cp::kErrCuSeqlensQ, b, (long long)q1 - q0);
     else if (report && !k_ok) cp::report_error(errors, cp::kErrCuSeqlensK, b, (long long)k1 - k0);
     s.q_start = q0;
-    s.q_len = q_ok && k_ok ? q1 - q0 : 0;
+    s.q_len = q_ok ? q1 - q0 : 0;  // a decreasing k keeps its rows: they see no key (paged_decode's hole)
     s.cached = k1 - k0;
     s.keys = q_ok && k_ok ? (long long)min(s.cached, a.key_limit) : 0;
   }
@@ -1382,16 +1398,20 @@ __device__ __forceinline__ void store_item(int* list, long long index, int b, in
 extern "C" __global__ void __launch_bounds__(kListThreads) ragged_list(
     const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
     int batch, int seqlen_q, int total_q, int max_seqlen_q, int appends, int group, int key_limit,
-    int slots_per_head, int max_items, int max_entries, int max_slots,
-    int* __restrict__ work, int* __restrict__ entries, int* errors) {
+    int slots_per_head, int max_items, int max_slots, int* __restrict__ work, int* errors) {
   const ListArgs a{cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
                    key_limit};
   __shared__ long long scratch[kListWarps];
   __shared__ int bucket_start[kListBuckets];
-  __shared__ int slot_cursor, entry_cursor;
+  __shared__ int slot_cursor;
+  // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
+  const bool one_each = a.batch <= kListThreads;
+  ListSeq own{};
+  if (one_each && (int)threadIdx.x < a.batch) own = list_sequence(a, threadIdx.x, errors, true);
+  auto sequence = [&](int b) { return one_each ? own : list_sequence(a, b, errors, false); };
   long long total = 0, base = 0;
   for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-    const ListSeq s = list_sequence(a, b, errors, true);
+    const ListSeq s = one_each ? own : list_sequence(a, b, errors, true);
     total += s.row_groups * s.keys;
     base += s.row_groups;
   }
@@ -1399,37 +1419,33 @@ extern "C" __global__ void __launch_bounds__(kListThreads) ragged_list(
   base = list_reduce(base, scratch, false);
   long long chunk = max((long long)kListMinTiles * kTileKeys,
                         (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
-  long long items = 0, used_slots = 0, used_entries = 0, longest = 0;
+  long long items = 0, used_slots = 0, longest = 0;
   for (int round = 0; round < 48; ++round) {
     chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
-    items = used_slots = used_entries = longest = 0;
+    items = used_slots = longest = 0;
     for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-      const ListSeq s = list_sequence(a, b, errors, false);
+      const ListSeq s = sequence(b);
       const int n = list_splits(s, chunk);
       items += (long long)s.row_groups * n;
-      if (n > 1) {
-        used_slots += (long long)s.row_groups * n;
-        used_entries += s.row_groups;
-      }
+      if (n > 1) used_slots += (long long)s.row_groups * n;
       if (s.row_groups) longest = max(longest, (s.keys + n - 1) / n);
     }
     items = list_reduce(items, scratch, false);
     used_slots = list_reduce(used_slots, scratch, false);
-    used_entries = list_reduce(used_entries, scratch, false);
     longest = list_reduce(longest, scratch, true);
-    if ((items <= max_items && used_slots <= max_slots && used_entries <= max_entries) || items == base) break;
+    if ((items <= max_items && used_slots <= max_slots) || items == base) break;
     chunk *= 2;
   }
   // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.
   if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
-  if (threadIdx.x == 0) slot_cursor = entry_cursor = 0;
+  if (threadIdx.x == 0) slot_cursor = 0;
   __syncthreads();
   auto bucket = [&](const ListSeq& s, int n) {
     const long long span = (s.keys + n - 1) / n;
     return longest > 0 ? (int)((longest - span) * (kListBuckets - 1) / longest) : 0;
   };
   for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-    const ListSeq s = list_sequence(a, b, errors, false);
+    const ListSeq s = sequence(b);
     if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
   }
   __syncthreads();
@@ -1443,17 +1459,15 @@ extern "C" __global__ void __launch_bounds__(kListThreads) ragged_list(
   }
   __syncthreads();
   for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-    const ListSeq s = list_sequence(a, b, errors, false);
+    const ListSeq s = sequence(b);
     if (s.row_groups == 0) continue;
     const int n = list_splits(s, chunk);
     const int first = atomicAdd(&bucket_start[bucket(s, n)], s.row_groups * n);
     const int slot = n > 1 ? atomicAdd(&slot_cursor, s.row_groups * n) : 0;
-    const int entry = n > 1 ? atomicAdd(&entry_cursor, s.row_groups) : 0;
     for (int rg = 0; rg < s.row_groups; ++rg) {
       const int rg_slot = n > 1 ? slot + rg * n : 0;
       for (int split = 0; split < n; ++split)
         if (first + rg * n + split < max_items) store_item(work, first + rg * n + split, b, rg, split, n, s, rg_slot);
-      if (n > 1 && entry + rg < max_entries) store_item(entries, entry + rg, b, rg, 0, n, s, rg_slot);
     }
   }
   // Padding past the list (the launches' grids are the capacities).
@@ -1461,10 +1475,6 @@ extern "C" __global__ void __launch_bounds__(kListThreads) ragged_list(
   for (long long i = items + threadIdx.x; i < max_items; i += kListThreads) {
     reinterpret_cast<int4*>(work)[2 * i] = zero;
     reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
-  }
-  for (long long i = used_entries + threadIdx.x; i < max_entries; i += kListThreads) {
-    reinterpret_cast<int4*>(entries)[2 * i] = zero;
-    reinterpret_cast<int4*>(entries)[2 * i + 1] = zero;
   }
 }
 #endif

@@ -132,6 +132,11 @@ def test_one_long_sequence_is_split_over_ctas(balance):
     long_items = items[items[:, 0] == 0]
     assert len(long_items) > 4 and set(long_items[:, 2].tolist()) == set(range(len(long_items)))
     assert (long_items[:, 3] == len(long_items)).all()
+    # The split CTA that merged each kv head's rows (merge_if_last) set its count back to zero.
+    from cupy_paged.kernels._workspace import _MERGE_COUNTS
+
+    counts = to_numpy(_MERGE_COUNTS[(cupy.cuda.runtime.getDevice(), stream)])
+    assert counts.size >= 8 * len(long_items) and not counts.any()
     assert sorted(items[items[:, 0] != 0][:, 0].tolist()) == list(range(1, 64))
     assert items[0, 0] == 0, "the long sequence's items come first"
 
@@ -155,7 +160,7 @@ def test_device_list_splits_as_the_host_rule(balance, seed):
     per_head = slots_per_head(cupy.cuda.runtime.getDevice(), F16, 128, 4)
     query = np.ones(len(seqlens), np.int64)
     _, splits, *_ = plan_work(query, np.asarray(seqlens, np.int64), 4, tile_keys(128), per_head, launch.max_items,
-                              launch.max_slots, launch.max_entries)
+                              launch.max_slots)
     stream = cupy.cuda.get_current_stream().ptr
     items = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), stream)])[:WORK_INTS * launch.max_items]
     items = items.reshape(-1, WORK_INTS)

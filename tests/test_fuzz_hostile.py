@@ -28,7 +28,7 @@ def _kind(case) -> str:
         return "slot"
     if case["expect"] == ("block_table",):
         return "table id"
-    if kernel == "decode":
+    if kernel in ("decode", "balanced"):
         b = int(case["where"].split()[-1])
         seqlens = a["cache_seqlens"]
         if seqlens[b] < 0:
@@ -57,6 +57,9 @@ def test_hostile_draws_cover_the_kinds(drawn):
     assert set(kinds["varlen"]) == {"length past the cache", "decreasing cu_seqlens_k"}
     assert set(kinds["decode"]) == {"table id", "negative length", "length past the cache", "cache_batch_idx",
                                     "cache_leftpad"}
+    # The device-listed calls: a paged cache only (no cache_batch_idx / cache_leftpad to corrupt).
+    assert set(kinds["balanced"]) == {"table id", "negative length", "length past the cache"}
+    assert set(kinds["varlen_short"]) == {"table id", "length past the cache", "decreasing cu_seqlens_k"}
     ids = [c["args"]["block_table"][c["args"]["block_table"] != -1] for k in ("varlen_paged", "decode")
            for c in drawn[k] if _kind(c) == "table id"]
     values = np.concatenate(ids)

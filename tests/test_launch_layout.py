@@ -69,10 +69,9 @@ def _decode_layout(layout: str) -> str:
     (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset(), varlen._LAYOUT),
     (kv_write.SOURCE, "write_kv_cache", frozenset(), kv_write._LAYOUT),
     (decode.SOURCE, "paged_decode", frozenset({"RAGGED"}), _decode_layout(ragged._RAGGED_LAYOUT)),
-    (decode.SOURCE, "combine_ragged", frozenset({"RAGGED"}), ragged._COMBINE_LAYOUT),
     (decode.SOURCE, "ragged_list", frozenset({"RAGGED"}), ragged._LIST_LAYOUT),
 ], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache",
-        "paged_decode-RAGGED", "combine_ragged", "ragged_list"])
+        "paged_decode-RAGGED", "ragged_list"])
 def test_layout_matches_the_kernel_signature(source, kernel, macros, layout):
     expected = [code_of(p) for p in parameters(source, kernel, macros)]
     assert expand(layout) == expected, f"{kernel}: layout {layout} against the signature {expected}"

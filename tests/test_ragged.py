@@ -90,10 +90,13 @@ def test_work_list_covers_every_visible_pair_once(mix, group):
     if 1 < kinds.sum() < kinds.size - 1:  # both kinds, more than one of each: mixed, not one kind first
         dense_at, other_at = np.flatnonzero(kinds), np.flatnonzero(~kinds)
         assert other_at[0] < dense_at[-1] and dense_at[0] < other_at[-1]
-    entries = np.asarray(plan.entries)[:plan.num_entries]
-    split_groups = {(b, rg) for b, rg, _, n, *_ in work.tolist() if n > 1}
-    assert {(b, rg) for b, rg, *_ in entries.tolist()} == split_groups
-    slots = sorted((slot, n) for _, _, _, n, _, _, _, slot in entries.tolist())
+    # The splits of a row group share its first workspace slot (and merge_if_last's count there);
+    # the groups' slot ranges [slot, slot + splits) tile [0, num_slots) without overlap.
+    groups = {}
+    for b, rg, _, n, _, _, _, slot in work.tolist():
+        if n > 1:
+            assert groups.setdefault((b, rg), (slot, n)) == (slot, n)
+    slots = sorted(groups.values())
     assert [s for s, _ in slots] == list(np.cumsum([0] + [n for _, n in slots])[:-1])
     assert plan.num_slots == sum(n for _, n in slots)
 
@@ -105,7 +108,7 @@ def test_long_contexts_split_and_short_rows_do_not():
     work = np.asarray(plan.work)
     splits = {b: n for b, _, _, n, *_ in work.tolist()}
     assert splits[0] > 8 and all(splits[b] == 1 for b in range(1, 64))
-    assert plan.num_entries == 1
+    assert len({(b, rg) for b, rg, _, n, *_ in work.tolist() if n > 1}) == 1  # one split row group
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -124,14 +127,13 @@ def test_device_list_capacities_hold_every_list_of_the_rule(seed, group, seqlen_
                  np.r_[[200_000.0], np.full(batch - 1, 30.0)]]
         for per_head in (1, 8, 33, 66):
             row_groups = -(-group * seqlen_q // LIST_ROWS)
-            items_cap, slots_cap, entries_cap = list_capacities(batch, row_groups, per_head)
+            items_cap, slots_cap = list_capacities(batch, row_groups, per_head)
             for draw in draws:
                 cached = draw.astype(np.int64)
                 query = np.full(batch, seqlen_q, np.int64)
-                _, splits, items, entries, slots = plan_work(query, cached, group, tile, per_head,
-                                                             1 << 40, 1 << 40, 1 << 40)
-                assert items <= items_cap and slots <= slots_cap and entries <= entries_cap, (
-                    batch, per_head, items, slots, entries, (items_cap, slots_cap, entries_cap))
+                _, splits, items, slots = plan_work(query, cached, group, tile, per_head, 1 << 40, 1 << 40)
+                assert items <= items_cap and slots <= slots_cap, (batch, per_head, items, slots,
+                                                                   (items_cap, slots_cap))
 
 
 def test_path_rule_and_arguments():
@@ -185,16 +187,17 @@ def test_buffered_work_list_is_padded_to_its_capacity(mix):
     buffers = PlanBuffers(8, 1024, cache.max_blocks_per_seq, query_group=4)
     plan = build_plan(cache, ids, new, num_heads=8, path="ragged", buffers=buffers, batch_size=8,
                       num_tokens=1024)
-    items, slots, entries = buffers.work_capacity
-    assert (plan.num_items, plan.num_entries, plan.num_slots) == (items, entries, slots)
-    assert plan.work.shape == (items, 8) and plan.entries.shape == (entries, 8)
+    items, slots = buffers.work_capacity
+    assert (plan.num_items, plan.num_slots) == (items, slots)
+    assert plan.work.shape == (items, 8)
     own = build_plan(cache, ids, new, num_heads=8, path="ragged")
-    real = int((np.asarray(plan.work)[:, 5] > 0).sum())
-    assert (np.asarray(plan.work)[real:] == 0).all()  # the step's items first, then padding
-    if own.num_entries <= entries and own.num_slots <= slots:  # within capacity: the same list
-        np.testing.assert_array_equal(np.asarray(plan.work)[:real], own.work)
+    work = np.asarray(plan.work)
+    real = int((work[:, 5] > 0).sum())
+    assert (work[real:] == 0).all()  # the step's items first, then padding
+    if own.num_slots <= slots:  # within capacity: the same list
+        np.testing.assert_array_equal(work[:real], own.work)
     else:  # split less, to fit
-        assert int((np.asarray(plan.entries)[:, 5] > 0).sum()) <= entries
+        assert int((work[:real, 3] > 1).sum()) <= slots
     seen = covered(plan, 4, tile_keys(cache.head_dim))
     assert set(seen.values()) == {1} and len(seen) == sum(4 * n * c + 4 * n * (n + 1) // 2
                                                          for c, n in zip(cached, new))

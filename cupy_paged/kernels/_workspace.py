@@ -1,6 +1,7 @@
 """Device buffers that launches keep between calls and only ever grow: the split-KV workspace of
-``paged_decode`` and the work-list buffer of a device-listed ragged launch (per device and stream),
-and the identity block table of a contiguous decode cache (per device).
+``paged_decode``, the merge counts of a ragged launch and the work-list buffer of a device-listed
+one (per device and stream), and the identity block table of a contiguous decode cache (per
+device).
 
 Growing allocates, which a CUDA graph capture must not do: while the stream captures, a buffer
 that would have to grow raises instead.  An outgrown buffer is kept alive, so a graph captured
@@ -14,6 +15,7 @@ from .._core.streams import is_capturing
 
 _WORKSPACES: dict[tuple[int, int], object] = {}
 _WORK_LISTS: dict[tuple[int, int], object] = {}
+_MERGE_COUNTS: dict[tuple[int, int], object] = {}
 _IDENTITIES: dict[int, object] = {}
 _RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
 
@@ -36,11 +38,13 @@ def _grown(store: dict, key, size: int, make, what: str, stream: int):
     return current
 
 
-def holds(num_floats: int, num_ints: int, device: int, stream: int) -> bool:
-    """Whether (device, stream)'s split workspace and work-list buffer already hold ``num_floats``
-    and ``num_ints``: a launch that needs both can run without growing them (inside a capture)."""
+def holds(num_floats: int, num_ints: int, num_counts: int, device: int, stream: int) -> bool:
+    """Whether (device, stream)'s split workspace, work-list buffer and merge counts already hold
+    ``num_floats``, ``num_ints`` and ``num_counts``: a launch that needs them can run without growing
+    them (inside a capture)."""
     return all(store.get((device, stream)) is not None and store[(device, stream)].size >= size
-               for store, size in ((_WORKSPACES, num_floats), (_WORK_LISTS, num_ints)))
+               for store, size in ((_WORKSPACES, num_floats), (_WORK_LISTS, num_ints),
+                                   (_MERGE_COUNTS, num_counts)))
 
 
 def split_workspace(num_floats: int, device: int, stream: int):
@@ -67,6 +71,21 @@ def work_buffer(num_ints: int, device: int, stream: int):
         return buffer
 
     return _grown(_WORK_LISTS, (device, stream), num_ints, make, "the ragged work-list buffer", stream)
+
+
+def merge_counts(num_counts: int, device: int, stream: int):
+    """The int32 counters of (device, stream), of at least ``num_counts``, zeroed when allocated,
+    with which a ragged launch's split CTAs find the last of each row group (``decode.cu``
+    ``merge_if_last``): that CTA merges the splits and sets the count back to zero, so they are
+    zeros between launches."""
+    import cupy
+
+    def make(n):
+        counts = cupy.zeros(n, np.int32)
+        cupy.cuda.Device(device).synchronize()  # zeroed before another stream uses them
+        return counts
+
+    return _grown(_MERGE_COUNTS, (device, stream), num_counts, make, "the ragged merge counts", stream)
 
 
 def identity_table(size: int, device: int, stream: int):

@@ -4,7 +4,7 @@ One launch of ``paged_decode`` appends the new tokens (if any) and computes atte
 ``num_splits > 1`` a second launch, ``combine_splits``, merges the per-split partial outputs.
 :func:`launch_for` picks, for ``num_splits=0`` over a paged cache with a full grid (see
 :func:`balances`), :class:`BalancedDecodeLaunch` instead: the ragged kernel on a work list that the
-GPU builds from ``cache_seqlens`` (three launches, ``kernels/ragged.py``), so that one long sequence
+GPU builds from ``cache_seqlens`` (two launches, ``kernels/ragged.py``), so that one long sequence
 does not run on one CTA per kv head while the rest of the batch has finished.
 
 Split-KV and CUDA graphs

@@ -6,14 +6,15 @@ A continuous-batching step mixes prefill chunks, one-token decodes and short mul
 (``q`` ``[T, H, D]``, the new keys and values ``[T, Hkv, D]``), one CTA per (work item, kv head):
 the step plan lists the items on the host (``runtime/_work.py``) and uploads them with its other
 index arrays.  Each item appends its share of the new tokens to the paged cache and attends its
-rows; the sequences split over several items are merged by ``combine_ragged`` (a second launch,
-only when some sequence is split).  Both launches read the item list's pointer and count from the
-plan, so a CUDA graph replays them with another list of the same length.
+rows; the partial rows of a sequence split over several items are merged by the split CTA that
+finishes last (``merge_if_last``: a count per row group and kv head, zeros between launches), so a
+step is one launch.  It reads the item list's pointer and count from the plan, so a CUDA graph
+replays it with another list of the same length.
 
 ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` have their lengths on the device only
 (``cache_seqlens``, ``cu_seqlens``).  :class:`DeviceListLaunch` launches ``ragged_list`` first: one
 CTA that reads them and writes the list by the same rule (the constants below), padded to
-capacities fixed by host values (:func:`list_capacities`), so the three launches are capturable.
+capacities fixed by host values (:func:`list_capacities`), so the two launches are capturable.
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from .._core.types import alibi_batch_stride, element_strides
 from .._core.compiler import get_function
 from ._launch import Launcher
 from .._core.streams import is_capturing
-from ._workspace import holds, split_workspace, work_buffer
-from .decode import _DECODE_LAYOUT, COMBINE_THREADS, ROWS_PER_CTA, TILES, kernel_key, slots
+from ._workspace import holds, merge_counts, split_workspace, work_buffer
+from .decode import _DECODE_LAYOUT, ROWS_PER_CTA, TILES, kernel_key, slots
 
-_RAGGED_LAYOUT = _DECODE_LAYOUT + "P"  # paged_decode's arguments, then the work list
+_RAGGED_LAYOUT = _DECODE_LAYOUT + "PP"  # paged_decode's arguments, then the work list and merge counts
 # ragged_list(cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
-#             key_limit, slots_per_head, max_items, max_entries, max_slots, work, entries, errors)
-_LIST_LAYOUT = "PPP" + "iiiiiii" + "iiii" + "PPP"
+#             key_limit, slots_per_head, max_items, max_slots, work, errors)
+_LIST_LAYOUT = "PPP" + "iiiiiii" + "iii" + "PP"
 LIST_THREADS = 512  # kListThreads
 
 # The balance rule, shared by the plan's host list (runtime/_work.py) and ragged_list (decode.cu's
@@ -38,7 +39,7 @@ ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
 WAVES = 2
 MIN_SPLIT_TILES = 4
-MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 32
+MAX_SPLITS = 128   # decode.cu kMaxSplits: merge_if_last's weights, [16 rows][MAX_SPLITS] floats
 
 # Whether calls without host lengths take the device-built list (DeviceListLaunch): None lets
 # kernels.decode.balances (flash_attn_with_kvcache) and VarlenLaunch (short rows) decide; True /
@@ -46,8 +47,6 @@ MAX_SPLITS = 128   # combine_ragged: one lane of a warp per split, 4 rounds of 3
 # it when its launch is made (a memoised call keeps that choice: clear api._call.MEMO after a
 # change); flash_attn_varlen_func at every call.
 BALANCE = None
-# combine_ragged(entries, part_out, part_lse, num_heads, total_q, out, lse)
-_COMBINE_LAYOUT = "PPPiiPP"
 
 
 def tile_keys(head_dim: int) -> int:
@@ -121,56 +120,52 @@ class RaggedLaunch:
                   block_size.bit_length() - 1, 0, total, int(appends), num_heads, num_kv_heads, 0, 0, left, right,
                   0, 0, 0, 0, 0, alibi_stride, 0, 0, float(softmax_scale), float(softcap)]
         self.launch = Launcher(decode, _RAGGED_LAYOUT)
-        self.launch.pack(*params, *([0] * 20))
-        self._pointer_span = self.launch.span(len(params), 20)
-        self.combine = Launcher(get_function(key, "combine_ragged"), _COMBINE_LAYOUT)
+        self.launch.pack(*params, *([0] * 21))
+        self._pointer_span = self.launch.span(len(params), 21)
         self.num_heads, self.total, self.appends = num_heads, total, appends
         self.errors = word(self.device)
 
     def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int) -> None:
         """Launch on ``stream``.  ``ptrs``: q, k_cache, v_cache, k_new, v_new, block_table,
-        alibi_slopes (0 for none); ``work``: (work pointer, items, entries pointer, entries,
-        slots) of the plan."""
+        alibi_slopes (0 for none); ``work``: (work pointer, items, slots) of the plan: slots 0
+        when no sequence is split."""
         q, k_cache, v_cache, k_new, v_new, table, alibi = ptrs
-        work_ptr, items, entries_ptr, entries, slots = work
+        work_ptr, items, slots = work
         if items == 0:
             return
-        part_out = part_lse = 0
-        if entries:
+        part_out = part_lse = counts = 0
+        if slots:
             floats = workspace_floats(slots, self.num_kv_heads, self.head_dim)
             part_out = split_workspace(floats, self.device, stream).data.ptr
             part_lse = part_out + 4 * slots * self.num_kv_heads * ROWS_PER_CTA * self.head_dim
+            counts = merge_counts(slots * self.num_kv_heads, self.device, stream).data.ptr
         struct_, at = self._pointer_span
         self.launch.launch((items, self.num_kv_heads, 1), self.threads, self.smem, stream,
                            (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0,
                                           0, 0, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors,
-                                          work_ptr)))
-        if entries:
-            self.combine((entries, self.num_kv_heads, ROWS_PER_CTA), COMBINE_THREADS, 0, stream, entries_ptr, part_out,
-                         part_lse, self.num_heads, self.total, out_ptr, lse_ptr)
+                                          work_ptr, counts)))
 
 
-def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, int, int]:
-    """``(items, workspace slots, combine entries)`` that any list of ``batch`` sequences of at most
-    ``row_groups`` row groups needs under the balance rule with ``per_head`` CTA slots a kv head
+def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, int]:
+    """``(items, workspace slots)`` that any list of ``batch`` sequences of at most ``row_groups``
+    row groups needs under the balance rule with ``per_head`` CTA slots a kv head
     (:class:`DeviceListLaunch` gives the reasoning)."""
     spread = -(-10 * per_head // 3) + 1
-    return row_groups * batch + spread, spread, min(row_groups * batch, -(-4 * per_head // 3) + 1)
+    return row_groups * batch + spread, spread
 
 
 class DeviceListLaunch:
     """A ragged launch whose work list the device builds: for calls that have no host lengths
     (``flash_attn_with_kvcache``'s ``cache_seqlens``, ``flash_attn_varlen_func``'s ``cu_seqlens``
     on the GPU).  ``ragged_list`` (one CTA) lists the items by the plan's rule from the lengths,
-    then ``paged_decode`` and ``combine_ragged`` run it, on grids of the list's capacities (padding
-    items do nothing), so a CUDA graph captures the three launches and replays them with other
-    lengths.
+    then ``paged_decode`` runs it on a grid of the list's capacity (padding items do nothing), so
+    a CUDA graph captures the two launches and replays them with other lengths.
 
     The capacities follow from the rule: a split sequence has more than 1.5 ranges of at least
     ``total / (WAVES * slots)`` keys, so its items number less than 5/3 of its keys over a range,
-    and all split items together less than ``10/3 * slots``; the split sequences number less than
-    ``4/3 * slots`` row groups (``slots``: CTA slots of a wave per kv head).  ``ragged_list`` also
-    doubles the range while a list would not fit, as the host list does.
+    and all split items together less than ``10/3 * slots`` (``slots``: CTA slots of a wave per kv
+    head).  ``ragged_list`` also doubles the range while a list would not fit, as the host list
+    does.
 
     Parameters
     ----------
@@ -189,17 +184,18 @@ class DeviceListLaunch:
     def __init__(self, ragged: RaggedLaunch, batch: int, row_groups: int, seqlen_q: int, key_limit: int):
         self.ragged = ragged
         per_head = slots_per_head(ragged.device, ragged.dtype, ragged.head_dim, ragged.num_kv_heads)
-        self.max_items, self.max_slots, self.max_entries = list_capacities(batch, row_groups, per_head)
-        self.ints = WORK_INTS * (self.max_items + self.max_entries)
+        self.max_items, self.max_slots = list_capacities(batch, row_groups, per_head)
+        self.ints = WORK_INTS * self.max_items
         self.floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
+        self.counts = self.max_slots * ragged.num_kv_heads
         self._ready: set[int] = set()  # streams whose buffers hold this list (they only ever grow)
         self.list = Launcher(get_function(ragged.key, "ragged_list"), _LIST_LAYOUT)
         group = ragged.num_heads // ragged.num_kv_heads
         self.list.pack(0, 0, 0, batch, seqlen_q, ragged.total, seqlen_q, int(ragged.appends), group, key_limit,
-                       per_head, self.max_items, self.max_entries, self.max_slots, 0, 0, ragged.errors)
+                       per_head, self.max_items, self.max_slots, 0, ragged.errors)
         self._lengths_span = self.list.span(0, 3)
         self._max_q_span = self.list.span(6, 1)
-        self._buffers_span = self.list.span(14, 2)
+        self._work_span = self.list.span(13, 1)
 
     def ready(self, stream: int) -> bool:
         """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
@@ -207,21 +203,19 @@ class DeviceListLaunch:
         the kernel they would take without balancing, which needs none)."""
         if stream in self._ready:
             return True
-        if holds(self.floats, self.ints, self.ragged.device, stream):
+        if holds(self.floats, self.ints, self.counts, self.ragged.device, stream):
             self._ready.add(stream)
             return True
         return not is_capturing(stream)
 
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
-        """Launch the three on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:
+        """Launch the two on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:
         the pointers of cache_seqlens, cu_seqlens_q, cu_seqlens_k (0 for those not given).
 
         The work list lives in a buffer of (device, stream), like the split workspace: calls on one
         stream are ordered, so each call's list is read before the next call writes it; two host
         threads launching on the same stream at once must not share it."""
         work = work_buffer(self.ints, self.ragged.device, stream).data.ptr
-        entries = work + 4 * WORK_INTS * self.max_items
         self.list.launch((1, 1, 1), LIST_THREADS, 0, stream, (*self._lengths_span, lengths),
-                         (*self._max_q_span, (max_seqlen_q,)), (*self._buffers_span, (work, entries)))
-        self.ragged.run(ptrs, (work, self.max_items, entries, self.max_entries, self.max_slots), out_ptr, lse_ptr,
-                        stream)
+                         (*self._max_q_span, (max_seqlen_q,)), (*self._work_span, (work,)))
+        self.ragged.run(ptrs, (work, self.max_items, self.max_slots), out_ptr, lse_ptr, stream)

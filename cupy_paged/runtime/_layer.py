@@ -120,8 +120,7 @@ class LayerLaunch:
             raise ValueError("out of a ragged step must be contiguous")
         self.launch = RaggedLaunch.from_arrays(p.q, p.k, ak, av, int(p.block_table.shape[1]), p.softmax_scale,
                                                p.window, p.softcap, p.alibi_slopes)
-        self.work = (read(plan.work, "work").ptr, plan.num_items, read(plan.entries, "entries").ptr,
-                     plan.num_entries, plan.num_slots)
+        self.work = (read(plan.work, "work").ptr, plan.num_items, plan.num_slots)
         self.index_ptrs = (p.block_table.ptr,)
         self.out_shape = tuple(aq.shape)
 

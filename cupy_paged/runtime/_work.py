@@ -9,8 +9,8 @@ decode's whole GQA group shares one read of its K/V.
 Balancing: every item should read about the same bytes.  The keys of all row groups together,
 shared out over two waves of CTA slots per kv head, give the range an item covers (at least four
 tiles); a sequence with more than 1.5 such ranges is split into ranges of that size, its partial
-rows merged by LSE (``combine_ragged``).  Items go longest first, so the long ones start early
-and the short ones fill in behind them.
+rows merged by LSE by the split CTA that finishes last (``decode.cu`` ``merge_if_last``).  Items go
+longest first, so the long ones start early and the short ones fill in behind them.
 """
 from __future__ import annotations
 
@@ -39,10 +39,9 @@ def _row_groups(query_lens, group):
 
 
 @numba.njit(cache=True, nogil=True)
-def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries):
+def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots):
     """Each sequence's split count: ranges of one common size, fewer splits when the items would
-    not fit ``max_items``, the split rows ``max_slots`` workspace slots or ``max_entries`` combine
-    entries."""
+    not fit ``max_items`` or the split rows ``max_slots`` workspace slots."""
     batch = query_lens.shape[0]
     total = 0
     base_items = 0
@@ -53,7 +52,7 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
     splits = np.ones(batch, np.int64)
     while True:
         chunk = -(-chunk // tile_keys) * tile_keys
-        items = slots = entries = 0
+        items = slots = 0
         for b in range(batch):
             keys = cached[b] + query_lens[b]
             n = 1
@@ -63,8 +62,7 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
             items += row_groups[b] * n
             if n > 1:
                 slots += row_groups[b] * n
-                entries += row_groups[b]
-        if (items <= max_items and slots <= max_slots and entries <= max_entries) or items == base_items:
+        if (items <= max_items and slots <= max_slots) or items == base_items:
             return splits
         chunk *= 2
 
@@ -91,27 +89,24 @@ def _longest_first(span, tile_keys):
 
 
 @numba.njit(cache=True, nogil=True)
-def plan_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots, max_entries):
-    """The step's list in outline: ``(row_groups, splits, items, entries, slots)``, each sequence's
-    row groups and split count, and the list's item, combine-entry and workspace-slot counts."""
+def plan_work(query_lens, cached, group, tile_keys, slots_per_head, max_items, max_slots):
+    """The step's list in outline: ``(row_groups, splits, items, slots)``, each sequence's row
+    groups and split count, and the list's item and workspace-slot counts."""
     row_groups = _row_groups(query_lens, group)
-    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots, max_entries)
-    items = entries = slots = 0
+    splits = _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items, max_slots)
+    items = slots = 0
     for b in range(query_lens.shape[0]):
         items += row_groups[b] * splits[b]
         if splits[b] > 1:
-            entries += row_groups[b]
             slots += row_groups[b] * splits[b]
-    return row_groups, splits, items, entries, slots
+    return row_groups, splits, items, slots
 
 
 @numba.njit(cache=True, nogil=True)
-def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, work, entries,
-              stale=(1 << 62, 1 << 62)):
-    """Write the work list of :func:`plan_work`'s outline and the combine entries; rows past them
-    are padding (query length 0).  ``stale``: how many rows of each may hold a previous list
-    (fixed buffers: the last fill's counts; zeros past them stay zeros), by default all.  Returns
-    ``(items, entries)``.
+def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, work, stale=1 << 62):
+    """Write the work list of :func:`plan_work`'s outline; rows past it are padding (query length
+    0).  ``stale``: how many rows may hold a previous list (fixed buffers: the last fill's count;
+    zeros past it stay zeros), by default all.  Returns the item count.
 
     Order: the items of multi-row groups (prefill chunks: tensor-core work) and of the rest
     (decodes: K/V streaming) each longest first (in whole tiles), merged in proportion, so that the
@@ -123,7 +118,7 @@ def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, w
     span = np.empty(items, np.int64)     # keys an item covers, to order them
     dense = np.empty(items, np.bool_)    # whether its row group holds more than one token's rows
     staged = np.empty((items, WORK_INTS), np.int32)
-    n = slot = num_entries = 0
+    n = slot = 0
     for b in range(batch):
         keys = cached[b] + query_lens[b]
         for rg in range(row_groups[b]):
@@ -142,8 +137,6 @@ def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, w
                 dense[n] = group * query_lens[b] > ROWS
                 n += 1
             if splits[b] > 1:
-                entries[num_entries, :] = staged[n - splits[b]]
-                num_entries += 1
                 slot += splits[b]
     order = _longest_first(span, tile_keys)
     num_dense = 0
@@ -165,9 +158,8 @@ def fill_work(query_lens, cached, group, tile_keys, row_groups, splits, items, w
         else:
             work[i, :] = staged[order[next_other]]
             next_other += 1
-    work[items:max(items, min(stale[0], work.shape[0])), :] = 0
-    entries[num_entries:max(num_entries, min(stale[1], entries.shape[0])), :] = 0
-    return items, num_entries
+    work[items:max(items, min(stale, work.shape[0])), :] = 0
+    return items
 
 
 # What the ragged launch reaches on the H200 (benchmarks/NOTES_mixed.md): K/V streamed at about
@@ -236,7 +228,7 @@ def choose_path(cache, query: np.ndarray, cached: np.ndarray, num_heads, path, b
     tile, slots = _work_shape(cache.device, cache.dtype, cache.head_dim, cache.num_kv_heads)
     if buffers is not None:
         return RAGGED, (group, tile, slots, *buffers.work_capacity)
-    return RAGGED, (group, tile, slots, 1 << 20, 1 << 20, 1 << 20)
+    return RAGGED, (group, tile, slots, 1 << 20, 1 << 20)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,21 +14,21 @@ from ._fill import UNKNOWN_ROW
 
 __all__ = ["PlanBuffers", "layout", "views"]
 
-# The ragged work list of fixed buffers: split row groups (combine entries) and their workspace
-# slots at most; a step that would split more splits less (runtime/_work.py).
-SPLIT_ENTRIES, SPLIT_SLOTS = 64, 512
-_WHOLE = ("work", "entries")  # kept at full capacity in every plan: a graph's grids are theirs
+# The ragged work list of fixed buffers: workspace slots of split row groups at most; a step that
+# would split more splits less (runtime/_work.py).
+SPLIT_SLOTS = 512
+_WHOLE = ("work",)  # kept at full capacity in every plan: a graph's grid is its
 
 
-def layout(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0) -> tuple[dict, int]:
+def layout(batch: int, tokens: int, width: int, items: int = 0) -> tuple[dict, int]:
     """Where the plan's int32 index arrays lie in one flat buffer, name -> (start, stop, shape), and
-    the buffer's length (so that a plan moves to the device in one transfer).  ``items`` and
-    ``entries``: the rows of a ragged plan's work list and combine entries (8 ints each, first so
-    that their 32-byte rows stay 16-byte aligned); none without them.
+    the buffer's length (so that a plan moves to the device in one transfer).  ``items``: the rows
+    of a ragged plan's work list (8 ints each, first so that its 32-byte rows stay 16-byte
+    aligned); none without it.
 
     Built every step: ``math.prod`` here, as ``np.prod`` costs microseconds on a small tuple.
     """
-    shapes = dict(work=(items, 8), entries=(entries, 8)) if items else {}
+    shapes = dict(work=(items, 8)) if items else {}
     shapes.update(input_ids=(tokens,), positions=(tokens,), slot_mapping=(tokens,),
                   cu_seqlens_q=(batch + 1,), cu_seqlens_k=(batch + 1,), query_lens=(batch,),
                   cache_seqlens=(batch,), seqlens_k=(batch,), logits_indices=(batch,),
@@ -69,8 +69,7 @@ class PlanBuffers:
         Query heads per kv head.  Given, the buffers also hold a ragged work list of fixed
         capacity (``build_plan(..., num_heads=...)`` fills it, padding with items that do
         nothing), so that a ragged step is captured and replayed as a CUDA graph with any mix
-        of the same maxima: at most ``SPLIT_ENTRIES`` split row groups over ``SPLIT_SLOTS``
-        workspace slots.
+        of the same maxima: split row groups over at most ``SPLIT_SLOTS`` workspace slots.
 
     Examples
     --------
@@ -91,15 +90,14 @@ class PlanBuffers:
         self.device = device
         self.query_group = None if query_group is None else int(query_group)
         self._done = None
-        items = entries = 0
+        items = 0
         if self.query_group is not None:
             # Every row group of the most tokens, one per sequence more, and the split items.
             items = -(-self.query_group * self.max_tokens // 16) + self.max_batch + SPLIT_SLOTS
-            entries = SPLIT_ENTRIES
-        # (most items, slots, entries) the plan may use; the ragged launch's grids are these.
-        self.work_capacity = (items, SPLIT_SLOTS, entries)
-        self.work_filled = (items, entries)  # rows of the work list and entries the last plan wrote
-        places, total = layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq, items, entries)
+        # (most items, slots) the plan may use; the ragged launch's grid is the items.
+        self.work_capacity = (items, SPLIT_SLOTS)
+        self.work_filled = items  # rows of the work list the last plan wrote
+        places, total = layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq, items)
         self._table_offset = places["block_table"][0]  # the last array: an upload stops early
         if device == CUDA:
             import cupy

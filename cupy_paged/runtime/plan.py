@@ -112,9 +112,7 @@ class StepPlan:
     num_decodes: int | None = None
     input_ids_pending: bool = False
     work: object = None
-    entries: object = None
     num_items: int = 0
-    num_entries: int = 0
     num_slots: int = 0
 
     @property
@@ -298,7 +296,7 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     tokens = int(query.sum())
     packed = places = None
     path, ragged = choose_path(cache, query, view.num_computed, num_heads, path, buffers)
-    counts = (0, 0, 0)  # items, entries, slots of the work list
+    counts = (0, 0)  # items, slots of the work list
     if ragged is not None:
         outline = plan_work(query, view.num_computed, *ragged)
         counts = outline[2:]
@@ -307,7 +305,7 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
             raise ValueError("batch_size and num_tokens pad a plan into buffers; pass buffers too")
         batch_size, num_tokens = batch, tokens
         width = -(-int((view.num_computed + query).max(initial=0)) // view.block_size)
-        packed, places, out, memo_rows, memo_versions = _new_arrays(batch, tokens, width, *counts[:2])
+        packed, places, out, memo_rows, memo_versions = _new_arrays(batch, tokens, width, counts[0])
     else:
         batch_size = batch if batch_size is None else int(batch_size)
         num_tokens = tokens if num_tokens is None else int(num_tokens)
@@ -320,12 +318,11 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         memo_rows, memo_versions)
     if ragged is not None:
         group, tile = ragged[:2]
-        filled = fill_work(query, view.num_computed, group, tile, *outline[:3], out["work"], out["entries"],
-                           (1 << 62, 1 << 62) if buffers is None else buffers.work_filled)
+        filled = fill_work(query, view.num_computed, group, tile, *outline[:3], out["work"],
+                           1 << 62 if buffers is None else buffers.work_filled)
         if buffers is not None:  # the launch covers the whole list: padding items do nothing
             buffers.work_filled = filled
-            items, slots, entries = buffers.work_capacity
-            counts = (items, entries, slots)
+            counts = buffers.work_capacity
     _write_input_ids(out["input_ids"], input_ids, tokens)
     sample_mask, num_sampled = _write_logits_indices(out["logits_indices"], out["cu_seqlens_q"], sample_mask, batch)
     path, num_split = final_path(path, query, batch_size, num_tokens, int(max_q))
@@ -339,16 +336,16 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     if batch_size > batch:  # padding sequences: no id, no sample
         sample_mask = np.concatenate([sample_mask, np.zeros(batch_size - batch, bool)])
         seq_ids = seq_ids + [None] * (batch_size - batch)
-    work, entries = out.pop("work", None), out.pop("entries", None)
+    work = out.pop("work", None)
     return StepPlan(seq_ids=seq_ids, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), sample_mask=sample_mask,
-                    path=path, block_size=view.block_size, work=work, entries=entries, num_items=counts[0],
-                    num_entries=counts[1], num_slots=counts[2], num_split=num_split, **out)
+                    path=path, block_size=view.block_size, work=work, num_items=counts[0], num_slots=counts[1],
+                    num_split=num_split, **out)
 
 
-def _new_arrays(batch: int, tokens: int, width: int, items: int = 0, entries: int = 0):
+def _new_arrays(batch: int, tokens: int, width: int, items: int = 0):
     """An unpadded plan's host arrays, views of one flat buffer, and a row memo that knows no row:
     ``(buffer, places, arrays, memo_rows, memo_versions)``."""
-    places, total = layout(batch, tokens, width, items, entries)
+    places, total = layout(batch, tokens, width, items)
     packed = np.empty(total, np.int32)
     return packed, places, views(packed, places), np.full(batch, UNKNOWN_ROW, np.int64), np.zeros(batch, np.int64)
 
