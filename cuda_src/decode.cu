@@ -61,9 +61,11 @@
 // a long table row alone.  A rotary position past seqlen_ro leaves that row unrotated (reported).
 //
 // RAGGED=1: one launch for a whole step whose sequences have different query lengths (prefill
-// chunks, decodes, speculative rows), q / k_new / v_new / out packed as [T, H(kv), D] tokens.  The
-// CTA of (blockIdx.x, kv head blockIdx.y) takes work item blockIdx.x, which the step plan built on
-// the host (runtime/_work.py), or ragged_list on the device from a call's lengths (at the end): sequence b, row group, split of its keys, its split count, its first
+// chunks, decodes, speculative rows), q / k_new / v_new / out packed as [T, H(kv), D] tokens.  CTA
+// blockIdx.x takes kv head blockIdx.x % Hkv of work item blockIdx.x / Hkv (so the CTAs are issued in
+// list order, every kv head of an item together, and the padding items' CTAs come last), which the
+// step plan built on the host (runtime/_work.py), or ragged_list on the device from a call's lengths
+// (at the end): sequence b, row group, split of its keys, its split count, its first
 // token in the packed arrays, its query length, its cached keys, and the first workspace slot of its
 // splits.  Rows are (group head, query token) as above, per sequence; a row group whose rows see
 // none of a split's keys loads none.  Query token i of b sits at key cached + i (its own key, read
@@ -318,6 +320,7 @@ struct Cta {
   int batch, seqlen_q, num_heads, num_rows, num_splits;
 #if RAGGED
   int q_start, cached, slot, row_groups, total_q;  // the work item's (see WorkItem), T
+  int num_kv_heads;
 #endif
 };
 
@@ -373,6 +376,8 @@ __device__ __forceinline__ void place_thread(Cta& cta, const DecodeParams& param
 __device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem& item) {
   Cta cta;
   place_thread(cta, params);
+  cta.kv_head = blockIdx.x % params.num_kv_heads;
+  cta.num_kv_heads = params.num_kv_heads;
   cta.row_group = item.row_group;
   cta.split = item.split;
   cta.b = item.b;
@@ -1044,7 +1049,7 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
       out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(value);
       if (lse && d == 0) lse[(long long)head * cta.total_q + token] = row_lse;
     } else {
-      const long long slot_row = ((long long)(cta.slot + cta.split) * gridDim.y + cta.kv_head) * kRows + r;
+      const long long slot_row = ((long long)(cta.slot + cta.split) * cta.num_kv_heads + cta.kv_head) * kRows + r;
       part_out[slot_row * kHeadDim + d] = value;
       if (d == 0) part_lse[slot_row] = row_lse;
     }
@@ -1078,7 +1083,7 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
   __shared__ int last;
   __threadfence();  // this thread's partial rows visible to the device before the count
   __syncthreads();  // every thread fenced; the merge area of shared memory free again
-  int* const count = merge_count + (long long)cta.slot * gridDim.y + cta.kv_head;
+  int* const count = merge_count + (long long)cta.slot * cta.num_kv_heads + cta.kv_head;
   if (threadIdx.x == 0) last = atomicAdd(count, 1) == cta.num_splits - 1;
   __syncthreads();
   if (!last) return;  // CTA-uniform
@@ -1086,8 +1091,8 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
   const int num_splits = min(cta.num_splits, kMaxSplits);
   float* weights = reinterpret_cast<float*>(smem_raw);  // [kRows][kMaxSplits], then the scale of each row
   float* scale = weights + kRows * kMaxSplits;
-  const long long split_rows = (long long)gridDim.y * kRows;  // rows between split s and s + 1
-  const long long first = ((long long)cta.slot * gridDim.y + cta.kv_head) * kRows;
+  const long long split_rows = (long long)cta.num_kv_heads * kRows;  // rows between split s and s + 1
+  const long long first = ((long long)cta.slot * cta.num_kv_heads + cta.kv_head) * kRows;
   for (int r = cta.warp; r < kRows; r += kWarps) {
     const int row = cta.row_group * kRows + r;
     if (row >= cta.num_rows) continue;  // warp-uniform
@@ -1161,7 +1166,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
     int* errors                           // the device error word (cp::report_error) or null
 #if RAGGED
-    , const int* __restrict__ work        // [gridDim.x][8]: the WorkItem of each CTA column
+    , const int* __restrict__ work        // [gridDim.x / Hkv][8]: the WorkItem of each Hkv CTAs
     , int* merge_count                    // [slots][Hkv], zero between launches (merge_if_last)
 #endif
 #if TRACE
@@ -1176,7 +1181,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // while they fly (Q rotation, fused append, index checks), the K/V loop, the warp merge, the store.
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if RAGGED
-  const WorkItem item = load_item(work, blockIdx.x);
+  const WorkItem item = load_item(work, blockIdx.x / params.num_kv_heads);
   if (item.q_len <= 0) return;  // padding: the whole CTA leaves before any barrier
   const Cta cta = locate(params, item);
 #else

@@ -3,7 +3,8 @@ same launch on a work list built on the device for calls without host lengths (:
 
 A continuous-batching step mixes prefill chunks, one-token decodes and short multi-token rows.
 ``paged_decode`` with ``RAGGED=1`` takes them all in one launch over the packed tokens
-(``q`` ``[T, H, D]``, the new keys and values ``[T, Hkv, D]``), one CTA per (work item, kv head):
+(``q`` ``[T, H, D]``, the new keys and values ``[T, Hkv, D]``), one CTA per (work item, kv head),
+issued in list order (the kv heads of an item together, padding items last):
 the step plan lists the items on the host (``runtime/_work.py``) and uploads them with its other
 index arrays.  Each item appends its share of the new tokens to the paged cache and attends its
 rows; the partial rows of a sequence split over several items are merged by the split CTA that
@@ -124,6 +125,17 @@ class RaggedLaunch:
         self._pointer_span = self.launch.span(len(params), 21)
         self.num_heads, self.total, self.appends = num_heads, total, appends
         self.errors = word(self.device)
+        # (stream, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
+        # only ever replaced by larger ones, and the replaced ones stay allocated (_workspace).
+        self._split_ptrs: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+    def _split_buffers(self, slots: int, stream: int) -> tuple[int, int, int]:
+        floats = workspace_floats(slots, self.num_kv_heads, self.head_dim)
+        part_out = split_workspace(floats, self.device, stream).data.ptr
+        part_lse = part_out + 4 * slots * self.num_kv_heads * ROWS_PER_CTA * self.head_dim
+        counts = merge_counts(slots * self.num_kv_heads, self.device, stream).data.ptr
+        self._split_ptrs[(stream, slots)] = found = (part_out, part_lse, counts)
+        return found
 
     def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int) -> None:
         """Launch on ``stream``.  ``ptrs``: q, k_cache, v_cache, k_new, v_new, block_table,
@@ -135,12 +147,9 @@ class RaggedLaunch:
             return
         part_out = part_lse = counts = 0
         if slots:
-            floats = workspace_floats(slots, self.num_kv_heads, self.head_dim)
-            part_out = split_workspace(floats, self.device, stream).data.ptr
-            part_lse = part_out + 4 * slots * self.num_kv_heads * ROWS_PER_CTA * self.head_dim
-            counts = merge_counts(slots * self.num_kv_heads, self.device, stream).data.ptr
+            part_out, part_lse, counts = self._split_ptrs.get((stream, slots)) or self._split_buffers(slots, stream)
         struct_, at = self._pointer_span
-        self.launch.launch((items, self.num_kv_heads, 1), self.threads, self.smem, stream,
+        self.launch.launch((items * self.num_kv_heads, 1, 1), self.threads, self.smem, stream,
                            (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0,
                                           0, 0, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors,
                                           work_ptr, counts)))
@@ -188,7 +197,7 @@ class DeviceListLaunch:
         self.ints = WORK_INTS * self.max_items
         self.floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
         self.counts = self.max_slots * ragged.num_kv_heads
-        self._ready: set[int] = set()  # streams whose buffers hold this list (they only ever grow)
+        self._work_ptrs: dict[int, int] = {}  # stream -> its work-list buffer (kept: see RaggedLaunch)
         self.list = Launcher(get_function(ragged.key, "ragged_list"), _LIST_LAYOUT)
         group = ragged.num_heads // ragged.num_kv_heads
         self.list.pack(0, 0, 0, batch, seqlen_q, ragged.total, seqlen_q, int(ragged.appends), group, key_limit,
@@ -201,12 +210,8 @@ class DeviceListLaunch:
         """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
         capture before an eager call on that stream has sized its buffers (the callers then take
         the kernel they would take without balancing, which needs none)."""
-        if stream in self._ready:
-            return True
-        if holds(self.floats, self.ints, self.counts, self.ragged.device, stream):
-            self._ready.add(stream)
-            return True
-        return not is_capturing(stream)
+        return (stream in self._work_ptrs or holds(self.floats, self.ints, self.counts, self.ragged.device, stream)
+                or not is_capturing(stream))
 
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
         """Launch the two on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:
@@ -215,7 +220,9 @@ class DeviceListLaunch:
         The work list lives in a buffer of (device, stream), like the split workspace: calls on one
         stream are ordered, so each call's list is read before the next call writes it; two host
         threads launching on the same stream at once must not share it."""
-        work = work_buffer(self.ints, self.ragged.device, stream).data.ptr
+        work = self._work_ptrs.get(stream)
+        if work is None:
+            work = self._work_ptrs[stream] = work_buffer(self.ints, self.ragged.device, stream).data.ptr
         self.list.launch((1, 1, 1), LIST_THREADS, 0, stream, (*self._lengths_span, lengths),
                          (*self._max_q_span, (max_seqlen_q,)), (*self._work_span, (work,)))
         self.ragged.run(ptrs, (work, self.max_items, self.max_slots), out_ptr, lse_ptr, stream)
