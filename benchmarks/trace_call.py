@@ -12,8 +12,11 @@ start of the call's range on the host clock, which CUPTI aligns with the GPU's):
 * ``host``: the length of the call's range.
 
 Cases: decode 64 x 128 (bf16, 32/8 heads, D = 128, block 16, shuffled table) -- ours with torch
-tensors and with CuPy arrays (default arguments) and cuDNN SDPA on contiguous copies -- and the
-512-token chunk after a 32k prefix, ours paged and ours on contiguous K/V (torch tensors).
+tensors and with CuPy arrays (default arguments) and cuDNN SDPA on contiguous copies -- the
+512-token chunk after a 32k prefix, ours paged and ours on contiguous K/V (torch tensors), and
+decode 64 x 4096, where the default call balances on the device (``ragged_list``, then
+``paged_decode``), beside ``num_splits=1`` (the decode kernel) and cuDNN.  Each call's kernels are
+also listed by name (median duration) with ``gaps``: the kernels' span less their durations.
 
     python benchmarks/trace_call.py [--reps 30] [--out benchmarks/results/trace_call.json]
 """
@@ -94,15 +97,26 @@ def split(events: list, names) -> dict:
         first = min(k["ts"] for k in launched)
         last = max(k["ts"] + k["dur"] for k in launched)
         p = parts.setdefault(r["name"].rsplit("#", 1)[0], {"launch api": [], "first kernel": [], "kernels": [],
-                                                           "host": [], "launches": []})
+                                                           "gaps": [], "host": [], "launches": []})
         p["launch api"].append(inside[0]["ts"] - start)
         p["first kernel"].append(first - start)
         p["kernels"].append(last - first)
+        p["gaps"].append(last - first - sum(k["dur"] for k in launched))
         p["host"].append(r["dur"])
         p["launches"].append(len(inside))
+        for k in launched:
+            p.setdefault(f"kernel {k['name'][:40]}", []).append(k["dur"])
     # Medians, and how many of the calls' ranges the trace matched to a launch and a kernel.
     return {name: {**{part: round(float(np.median(v)), 2) for part, v in p.items()}, "samples": len(p["host"])}
             for name, p in parts.items()}
+
+
+def balanced_calls() -> dict:
+    """Decode 64 x 4096: the default call (balanced on the device), num_splits=1, cuDNN."""
+    calls, peers = bench_calls.decode_calls(64, 4096)
+    return {f"decode 64x4096 {name}": call for name, call in
+            ((bench_calls.OURS_TORCH, calls[bench_calls.OURS_TORCH]),
+             (bench_calls.OURS_KERNEL, calls[bench_calls.OURS_KERNEL]), (bench_calls.CUDNN, peers[bench_calls.CUDNN]))}
 
 
 def main(argv=None) -> int:
@@ -116,17 +130,18 @@ def main(argv=None) -> int:
               "versions": bench_calls.versions(), "reps": args.reps, "calls": {}}
     bench_calls.warm_clocks()
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        for make in (decode_calls, chunk_calls):
+        for make in (decode_calls, chunk_calls, balanced_calls):
             calls = make()
             report["calls"].update(split(traced(calls, args.reps), calls))
             del calls
             bench_calls.release()
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print("\n| call | launch API at | first kernel at | kernels | host | launches | samples |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| call | launch API at | first kernel at | kernels | gaps | host | launches | samples | each kernel |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, p in report["calls"].items():
-        print(f"| {name} | {p['launch api']:.2f} | {p['first kernel']:.2f} | {p['kernels']:.2f} | {p['host']:.2f} "
-              f"| {p['launches']:g} | {p['samples']} of {args.reps} |")
+        each = ", ".join(f"{k[7:]} {v:.2f}" for k, v in p.items() if k.startswith("kernel "))
+        print(f"| {name} | {p['launch api']:.2f} | {p['first kernel']:.2f} | {p['kernels']:.2f} | {p['gaps']:.2f} "
+              f"| {p['host']:.2f} | {p['launches']:g} | {p['samples']} of {args.reps} | {each} |")
     return 0
 
 
