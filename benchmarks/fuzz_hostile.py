@@ -113,6 +113,17 @@ def corrupt_decode(case: dict, rng) -> bool:
     return _expect(case, ["cache_seqlens", "block_table"] + rotary, f"sequence {b}")
 
 
+def corrupt_varlen_short(case: dict, rng) -> bool:
+    """corrupt_varlen on the short-row path, which runs decode.cu's ragged kernel: a length past the
+    table is reported as the decode kernel reports one, by split 0 as the length or by another split
+    as the -1 padding columns of the row it then reads (both name the sequence)."""
+    if not corrupt_varlen(case, rng):
+        return False
+    if case["expect"] == ("cache_seqlens",):
+        case["expect"] = ("cache_seqlens", "block_table")
+    return True
+
+
 def corrupt_write(case: dict, rng) -> bool:
     a = case["args"]
     slots = a["slot_mapping"]
@@ -140,4 +151,4 @@ def corrupt_step(case: dict, rng) -> bool:
 
 CORRUPT = {"varlen": corrupt_varlen, "varlen_paged": corrupt_varlen, "decode": corrupt_decode,
            "write_kv_cache": corrupt_write, "step": corrupt_step, "balanced": corrupt_decode,
-           "varlen_short": corrupt_varlen}
+           "varlen_short": corrupt_varlen_short}
