@@ -13,7 +13,7 @@
 //   TRACE       0 or 1: whether paged_decode takes a trace buffer and records each CTA's start,
 //               end and SM in it (default 0; only the decode benchmark's keys set it)
 //   RAGGED      0 or 1: the work-list kernel of a continuous-batching step, or of a call balanced by
-//               length on the device (ragged_list), (default 0), below
+//               length on the device (build_list, by CTA 0 of the launch), (default 0), below
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q, rotary layout)
 // is a run-time argument, so two dtypes x five head dims (x rotary or not) are the whole family.
 //
@@ -64,7 +64,7 @@
 // chunks, decodes, speculative rows), q / k_new / v_new / out packed as [T, H(kv), D] tokens.  CTA
 // blockIdx.x takes kv head blockIdx.x % Hkv of work item blockIdx.x / Hkv (so the CTAs are issued in
 // list order, every kv head of an item together, and the padding items' CTAs come last), which the
-// step plan built on the host (runtime/_work.py), or ragged_list on the device from a call's lengths
+// step plan built on the host (runtime/_work.py), or CTA 0 of the launch (build_list) from a call's lengths
 // (at the end): sequence b, row group, split of its keys, its split count, its first
 // token in the packed arrays, its query length, its cached keys, and the first workspace slot of its
 // splits.  Rows are (group head, query token) as above, per sequence; a row group whose rows see
@@ -333,7 +333,7 @@ struct WorkItem {
 
 __device__ __forceinline__ WorkItem load_item(const int* work, int index) {
   const int4* at = reinterpret_cast<const int4*>(work) + 2 * (long long)index;
-  const int4 a = __ldg(at), c = __ldg(at + 1);
+  const int4 a = __ldcg(at), c = __ldcg(at + 1);  // L2: the device list is written by this launch's CTA 0
   return WorkItem{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 }
 #endif
@@ -1136,6 +1136,208 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 }
 #endif
 
+#if RAGGED
+// ---------------------------------------------------------------------------- the device list
+
+// build_list: the work list of a ragged launch built on the device, for the calls that have no
+// host lengths -- flash_attn_with_kvcache (cache_seqlens on the GPU) and flash_attn_varlen_func's
+// short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  CTA 0 of the launch
+// builds it while the other CTAs wait for it (wait_for_list); the rule is the step plan's
+// (runtime/_work.py): the row
+// groups' keys shared out over kListWaves waves of CTA slots per kv head (at least kListMinTiles
+// tiles a range), a sequence split only past 1.5 ranges, the range doubled while the list would
+// not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
+// (the order within a class is the atomics'; results do not depend on it: each row is written by
+// one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
+// query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of
+// at most kThreads, thread b reads sequence b once and keeps it for every pass.
+//
+// Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q drops the
+// sequence (no item: its rows are not where q says); a cu_seqlens_k entry that decreases gives
+// the sequence's items a negative key count, which paged_decode treats as a sequence without keys
+// (zero rows, LSE -inf, as the reference); both are reported.  cache_seqlens travels in the items
+// as given (paged_decode checks it), counted within [0, key_limit] here.
+constexpr int kListBuckets = 32;
+// kernels/ragged.py's MIN_SPLIT_TILES, WAVES, MAX_SPLITS (the host list's rule too;
+// tests/test_launch_layout.py reads these lines and compares).
+constexpr int kListMinTiles = 4;
+constexpr int kListWaves = 2;
+constexpr int kListMaxSplits = 128;
+static_assert(kListMaxSplits <= kMaxSplits, "merge_if_last merges at most kMaxSplits splits");
+
+struct ListArgs {
+  const int* cache_seqlens;  // [B]: decode calls, else null
+  const int* cu_seqlens_q;   // [B + 1]: varlen calls, else null
+  const int* cu_seqlens_k;
+  int batch, seqlen_q, total_q, max_seqlen_q, appends, group, key_limit;
+};
+
+struct ListSeq {
+  int q_start, q_len, cached;  // as the WorkItem carries them
+  long long keys;              // what the sequence's items read, for the balance
+  int row_groups;
+};
+
+__device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* errors, bool report) {
+  ListSeq s;
+  if (a.cache_seqlens) {
+    s.q_start = b * a.seqlen_q;
+    s.q_len = a.seqlen_q;
+    s.cached = a.cache_seqlens[b];
+    s.keys = (long long)min(max(s.cached, 0), a.key_limit) + (a.appends ? s.q_len : 0);
+  } else {
+    const int q0 = a.cu_seqlens_q[b], q1 = a.cu_seqlens_q[b + 1];
+    const int k0 = a.cu_seqlens_k[b], k1 = a.cu_seqlens_k[b + 1];
+    const bool q_ok = q0 >= 0 && q1 >= q0 && q1 <= a.total_q && q1 - q0 <= a.max_seqlen_q && (b > 0 || q0 == 0);
+    const bool k_ok = k0 >= 0 && k1 >= k0;
+    if (report && !q_ok) cp::report_error(errors, cp::kErrCuSeqlensQ, b, (long long)q1 - q0);
+    else if (report && !k_ok) cp::report_error(errors, cp::kErrCuSeqlensK, b, (long long)k1 - k0);
+    s.q_start = q0;
+    s.q_len = q_ok ? q1 - q0 : 0;  // a decreasing k keeps its rows: they see no key (paged_decode's hole)
+    s.cached = k1 - k0;
+    s.keys = q_ok && k_ok ? (long long)min(s.cached, a.key_limit) : 0;
+  }
+  s.row_groups = s.q_len > 0 ? (a.group * s.q_len + kRows - 1) / kRows : 0;
+  return s;
+}
+
+__device__ __forceinline__ int list_splits(const ListSeq& s, long long chunk) {
+  if (s.row_groups == 0 || 2 * s.keys <= 3 * chunk) return 1;
+  return (int)min((s.keys + chunk - 1) / chunk, (long long)kListMaxSplits);
+}
+
+// The sum (or max) over the CTA of every thread's value; every thread gets it.
+__device__ __forceinline__ long long list_reduce(long long v, long long* scratch, bool take_max) {
+  constexpr int kListWarps = kWarps;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = take_max ? max(v, other) : v + other;
+  }
+  __syncthreads();  // scratch free: every thread has read the last reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  long long all = scratch[0];
+  for (int w = 1; w < kListWarps; ++w) all = take_max ? max(all, scratch[w]) : all + scratch[w];
+  return all;
+}
+
+__device__ __forceinline__ void store_item(int* list, long long index, int b, int row_group, int split, int splits,
+                                           const ListSeq& s, int slot) {
+  int4* at = reinterpret_cast<int4*>(list) + 2 * index;
+  at[0] = make_int4(b, row_group, split, splits);
+  at[1] = make_int4(s.q_start, s.q_len, s.cached, slot);
+}
+
+__device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, int max_items, int max_slots, int* work,
+                                       int* errors) {
+  constexpr int kListThreads = kThreads;
+  constexpr int kListWarps = kWarps;
+  __shared__ long long scratch[kListWarps];
+  __shared__ int bucket_start[kListBuckets];
+  __shared__ int slot_cursor;
+  // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
+  const bool one_each = a.batch <= kListThreads;
+  ListSeq own{};
+  if (one_each && (int)threadIdx.x < a.batch) own = list_sequence(a, threadIdx.x, errors, true);
+  auto sequence = [&](int b) { return one_each ? own : list_sequence(a, b, errors, false); };
+  long long total = 0, base = 0;
+  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    const ListSeq s = one_each ? own : list_sequence(a, b, errors, true);
+    total += s.row_groups * s.keys;
+    base += s.row_groups;
+  }
+  total = list_reduce(total, scratch, false);
+  base = list_reduce(base, scratch, false);
+  long long chunk = max((long long)kListMinTiles * kTileKeys,
+                        (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
+  long long items = 0, used_slots = 0, longest = 0;
+  for (int round = 0; round < 48; ++round) {
+    chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
+    items = used_slots = longest = 0;
+    for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+      const ListSeq s = sequence(b);
+      const int n = list_splits(s, chunk);
+      items += (long long)s.row_groups * n;
+      if (n > 1) used_slots += (long long)s.row_groups * n;
+      if (s.row_groups) longest = max(longest, (s.keys + n - 1) / n);
+    }
+    items = list_reduce(items, scratch, false);
+    used_slots = list_reduce(used_slots, scratch, false);
+    longest = list_reduce(longest, scratch, true);
+    if ((items <= max_items && used_slots <= max_slots) || items == base) break;
+    chunk *= 2;
+  }
+  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.
+  if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
+  if (threadIdx.x == 0) slot_cursor = 0;
+  __syncthreads();
+  auto bucket = [&](const ListSeq& s, int n) {
+    const long long span = (s.keys + n - 1) / n;
+    return longest > 0 ? (int)((longest - span) * (kListBuckets - 1) / longest) : 0;
+  };
+  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    const ListSeq s = sequence(b);
+    if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int at = 0;
+    for (int k = 0; k < kListBuckets; ++k) {
+      const int count = bucket_start[k];
+      bucket_start[k] = at;
+      at += count;
+    }
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    const ListSeq s = sequence(b);
+    if (s.row_groups == 0) continue;
+    const int n = list_splits(s, chunk);
+    const int first = atomicAdd(&bucket_start[bucket(s, n)], s.row_groups * n);
+    const int slot = n > 1 ? atomicAdd(&slot_cursor, s.row_groups * n) : 0;
+    for (int rg = 0; rg < s.row_groups; ++rg) {
+      const int rg_slot = n > 1 ? slot + rg * n : 0;
+      for (int split = 0; split < n; ++split)
+        if (first + rg * n + split < max_items) store_item(work, first + rg * n + split, b, rg, split, n, s, rg_slot);
+    }
+  }
+  // Padding past the list (the launches' grids are the capacities).
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (long long i = items + threadIdx.x; i < max_items; i += kListThreads) {
+    reinterpret_cast<int4*>(work)[2 * i] = zero;
+    reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
+  }
+}
+
+// The device list's hand-over inside one launch.  sync[0]: the list is ready; sync[1]: CTAs past
+// the wait.  CTA 0 builds the list (its CTAs are issued first, so every other CTA waits behind a
+// CTA that is running) and releases sync[0]; the others acquire it.  Every CTA then counts itself;
+// the last one sets both back to zero, so they are zeros between launches and graph replays (the
+// host allocates them zeroed).  The work items are then read through L2 (load_item's __ldcg).
+__device__ __forceinline__ void wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
+                                              int* work, int* sync, int* errors) {
+  if (blockIdx.x == 0) {
+    build_list(a, slots_per_head, max_items, max_slots, work, errors);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync), "r"(1) : "memory");
+  } else if (threadIdx.x == 0) {
+    unsigned ready = 0;
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(sync) : "memory");
+      if (ready) break;
+      __nanosleep(64);
+    }
+  }
+  if (threadIdx.x == 0 && atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
+    sync[1] = 0;
+    sync[0] = 0;
+  }
+  __syncthreads();
+}
+#endif
+
 #if TRACE
 // The benchmark's trace row of this CTA: start ns, end ns, SM.
 __device__ __forceinline__ unsigned long long* trace_row(unsigned long long* trace) {
@@ -1166,8 +1368,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     float* __restrict__ part_lse,         // [num_splits, B*Sq*H]
     int* errors                           // the device error word (cp::report_error) or null
 #if RAGGED
-    , const int* __restrict__ work        // [gridDim.x / Hkv][8]: the WorkItem of each Hkv CTAs
+    , int* work                           // [gridDim.x / Hkv][8]: the WorkItem of each Hkv CTAs
     , int* merge_count                    // [slots][Hkv], zero between launches (merge_if_last)
+    // The device list (list_sync non-null): the lengths (cache_seqlens, or cu_seqlens_q / _k), the
+    // rule's arguments, and the hand-over's two ints (wait_for_list); null: the host listed the work.
+    , const int* __restrict__ list_seqlens, const int* __restrict__ list_cu_q, const int* __restrict__ list_cu_k
+    , int list_batch, int list_seqlen_q, int list_max_seqlen_q, int list_key_limit
+    , int list_slots_per_head, int list_max_items, int list_max_slots, int* list_sync
 #endif
 #if TRACE
     , unsigned long long* __restrict__ trace  // [CTAs][3]: start ns, end ns, SM
@@ -1181,6 +1388,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // while they fly (Q rotation, fused append, index checks), the K/V loop, the warp merge, the store.
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if RAGGED
+  if (list_sync) {
+    const ListArgs a{list_seqlens, list_cu_q, list_cu_k, list_batch, list_seqlen_q, params.seqlen_q, list_max_seqlen_q,
+                     params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit};
+    wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors);
+  }
   const WorkItem item = load_item(work, blockIdx.x / params.num_kv_heads);
   if (item.q_len <= 0) return;  // padding: the whole CTA leaves before any barrier
   const Cta cta = locate(params, item);
@@ -1303,183 +1515,6 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
     const long long h = row % num_heads, bi = row / num_heads;
     const long long b = bi / seqlen_q, i = bi % seqlen_q;
     lse[(b * num_heads + h) * seqlen_q + i] = total > 0.f ? m_all + __logf(total) : -inf();
-  }
-}
-#endif
-
-#if RAGGED
-// ---------------------------------------------------------------------------- ragged_list
-
-// ragged_list: the work list of a ragged launch built on the device, for the calls that have no
-// host lengths -- flash_attn_with_kvcache (cache_seqlens on the GPU) and flash_attn_varlen_func's
-// short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  One CTA, launched just
-// before paged_decode on the same stream; the rule is the step plan's (runtime/_work.py): the row
-// groups' keys shared out over kListWaves waves of CTA slots per kv head (at least kListMinTiles
-// tiles a range), a sequence split only past 1.5 ranges, the range doubled while the list would
-// not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
-// (the order within a class is the atomics'; results do not depend on it: each row is written by
-// one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
-// query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of
-// at most kListThreads, thread b reads sequence b once and keeps it for every pass.
-//
-// Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q drops the
-// sequence (no item: its rows are not where q says); a cu_seqlens_k entry that decreases gives
-// the sequence's items a negative key count, which paged_decode treats as a sequence without keys
-// (zero rows, LSE -inf, as the reference); both are reported.  cache_seqlens travels in the items
-// as given (paged_decode checks it), counted within [0, key_limit] here.
-constexpr int kListThreads = 512;
-constexpr int kListWarps = kListThreads / 32;
-constexpr int kListBuckets = 32;
-// kernels/ragged.py's LIST_THREADS, MIN_SPLIT_TILES, WAVES, MAX_SPLITS (the host list's rule too;
-// tests/test_launch_layout.py reads these lines and compares).
-constexpr int kListMinTiles = 4;
-constexpr int kListWaves = 2;
-constexpr int kListMaxSplits = 128;
-static_assert(kListMaxSplits <= kMaxSplits, "merge_if_last merges at most kMaxSplits splits");
-
-struct ListArgs {
-  const int* cache_seqlens;  // [B]: decode calls, else null
-  const int* cu_seqlens_q;   // [B + 1]: varlen calls, else null
-  const int* cu_seqlens_k;
-  int batch, seqlen_q, total_q, max_seqlen_q, appends, group, key_limit;
-};
-
-struct ListSeq {
-  int q_start, q_len, cached;  // as the WorkItem carries them
-  long long keys;              // what the sequence's items read, for the balance
-  int row_groups;
-};
-
-__device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* errors, bool report) {
-  ListSeq s;
-  if (a.cache_seqlens) {
-    s.q_start = b * a.seqlen_q;
-    s.q_len = a.seqlen_q;
-    s.cached = a.cache_seqlens[b];
-    s.keys = (long long)min(max(s.cached, 0), a.key_limit) + (a.appends ? s.q_len : 0);
-  } else {
-    const int q0 = a.cu_seqlens_q[b], q1 = a.cu_seqlens_q[b + 1];
-    const int k0 = a.cu_seqlens_k[b], k1 = a.cu_seqlens_k[b + 1];
-    const bool q_ok = q0 >= 0 && q1 >= q0 && q1 <= a.total_q && q1 - q0 <= a.max_seqlen_q && (b > 0 || q0 == 0);
-    const bool k_ok = k0 >= 0 && k1 >= k0;
-    if (report && !q_ok) cp::report_error(errors, cp::kErrCuSeqlensQ, b, (long long)q1 - q0);
-    else if (report && !k_ok) cp::report_error(errors, cp::kErrCuSeqlensK, b, (long long)k1 - k0);
-    s.q_start = q0;
-    s.q_len = q_ok ? q1 - q0 : 0;  // a decreasing k keeps its rows: they see no key (paged_decode's hole)
-    s.cached = k1 - k0;
-    s.keys = q_ok && k_ok ? (long long)min(s.cached, a.key_limit) : 0;
-  }
-  s.row_groups = s.q_len > 0 ? (a.group * s.q_len + kRows - 1) / kRows : 0;
-  return s;
-}
-
-__device__ __forceinline__ int list_splits(const ListSeq& s, long long chunk) {
-  if (s.row_groups == 0 || 2 * s.keys <= 3 * chunk) return 1;
-  return (int)min((s.keys + chunk - 1) / chunk, (long long)kListMaxSplits);
-}
-
-// The sum (or max) over the CTA of every thread's value; every thread gets it.
-__device__ __forceinline__ long long list_reduce(long long v, long long* scratch, bool take_max) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const long long other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = take_max ? max(v, other) : v + other;
-  }
-  __syncthreads();  // scratch free: every thread has read the last reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  long long all = scratch[0];
-  for (int w = 1; w < kListWarps; ++w) all = take_max ? max(all, scratch[w]) : all + scratch[w];
-  return all;
-}
-
-__device__ __forceinline__ void store_item(int* list, long long index, int b, int row_group, int split, int splits,
-                                           const ListSeq& s, int slot) {
-  int4* at = reinterpret_cast<int4*>(list) + 2 * index;
-  at[0] = make_int4(b, row_group, split, splits);
-  at[1] = make_int4(s.q_start, s.q_len, s.cached, slot);
-}
-
-extern "C" __global__ void __launch_bounds__(kListThreads) ragged_list(
-    const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-    int batch, int seqlen_q, int total_q, int max_seqlen_q, int appends, int group, int key_limit,
-    int slots_per_head, int max_items, int max_slots, int* __restrict__ work, int* errors) {
-  const ListArgs a{cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
-                   key_limit};
-  __shared__ long long scratch[kListWarps];
-  __shared__ int bucket_start[kListBuckets];
-  __shared__ int slot_cursor;
-  // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
-  const bool one_each = a.batch <= kListThreads;
-  ListSeq own{};
-  if (one_each && (int)threadIdx.x < a.batch) own = list_sequence(a, threadIdx.x, errors, true);
-  auto sequence = [&](int b) { return one_each ? own : list_sequence(a, b, errors, false); };
-  long long total = 0, base = 0;
-  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-    const ListSeq s = one_each ? own : list_sequence(a, b, errors, true);
-    total += s.row_groups * s.keys;
-    base += s.row_groups;
-  }
-  total = list_reduce(total, scratch, false);
-  base = list_reduce(base, scratch, false);
-  long long chunk = max((long long)kListMinTiles * kTileKeys,
-                        (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
-  long long items = 0, used_slots = 0, longest = 0;
-  for (int round = 0; round < 48; ++round) {
-    chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
-    items = used_slots = longest = 0;
-    for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-      const ListSeq s = sequence(b);
-      const int n = list_splits(s, chunk);
-      items += (long long)s.row_groups * n;
-      if (n > 1) used_slots += (long long)s.row_groups * n;
-      if (s.row_groups) longest = max(longest, (s.keys + n - 1) / n);
-    }
-    items = list_reduce(items, scratch, false);
-    used_slots = list_reduce(used_slots, scratch, false);
-    longest = list_reduce(longest, scratch, true);
-    if ((items <= max_items && used_slots <= max_slots) || items == base) break;
-    chunk *= 2;
-  }
-  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.
-  if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
-  if (threadIdx.x == 0) slot_cursor = 0;
-  __syncthreads();
-  auto bucket = [&](const ListSeq& s, int n) {
-    const long long span = (s.keys + n - 1) / n;
-    return longest > 0 ? (int)((longest - span) * (kListBuckets - 1) / longest) : 0;
-  };
-  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-    const ListSeq s = sequence(b);
-    if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int at = 0;
-    for (int k = 0; k < kListBuckets; ++k) {
-      const int count = bucket_start[k];
-      bucket_start[k] = at;
-      at += count;
-    }
-  }
-  __syncthreads();
-  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
-    const ListSeq s = sequence(b);
-    if (s.row_groups == 0) continue;
-    const int n = list_splits(s, chunk);
-    const int first = atomicAdd(&bucket_start[bucket(s, n)], s.row_groups * n);
-    const int slot = n > 1 ? atomicAdd(&slot_cursor, s.row_groups * n) : 0;
-    for (int rg = 0; rg < s.row_groups; ++rg) {
-      const int rg_slot = n > 1 ? slot + rg * n : 0;
-      for (int split = 0; split < n; ++split)
-        if (first + rg * n + split < max_items) store_item(work, first + rg * n + split, b, rg, split, n, s, rg_slot);
-    }
-  }
-  // Padding past the list (the launches' grids are the capacities).
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (long long i = items + threadIdx.x; i < max_items; i += kListThreads) {
-    reinterpret_cast<int4*>(work)[2 * i] = zero;
-    reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
   }
 }
 #endif

@@ -1,7 +1,7 @@
 """Calls without host lengths balanced on the device: ``flash_attn_with_kvcache`` over a paged cache
 (``kernels.decode.BalancedDecodeLaunch``) and ``flash_attn_varlen_func``'s short rows over a paged
 cache (``VarlenLaunch.short_rows``), both on the ragged kernel with a work list that
-``ragged_list`` builds from the device's lengths.
+CTA 0 of the ragged launch builds from the device's lengths.
 
 Against the CPU reference backend with NaN-poisoned outputs: long sequences among short ones (so
 the list splits), empty and one-token sequences, every head dim, GQA ratios, block sizes, appends,
@@ -47,6 +47,20 @@ def launch_of_last_call():
     from cupy_paged.api._call import MEMO
 
     return list(MEMO.values())[-1]
+
+
+def device_list(launch) -> np.ndarray:
+    """The items of the list the last device-listed launch on the current stream wrote (padding
+    dropped); asserts that its hand-over ints (decode.cu wait_for_list) are zeros again."""
+    import cupy
+
+    from cupy_paged.kernels._workspace import _WORK_LISTS
+    from cupy_paged.kernels.ragged import SYNC_INTS, WORK_INTS
+
+    buffer = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)])
+    assert not buffer[:SYNC_INTS].any(), "the hand-over ints must be zeros between launches"
+    items = buffer[SYNC_INTS:SYNC_INTS + WORK_INTS * launch.max_items].reshape(-1, WORK_INTS)
+    return items[items[:, 5] > 0]
 
 
 # Lengths: one long sequence among short ones (split by the list), a long-tailed draw, empty ones.
@@ -115,20 +129,14 @@ def test_one_long_sequence_is_split_over_ctas(balance):
     into ranges of about the batch's keys per CTA slot pair, and covers every sequence once."""
     import cupy
 
-    from cupy_paged.kernels.ragged import WORK_INTS
-
     balance(True)
     rng = np.random.default_rng(9)
     seqlens = [20_000] + [300] * 63
     case = make_case(rng, BF16, 128, 32, 8, 16, seqlens, 1, 1)
     check_decode(case, causal=True)
     launch = launch_of_last_call().balanced
-    from cupy_paged.kernels._workspace import _WORK_LISTS
-
+    items = device_list(launch)
     stream = cupy.cuda.get_current_stream().ptr
-    work = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), stream)])[:WORK_INTS * launch.max_items]
-    items = work.reshape(-1, WORK_INTS)
-    items = items[items[:, 5] > 0]
     long_items = items[items[:, 0] == 0]
     assert len(long_items) > 4 and set(long_items[:, 2].tolist()) == set(range(len(long_items)))
     assert (long_items[:, 3] == len(long_items)).all()
@@ -143,12 +151,11 @@ def test_one_long_sequence_is_split_over_ctas(balance):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_device_list_splits_as_the_host_rule(balance, seed):
-    """Each sequence's split count in the list ragged_list writes equals the host rule's
+    """Each sequence's split count in the list the device writes equals the host rule's
     (runtime/_work.py plan_work) for the same lengths, slots and capacities: one rule, two builders."""
     import cupy
 
-    from cupy_paged.kernels._workspace import _WORK_LISTS
-    from cupy_paged.kernels.ragged import WORK_INTS, slots_per_head, tile_keys
+    from cupy_paged.kernels.ragged import slots_per_head, tile_keys
     from cupy_paged.runtime._work import plan_work
 
     balance(True)
@@ -161,10 +168,7 @@ def test_device_list_splits_as_the_host_rule(balance, seed):
     query = np.ones(len(seqlens), np.int64)
     _, splits, *_ = plan_work(query, np.asarray(seqlens, np.int64), 4, tile_keys(128), per_head, launch.max_items,
                               launch.max_slots)
-    stream = cupy.cuda.get_current_stream().ptr
-    items = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), stream)])[:WORK_INTS * launch.max_items]
-    items = items.reshape(-1, WORK_INTS)
-    items = items[items[:, 5] > 0]
+    items = device_list(launch)
     device = {int(b): int(n) for b, n in zip(items[:, 0], items[:, 3])}
     assert device == {b: int(n) for b, n in enumerate(splits)}
 

@@ -58,8 +58,10 @@ def test_trace_split_matches_launches_and_kernels_to_their_call(benchmarks):
         _span("stray", 305.0, 3.0, "kernel", correlation=9),
     ]
     parts = trace_call.split(events, ["ours", "peer"])
-    assert parts["ours"] == {"launch api": 20.0, "first kernel": 30.0, "kernels": 16.0, "host": 50.0,
-                             "launches": 1.0, "samples": 1}
+    assert parts["ours"] == {"launch api": 20.0, "first kernel": 30.0, "kernels": 16.0, "gaps": 0.0, "host": 50.0,
+                             "launches": 1.0, "kernel paged_decode": 16.0, "samples": 1}
     assert parts["peer"]["launch api"] == 10.0 and parts["peer"]["first kernel"] == 22.0
     assert parts["peer"]["kernels"] == 246.0 - 222.0 and parts["peer"]["launches"] == 2.0
+    assert parts["peer"]["gaps"] == 246.0 - 222.0 - 14.0 - 6.0  # between the two kernels
+    assert parts["peer"]["kernel cudnn_kernel"] == 14.0 and parts["peer"]["kernel cudnn_second"] == 6.0
     assert trace_call.split(events, ["missing"]) == {}

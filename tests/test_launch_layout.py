@@ -69,9 +69,8 @@ def _decode_layout(layout: str) -> str:
     (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset(), varlen._LAYOUT),
     (kv_write.SOURCE, "write_kv_cache", frozenset(), kv_write._LAYOUT),
     (decode.SOURCE, "paged_decode", frozenset({"RAGGED"}), _decode_layout(ragged._RAGGED_LAYOUT)),
-    (decode.SOURCE, "ragged_list", frozenset({"RAGGED"}), ragged._LIST_LAYOUT),
 ], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache",
-        "paged_decode-RAGGED", "ragged_list"])
+        "paged_decode-RAGGED"])
 def test_layout_matches_the_kernel_signature(source, kernel, macros, layout):
     expected = [code_of(p) for p in parameters(source, kernel, macros)]
     assert expand(layout) == expected, f"{kernel}: layout {layout} against the signature {expected}"
@@ -119,9 +118,8 @@ def test_spans_rewrite_exactly_their_fields(layout):
 
 
 def test_device_list_constants_match_the_kernel_source():
-    """ragged_list's rule constants (decode.cu) are kernels/ragged.py's, which the host list uses."""
+    """The device list's rule constants (decode.cu) are kernels/ragged.py's, which the host list uses."""
     source = load_source(decode.SOURCE)
     found = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", source)}
-    assert (found["kListThreads"], found["kListMinTiles"], found["kListWaves"], found["kListMaxSplits"],
-            found["kRows"]) == (ragged.LIST_THREADS, ragged.MIN_SPLIT_TILES, ragged.WAVES, ragged.MAX_SPLITS,
-                                ragged.ROWS)
+    assert (found["kListMinTiles"], found["kListWaves"], found["kListMaxSplits"], found["kMaxSplits"],
+            found["kRows"]) == (ragged.MIN_SPLIT_TILES, ragged.WAVES, ragged.MAX_SPLITS, ragged.MAX_SPLITS, ragged.ROWS)

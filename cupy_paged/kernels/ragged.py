@@ -13,9 +13,9 @@ step is one launch.  It reads the item list's pointer and count from the plan, s
 replays it with another list of the same length.
 
 ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` have their lengths on the device only
-(``cache_seqlens``, ``cu_seqlens``).  :class:`DeviceListLaunch` launches ``ragged_list`` first: one
-CTA that reads them and writes the list by the same rule (the constants below), padded to
-capacities fixed by host values (:func:`list_capacities`), so the two launches are capturable.
+(``cache_seqlens``, ``cu_seqlens``).  :class:`DeviceListLaunch` has CTA 0 of the same launch read
+them and write the list by the same rule (the constants below), padded to capacities fixed by host
+values (:func:`list_capacities`), while the other CTAs wait for it: one launch, capturable.
 """
 from __future__ import annotations
 
@@ -27,17 +27,18 @@ from .._core.streams import is_capturing
 from ._workspace import holds, merge_counts, split_workspace, work_buffer
 from .decode import _DECODE_LAYOUT, ROWS_PER_CTA, TILES, kernel_key, slots
 
-_RAGGED_LAYOUT = _DECODE_LAYOUT + "PP"  # paged_decode's arguments, then the work list and merge counts
-# ragged_list(cache_seqlens, cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, total_q, max_seqlen_q, appends, group,
-#             key_limit, slots_per_head, max_items, max_slots, work, errors)
-_LIST_LAYOUT = "PPP" + "iiiiiii" + "iii" + "PP"
-LIST_THREADS = 512  # kListThreads
+# paged_decode's arguments, then the work list and merge counts, then the device list's: the lengths
+# (cache_seqlens, cu_seqlens_q, cu_seqlens_k), batch, seqlen_q, max_seqlen_q, key_limit, slots_per_head,
+# max_items, max_slots, and the hand-over's ints (null: the host listed the work)
+_RAGGED_LAYOUT = _DECODE_LAYOUT + "PP" + "PPP" + "iiiiiii" + "P"
+_LIST_ARGS = 11  # the device list's arguments, packed once (0: a host list)
 
-# The balance rule, shared by the plan's host list (runtime/_work.py) and ragged_list (decode.cu's
-# kList* constants): the keys of a step shared out over WAVES waves of CTA slots per kv head, a
+# The balance rule, shared by the plan's host list (runtime/_work.py) and the device list (decode.cu's
+# build_list, kList* constants): the keys of a step shared out over WAVES waves of CTA slots per kv head, a
 # range at least MIN_SPLIT_TILES tiles, at most MAX_SPLITS splits a sequence.
 ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
+SYNC_INTS = 8      # the device list's hand-over (2 ints), ahead of its items in the work-list buffer
 WAVES = 2
 MIN_SPLIT_TILES = 4
 MAX_SPLITS = 128   # decode.cu kMaxSplits: merge_if_last's weights, [16 rows][MAX_SPLITS] floats
@@ -121,8 +122,9 @@ class RaggedLaunch:
                   block_size.bit_length() - 1, 0, total, int(appends), num_heads, num_kv_heads, 0, 0, left, right,
                   0, 0, 0, 0, 0, alibi_stride, 0, 0, float(softmax_scale), float(softcap)]
         self.launch = Launcher(decode, _RAGGED_LAYOUT)
-        self.launch.pack(*params, *([0] * 21))
+        self.launch.pack(*params, *([0] * (21 + _LIST_ARGS)))
         self._pointer_span = self.launch.span(len(params), 21)
+        self._list_span = self.launch.span(len(params) + 21, _LIST_ARGS)
         self.num_heads, self.total, self.appends = num_heads, total, appends
         self.errors = word(self.device)
         # (stream, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
@@ -137,10 +139,10 @@ class RaggedLaunch:
         self._split_ptrs[(stream, slots)] = found = (part_out, part_lse, counts)
         return found
 
-    def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int) -> None:
+    def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int, *spans) -> None:
         """Launch on ``stream``.  ``ptrs``: q, k_cache, v_cache, k_new, v_new, block_table,
         alibi_slopes (0 for none); ``work``: (work pointer, items, slots) of the plan: slots 0
-        when no sequence is split."""
+        when no sequence is split; ``spans``: more ``(struct, offset, values)`` to rewrite."""
         q, k_cache, v_cache, k_new, v_new, table, alibi = ptrs
         work_ptr, items, slots = work
         if items == 0:
@@ -152,7 +154,7 @@ class RaggedLaunch:
         self.launch.launch((items * self.num_kv_heads, 1, 1), self.threads, self.smem, stream,
                            (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0,
                                           0, 0, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors,
-                                          work_ptr, counts)))
+                                          work_ptr, counts)), *spans)
 
 
 def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, int]:
@@ -166,14 +168,14 @@ def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, in
 class DeviceListLaunch:
     """A ragged launch whose work list the device builds: for calls that have no host lengths
     (``flash_attn_with_kvcache``'s ``cache_seqlens``, ``flash_attn_varlen_func``'s ``cu_seqlens``
-    on the GPU).  ``ragged_list`` (one CTA) lists the items by the plan's rule from the lengths,
-    then ``paged_decode`` runs it on a grid of the list's capacity (padding items do nothing), so
-    a CUDA graph captures the two launches and replays them with other lengths.
+    on the GPU).  CTA 0 of the ragged launch lists the items by the plan's rule from the lengths
+    while the others wait (decode.cu ``wait_for_list``), on a grid of the list's capacity (padding
+    items do nothing), so a CUDA graph captures the one launch and replays it with other lengths.
 
     The capacities follow from the rule: a split sequence has more than 1.5 ranges of at least
     ``total / (WAVES * slots)`` keys, so its items number less than 5/3 of its keys over a range,
     and all split items together less than ``10/3 * slots`` (``slots``: CTA slots of a wave per kv
-    head).  ``ragged_list`` also doubles the range while a list would not fit, as the host list
+    head).  The device list also doubles the range while a list would not fit, as the host list
     does.
 
     Parameters
@@ -197,32 +199,30 @@ class DeviceListLaunch:
         self.ints = WORK_INTS * self.max_items
         self.floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
         self.counts = self.max_slots * ragged.num_kv_heads
-        self._work_ptrs: dict[int, int] = {}  # stream -> its work-list buffer (kept: see RaggedLaunch)
-        self.list = Launcher(get_function(ragged.key, "ragged_list"), _LIST_LAYOUT)
-        group = ragged.num_heads // ragged.num_kv_heads
-        self.list.pack(0, 0, 0, batch, seqlen_q, ragged.total, seqlen_q, int(ragged.appends), group, key_limit,
-                       per_head, self.max_items, self.max_slots, 0, ragged.errors)
-        self._lengths_span = self.list.span(0, 3)
-        self._max_q_span = self.list.span(6, 1)
-        self._work_span = self.list.span(13, 1)
+        self._work_ptrs: dict[int, tuple] = {}  # stream -> its work list and hand-over ints (kept: see RaggedLaunch)
+        self._batch, self._seqlen_q, self._key_limit, self._per_head = batch, seqlen_q, key_limit, per_head
 
     def ready(self, stream: int) -> bool:
         """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
         capture before an eager call on that stream has sized its buffers (the callers then take
         the kernel they would take without balancing, which needs none)."""
-        return (stream in self._work_ptrs or holds(self.floats, self.ints, self.counts, self.ragged.device, stream)
-                or not is_capturing(stream))
+        return (stream in self._work_ptrs or holds(self.floats, self.ints + SYNC_INTS, self.counts, self.ragged.device,
+                                                   stream) or not is_capturing(stream))
 
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
-        """Launch the two on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``:
-        the pointers of cache_seqlens, cu_seqlens_q, cu_seqlens_k (0 for those not given).
+        """Launch on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``: the
+        pointers of cache_seqlens, cu_seqlens_q, cu_seqlens_k (0 for those not given).
 
         The work list lives in a buffer of (device, stream), like the split workspace: calls on one
         stream are ordered, so each call's list is read before the next call writes it; two host
-        threads launching on the same stream at once must not share it."""
-        work = self._work_ptrs.get(stream)
-        if work is None:
-            work = self._work_ptrs[stream] = work_buffer(self.ints, self.ragged.device, stream).data.ptr
-        self.list.launch((1, 1, 1), LIST_THREADS, 0, stream, (*self._lengths_span, lengths),
-                         (*self._max_q_span, (max_seqlen_q,)), (*self._work_span, (work,)))
-        self.ragged.run(ptrs, (work, self.max_items, self.max_slots), out_ptr, lse_ptr, stream)
+        threads launching on the same stream at once must not share it.  The hand-over's two ints
+        sit at the buffer's start (a fixed place, whatever list a launch writes after them)."""
+        found = self._work_ptrs.get(stream)
+        if found is None:
+            sync = work_buffer(self.ints + SYNC_INTS, self.ragged.device, stream).data.ptr
+            found = self._work_ptrs[stream] = (sync + 4 * SYNC_INTS, sync)
+        work, sync = found
+        ragged = self.ragged
+        ragged.run(ptrs, (work, self.max_items, self.max_slots), out_ptr, lse_ptr, stream,
+                   (*ragged._list_span, (*lengths, self._batch, self._seqlen_q, max_seqlen_q, self._key_limit,
+                                         self._per_head, self.max_items, self.max_slots, sync)))

@@ -22,7 +22,7 @@ import numpy as np
 from .._core.arrays import CUDA
 from .._core.types import HEAD_DIMS
 from ..api.decode import serves_step
-# The rule's constants are the kernels' (decode.cu's ragged_list builds the same list on the device).
+# The rule's constants are the kernels' (decode.cu's build_list builds the same list on the device).
 from ..kernels.ragged import MAX_SPLITS, MIN_SPLIT_TILES, ROWS, WAVES, WORK_INTS  # noqa: F401 (re-exported)
 
 # StepPlan.path values (runtime/_layer.py spells them too).
