@@ -1143,10 +1143,9 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 // host lengths -- flash_attn_with_kvcache (cache_seqlens on the GPU) and flash_attn_varlen_func's
 // short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  CTA 0 of the launch
 // builds it while the other CTAs wait for it (wait_for_list); the rule is the step plan's
-// (runtime/_work.py): the row
-// groups' keys shared out over kListWaves waves of CTA slots per kv head (at least kListMinTiles
-// tiles a range), a sequence split only past 1.5 ranges, the range doubled while the list would
-// not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
+// (runtime/_work.py): the row groups' keys shared out over kListWaves waves of CTA slots per kv
+// head (at least kListMinTiles tiles a range), a sequence split only past 1.5 ranges, the range
+// doubled while the list would not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
 // (the order within a class is the atomics'; results do not depend on it: each row is written by
 // one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
 // query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of

@@ -4,7 +4,7 @@ One launch of ``paged_decode`` appends the new tokens (if any) and computes atte
 ``num_splits > 1`` a second launch, ``combine_splits``, merges the per-split partial outputs.
 :func:`launch_for` picks, for ``num_splits=0`` over a paged cache with a full grid (see
 :func:`balances`), :class:`BalancedDecodeLaunch` instead: the ragged kernel on a work list that the
-GPU builds from ``cache_seqlens`` (two launches, ``kernels/ragged.py``), so that one long sequence
+GPU builds from ``cache_seqlens`` (one launch, ``kernels/ragged.py``), so that one long sequence
 does not run on one CTA per kv head while the rest of the batch has finished.
 
 Split-KV and CUDA graphs
@@ -20,7 +20,7 @@ With ``num_splits=0`` the split count is chosen on the host from shapes alone (b
 the cache's capacity per sequence: ``max_blocks * block_size``, or S of a contiguous
 ``[B, S, Hkv, D]`` cache), never from ``cache_seqlens`` values on the host, so
 choosing it needs no device-to-host copy and a captured graph replays the same choice (the
-balanced launch splits by those values on the device, inside the launches a graph captures).  Its
+balanced launch splits by those values on the device, inside the launch a graph captures).  Its
 work-list buffer, like the workspace, is sized by an eager call on the capturing stream; a capture
 on a stream without one launches the decode kernel instead.  What the
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
