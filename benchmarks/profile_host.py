@@ -157,7 +157,7 @@ def main() -> None:
             rows.append((kind, f"StepPlan.attention, one {chunk_plan.path} layer: write + attention (GPU busy)",
                          mean_us(chunk_layer, 1000, True)))
         # A decode-only step through the ragged launch (a plan with num_heads): one 32k context among 63
-        # of 512, as bench_mixed.py's "ragged decode 1x32k + 63x512" (two launches: items, combine).
+        # of 512, as bench_mixed.py's "ragged decode 1x32k + 63x512" (one launch; the splits merged in it).
         ragged = ragged_layer(kind, torch)
         rows.append((kind, "StepPlan.attention, one ragged layer, 1x32k + 63x512 (GPU busy)",
                      mean_us(ragged, 300, True)))

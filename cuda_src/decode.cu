@@ -309,8 +309,8 @@ static_assert(sizeof(DecodeParams) == 9 * 8 + 20 * 4 + 2 * 4 && sizeof(DecodePar
 
 // ---------------------------------------------------------------------------- setup
 
-// This CTA's place in the launch, grid = (row groups x splits, kv heads, sequences), and the
-// launch's shape.  Read once at entry: the output steps after the K/V loop take the shape from
+// This CTA's place in the launch, grid = (row groups x splits, kv heads, sequences) (with RAGGED:
+// items x kv heads, see locate), and the launch's shape.  Read once at entry: the output steps after the K/V loop take the shape from
 // here, since reading the parameters again there changes the loop's register allocation.
 struct Cta {
   int row_group, split, kv_head, b;
@@ -360,8 +360,8 @@ __device__ __forceinline__ int seq_splits(const DecodeParams& params, const Cta&
   return RAGGED ? cta.num_splits : params.num_splits;
 }
 
-// What every CTA of either launch finds the same way: its kv head, this thread's warp and fragment
-// coordinates, the GQA group.
+// What every CTA of either kind finds the same way: this thread's warp and fragment coordinates, the
+// GQA group (and its kv head in the 3-D grid; locate sets the RAGGED one's).
 __device__ __forceinline__ void place_thread(Cta& cta, const DecodeParams& params) {
   cta.kv_head = blockIdx.y;
   cta.warp = threadIdx.x / 32;
@@ -1145,9 +1145,9 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 // builds it while the other CTAs wait for it (wait_for_list); the rule is the step plan's
 // (runtime/_work.py): the row groups' keys shared out over kListWaves waves of CTA slots per kv
 // head (at least kListMinTiles tiles a range), a sequence split only past 1.5 ranges, the range
-// doubled while the list would not fit the host's capacities.  Items go by their keys, most first, in kListBuckets classes
-// (the order within a class is the atomics'; results do not depend on it: each row is written by
-// one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
+// doubled while the list would not fit the host's capacities.  Items go by their keys, most
+// first, in kListBuckets classes (the order within a class is the atomics'; results do not depend
+// on it: each row is written by one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
 // query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of
 // at most kThreads, thread b reads sequence b once and keeps it for every pass.
 //
@@ -1157,12 +1157,10 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 // (zero rows, LSE -inf, as the reference); both are reported.  cache_seqlens travels in the items
 // as given (paged_decode checks it), counted within [0, key_limit] here.
 constexpr int kListBuckets = 32;
-// kernels/ragged.py's MIN_SPLIT_TILES, WAVES, MAX_SPLITS (the host list's rule too;
-// tests/test_launch_layout.py reads these lines and compares).
+// kernels/ragged.py's MIN_SPLIT_TILES, WAVES and (kMaxSplits, above) MAX_SPLITS: the host list's
+// rule too (tests/test_launch_layout.py reads these lines and compares).
 constexpr int kListMinTiles = 4;
 constexpr int kListWaves = 2;
-constexpr int kListMaxSplits = 128;
-static_assert(kListMaxSplits <= kMaxSplits, "merge_if_last merges at most kMaxSplits splits");
 
 struct ListArgs {
   const int* cache_seqlens;  // [B]: decode calls, else null
@@ -1202,12 +1200,11 @@ __device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* 
 
 __device__ __forceinline__ int list_splits(const ListSeq& s, long long chunk) {
   if (s.row_groups == 0 || 2 * s.keys <= 3 * chunk) return 1;
-  return (int)min((s.keys + chunk - 1) / chunk, (long long)kListMaxSplits);
+  return (int)min((s.keys + chunk - 1) / chunk, (long long)kMaxSplits);
 }
 
 // The sum (or max) over the CTA of every thread's value; every thread gets it.
 __device__ __forceinline__ long long list_reduce(long long v, long long* scratch, bool take_max) {
-  constexpr int kListWarps = kWarps;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const long long other = __shfl_xor_sync(0xffffffffu, v, o);
@@ -1217,7 +1214,7 @@ __device__ __forceinline__ long long list_reduce(long long v, long long* scratch
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   long long all = scratch[0];
-  for (int w = 1; w < kListWarps; ++w) all = take_max ? max(all, scratch[w]) : all + scratch[w];
+  for (int w = 1; w < kWarps; ++w) all = take_max ? max(all, scratch[w]) : all + scratch[w];
   return all;
 }
 
@@ -1230,18 +1227,16 @@ __device__ __forceinline__ void store_item(int* list, long long index, int b, in
 
 __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, int max_items, int max_slots, int* work,
                                        int* errors) {
-  constexpr int kListThreads = kThreads;
-  constexpr int kListWarps = kWarps;
-  __shared__ long long scratch[kListWarps];
+  __shared__ long long scratch[kWarps];
   __shared__ int bucket_start[kListBuckets];
   __shared__ int slot_cursor;
   // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
-  const bool one_each = a.batch <= kListThreads;
+  const bool one_each = a.batch <= kThreads;
   ListSeq own{};
   if (one_each && (int)threadIdx.x < a.batch) own = list_sequence(a, threadIdx.x, errors, true);
   auto sequence = [&](int b) { return one_each ? own : list_sequence(a, b, errors, false); };
   long long total = 0, base = 0;
-  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+  for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     const ListSeq s = one_each ? own : list_sequence(a, b, errors, true);
     total += s.row_groups * s.keys;
     base += s.row_groups;
@@ -1254,7 +1249,7 @@ __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, in
   for (int round = 0; round < 48; ++round) {
     chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
     items = used_slots = longest = 0;
-    for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+    for (int b = threadIdx.x; b < a.batch; b += kThreads) {
       const ListSeq s = sequence(b);
       const int n = list_splits(s, chunk);
       items += (long long)s.row_groups * n;
@@ -1275,7 +1270,7 @@ __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, in
     const long long span = (s.keys + n - 1) / n;
     return longest > 0 ? (int)((longest - span) * (kListBuckets - 1) / longest) : 0;
   };
-  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+  for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     const ListSeq s = sequence(b);
     if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
   }
@@ -1289,7 +1284,7 @@ __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, in
     }
   }
   __syncthreads();
-  for (int b = threadIdx.x; b < a.batch; b += kListThreads) {
+  for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     const ListSeq s = sequence(b);
     if (s.row_groups == 0) continue;
     const int n = list_splits(s, chunk);
@@ -1301,17 +1296,19 @@ __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, in
         if (first + rg * n + split < max_items) store_item(work, first + rg * n + split, b, rg, split, n, s, rg_slot);
     }
   }
-  // Padding past the list (the launches' grids are the capacities).
+  // Padding past the list (the launch's grid is the capacity).
   const int4 zero = make_int4(0, 0, 0, 0);
-  for (long long i = items + threadIdx.x; i < max_items; i += kListThreads) {
+  for (long long i = items + threadIdx.x; i < max_items; i += kThreads) {
     reinterpret_cast<int4*>(work)[2 * i] = zero;
     reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
   }
 }
 
 // The device list's hand-over inside one launch.  sync[0]: the list is ready; sync[1]: CTAs past
-// the wait.  CTA 0 builds the list (its CTAs are issued first, so every other CTA waits behind a
-// CTA that is running) and releases sync[0]; the others acquire it.  Every CTA then counts itself;
+// the wait.  CTA 0 builds the list and releases sync[0]; the others acquire it.  This relies on the
+// GPU issuing a grid's CTAs in index order (as NVIDIA GPUs do; measured on the H200), so that every
+// waiting CTA waits behind a CTA that is running: a builder chosen by an atomic ticket would not.
+// Two launches must not share the two ints at once (one stream's buffers; kernels/ragged.py).  Every CTA then counts itself;
 // the last one sets both back to zero, so they are zeros between launches and graph replays (the
 // host allocates them zeroed).  The work items are then read through L2 (load_item's __ldcg).
 __device__ __forceinline__ void wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
@@ -1446,7 +1443,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
 constexpr int kCombineThreads = 128;  // kernels/decode.py: COMBINE_THREADS, MAX_SPLITS
 constexpr int kCombineWarps = kCombineThreads / 32;
 
-#if !RAGGED  // the ragged launch merges its splits with combine_ragged
+#if !RAGGED  // the ragged launch merges its splits itself (merge_if_last)
 extern "C" __global__ void __launch_bounds__(kCombineThreads) combine_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_lse, int num_splits,
     long long rows_total, int seqlen_q, int num_heads,

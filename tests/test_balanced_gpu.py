@@ -57,7 +57,11 @@ def device_list(launch) -> np.ndarray:
     from cupy_paged.kernels._workspace import _WORK_LISTS
     from cupy_paged.kernels.ragged import SYNC_INTS, WORK_INTS
 
-    buffer = to_numpy(_WORK_LISTS[(cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)])
+    stream = cupy.cuda.get_current_stream().ptr
+    current = _WORK_LISTS[(cupy.cuda.runtime.getDevice(), stream)]
+    work, sync = launch._work_ptrs[stream]
+    assert sync == current.data.ptr and work == sync + 4 * SYNC_INTS, "the launch used the stream's buffer"
+    buffer = to_numpy(current)
     assert not buffer[:SYNC_INTS].any(), "the hand-over ints must be zeros between launches"
     items = buffer[SYNC_INTS:SYNC_INTS + WORK_INTS * launch.max_items].reshape(-1, WORK_INTS)
     return items[items[:, 5] > 0]
@@ -143,10 +147,25 @@ def test_one_long_sequence_is_split_over_ctas(balance):
     # The split CTA that merged each kv head's rows (merge_if_last) set its count back to zero.
     from cupy_paged.kernels._workspace import _MERGE_COUNTS
 
-    counts = to_numpy(_MERGE_COUNTS[(cupy.cuda.runtime.getDevice(), stream)])
-    assert counts.size >= 8 * len(long_items) and not counts.any()
+    current = _MERGE_COUNTS[(cupy.cuda.runtime.getDevice(), stream)]
+    assert launch.ragged._split_ptrs[(stream, launch.max_slots)][2] == current.data.ptr
+    assert not to_numpy(current).any()
     assert sorted(items[items[:, 0] != 0][:, 0].tolist()) == list(range(1, 64))
     assert items[0, 0] == 0, "the long sequence's items come first"
+
+
+def test_a_sequence_split_the_most_times_merges_right(balance):
+    """One 150k-key sequence among 31 of 100 keys at 8 / 2 heads: the rule splits it MAX_SPLITS
+    times (128, four rounds of the merge's lanes), and the CTA that finishes last merges them all."""
+    from cupy_paged.kernels.ragged import MAX_SPLITS
+
+    balance(True)
+    rng = np.random.default_rng(21)
+    case = make_case(rng, BF16, 64, 8, 2, 16, [150_000] + [100] * 31, 1, 1)
+    check_decode(case, causal=True)
+    items = device_list(launch_of_last_call().balanced)
+    long_items = items[items[:, 0] == 0]
+    assert len(long_items) == MAX_SPLITS and (long_items[:, 3] == MAX_SPLITS).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -297,8 +316,8 @@ def test_sanitize_hostile_lengths_and_ids(balance):
 
 
 def test_cuda_graph_of_a_balanced_call_replays_other_lengths(balance):
-    """A balanced decode call captured once (list, attention, combine) and replayed with three other
-    sets of lengths equals eager calls with those lengths, bitwise, caches included."""
+    """A balanced decode call captured once (one launch: list, attention, merge) and replayed with
+    three other sets of lengths equals eager calls with those lengths, bitwise, caches included."""
     import cupy
 
     balance(True)

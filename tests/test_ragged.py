@@ -1,7 +1,7 @@
 """The ragged step: one launch for any mix of prefill chunks, decodes and short rows.
 
 On the CPU: the work list the plan builds covers every visible (row, key) pair exactly once, with
-one combine entry and its own workspace slots per split row group, longest items first; the
+its own workspace slots per split row group, longest items first; the
 plan's path rule; a ragged plan's attention equals the varlen plan's.  On a GPU: the one launch
 against the CPU reference over a grid of mixes, block sizes, GQA ratios and head dims, with
 window, softcap and ALiBi, the cache writes included.

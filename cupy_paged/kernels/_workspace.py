@@ -60,9 +60,9 @@ def split_workspace(num_floats: int, device: int, stream: int):
 
 
 def work_buffer(num_ints: int, device: int, stream: int):
-    """The int32 buffer of (device, stream), of at least ``num_ints``, that a device-built ragged
-    work list lives in (``kernels/ragged.py``, ``DeviceListLaunch``): written by one launch and read
-    by the next ones on the same stream."""
+    """The int32 buffer of (device, stream), of at least ``num_ints``, zeroed when allocated, that
+    a device-built ragged work list lives in (``kernels/ragged.py``, ``DeviceListLaunch``): the
+    hand-over's ints first, then the list, written by CTA 0 of a launch and read by its other CTAs."""
     import cupy
 
     def make(n):

@@ -31,7 +31,8 @@ from .decode import _DECODE_LAYOUT, ROWS_PER_CTA, TILES, kernel_key, slots
 # (cache_seqlens, cu_seqlens_q, cu_seqlens_k), batch, seqlen_q, max_seqlen_q, key_limit, slots_per_head,
 # max_items, max_slots, and the hand-over's ints (null: the host listed the work)
 _RAGGED_LAYOUT = _DECODE_LAYOUT + "PP" + "PPP" + "iiiiiii" + "P"
-_LIST_ARGS = 11  # the device list's arguments, packed once (0: a host list)
+_POINTERS = 21   # paged_decode's pointers, the work list's and the merge counts'
+_LIST_ARGS = 11  # the device list's arguments (all zeros: a host list)
 
 # The balance rule, shared by the plan's host list (runtime/_work.py) and the device list (decode.cu's
 # build_list, kList* constants): the keys of a step shared out over WAVES waves of CTA slots per kv head, a
@@ -122,10 +123,10 @@ class RaggedLaunch:
                   block_size.bit_length() - 1, 0, total, int(appends), num_heads, num_kv_heads, 0, 0, left, right,
                   0, 0, 0, 0, 0, alibi_stride, 0, 0, float(softmax_scale), float(softcap)]
         self.launch = Launcher(decode, _RAGGED_LAYOUT)
-        self.launch.pack(*params, *([0] * (21 + _LIST_ARGS)))
-        self._pointer_span = self.launch.span(len(params), 21)
-        self._list_span = self.launch.span(len(params) + 21, _LIST_ARGS)
-        self.num_heads, self.total, self.appends = num_heads, total, appends
+        self.launch.pack(*params, *([0] * (_POINTERS + _LIST_ARGS)))
+        self._pointer_span = self.launch.span(len(params), _POINTERS)
+        self._list_span = self.launch.span(len(params) + _POINTERS, _LIST_ARGS)
+        self.listed_on_device = False  # DeviceListLaunch's: every run passes the list's arguments
         self.errors = word(self.device)
         # (stream, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
         # only ever replaced by larger ones, and the replaced ones stay allocated (_workspace).
@@ -142,11 +143,14 @@ class RaggedLaunch:
     def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int, *spans) -> None:
         """Launch on ``stream``.  ``ptrs``: q, k_cache, v_cache, k_new, v_new, block_table,
         alibi_slopes (0 for none); ``work``: (work pointer, items, slots) of the plan: slots 0
-        when no sequence is split; ``spans``: more ``(struct, offset, values)`` to rewrite."""
+        when no sequence is split; ``spans``: more ``(struct, offset, values)`` to rewrite (the
+        device list's arguments, :class:`DeviceListLaunch`)."""
         q, k_cache, v_cache, k_new, v_new, table, alibi = ptrs
         work_ptr, items, slots = work
         if items == 0:
             return
+        if self.listed_on_device and not spans:
+            raise RuntimeError("this launch lists its work on the device: run it through its DeviceListLaunch")
         part_out = part_lse = counts = 0
         if slots:
             part_out, part_lse, counts = self._split_ptrs.get((stream, slots)) or self._split_buffers(slots, stream)
@@ -194,6 +198,7 @@ class DeviceListLaunch:
 
     def __init__(self, ragged: RaggedLaunch, batch: int, row_groups: int, seqlen_q: int, key_limit: int):
         self.ragged = ragged
+        ragged.listed_on_device = True
         per_head = slots_per_head(ragged.device, ragged.dtype, ragged.head_dim, ragged.num_kv_heads)
         self.max_items, self.max_slots = list_capacities(batch, row_groups, per_head)
         self.ints = WORK_INTS * self.max_items
@@ -215,8 +220,11 @@ class DeviceListLaunch:
 
         The work list lives in a buffer of (device, stream), like the split workspace: calls on one
         stream are ordered, so each call's list is read before the next call writes it; two host
-        threads launching on the same stream at once must not share it.  The hand-over's two ints
-        sit at the buffer's start (a fixed place, whatever list a launch writes after them)."""
+        threads launching on the same stream at once must not share it, nor may a CUDA graph
+        captured on this stream be replayed on another while this stream runs the same shapes (the
+        hand-over's two ints and the merge counts would be shared by two launches at once).  The
+        hand-over's ints sit at the buffer's start (a fixed place, whatever list a launch writes
+        after them)."""
         found = self._work_ptrs.get(stream)
         if found is None:
             sync = work_buffer(self.ints + SYNC_INTS, self.ragged.device, stream).data.ptr

@@ -17,7 +17,7 @@ __all__ = ["PlanBuffers", "layout", "views"]
 # The ragged work list of fixed buffers: workspace slots of split row groups at most; a step that
 # would split more splits less (runtime/_work.py).
 SPLIT_SLOTS = 512
-_WHOLE = ("work",)  # kept at full capacity in every plan: a graph's grid is its
+_WHOLE = ("work",)  # kept at full capacity in every plan: a captured graph's grid is the list's capacity
 
 
 def layout(batch: int, tokens: int, width: int, items: int = 0) -> tuple[dict, int]:
@@ -94,7 +94,7 @@ class PlanBuffers:
         if self.query_group is not None:
             # Every row group of the most tokens, one per sequence more, and the split items.
             items = -(-self.query_group * self.max_tokens // 16) + self.max_batch + SPLIT_SLOTS
-        # (most items, slots) the plan may use; the ragged launch's grid is the items.
+        # (most items, slots) the plan may use; the ragged launch's grid is the items x kv heads.
         self.work_capacity = (items, SPLIT_SLOTS)
         self.work_filled = items  # rows of the work list the last plan wrote
         places, total = layout(self.max_batch, self.max_tokens, self.max_blocks_per_seq, items)
