@@ -20,10 +20,12 @@ _IDENTITIES: dict[int, object] = {}
 _RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
 
 
-def _grown(store: dict, key, size: int, make, what: str, stream: int):
-    """``store[key]``, replaced by ``make(n)`` (n >= size, at least doubling) when it holds fewer
-    than ``size`` elements.  Growing allocates, so while ``stream`` captures a graph it raises
-    instead; an outgrown buffer is kept alive for the graphs captured with it."""
+def _grown(store: dict, key, size: int, create, what: str, device: int, stream: int):
+    """``store[key]``, replaced by ``create(n)`` (n >= size, at least doubling) when it
+    holds fewer than ``size`` elements, and the device synchronised so that the new buffer is
+    allocated (and filled) before another stream uses it.  Growing allocates, so while ``stream``
+    captures a graph it raises instead; an outgrown buffer is kept alive for the graphs captured
+    with it."""
     current = store.get(key)
     if current is None or current.size < size:
         if is_capturing(stream):
@@ -33,7 +35,10 @@ def _grown(store: dict, key, size: int, make, what: str, stream: int):
                 "split-KV workspace, cupy_paged.kernels.decode.reserve_workspace(...) also does)")
         if current is not None:
             _RETIRED.append(current)
-        current = make(max(size, 2 * (0 if current is None else current.size)))
+        import cupy
+
+        current = create(max(size, 2 * (0 if current is None else current.size)))
+        cupy.cuda.Device(device).synchronize()
         store[key] = current
     return current
 
@@ -51,12 +56,8 @@ def split_workspace(num_floats: int, device: int, stream: int):
     """The float32 split-KV workspace of (device, stream), of at least ``num_floats``."""
     import cupy
 
-    def make(n):
-        workspace = cupy.empty(n, np.float32)
-        cupy.cuda.Device(device).synchronize()  # allocated before another stream uses it
-        return workspace
-
-    return _grown(_WORKSPACES, (device, stream), num_floats, make, "the split-KV workspace", stream)
+    return _grown(_WORKSPACES, (device, stream), num_floats, lambda n: cupy.empty(n, np.float32),
+                  "the split-KV workspace", device, stream)
 
 
 def work_buffer(num_ints: int, device: int, stream: int):
@@ -65,12 +66,8 @@ def work_buffer(num_ints: int, device: int, stream: int):
     hand-over's ints first, then the list, written by CTA 0 of a launch and read by its other CTAs."""
     import cupy
 
-    def make(n):
-        buffer = cupy.zeros(n, np.int32)
-        cupy.cuda.Device(device).synchronize()  # allocated before another stream uses it
-        return buffer
-
-    return _grown(_WORK_LISTS, (device, stream), num_ints, make, "the ragged work-list buffer", stream)
+    return _grown(_WORK_LISTS, (device, stream), num_ints, lambda n: cupy.zeros(n, np.int32),
+                  "the ragged work-list buffer", device, stream)
 
 
 def merge_counts(num_counts: int, device: int, stream: int):
@@ -80,12 +77,8 @@ def merge_counts(num_counts: int, device: int, stream: int):
     zeros between launches."""
     import cupy
 
-    def make(n):
-        counts = cupy.zeros(n, np.int32)
-        cupy.cuda.Device(device).synchronize()  # zeroed before another stream uses them
-        return counts
-
-    return _grown(_MERGE_COUNTS, (device, stream), num_counts, make, "the ragged merge counts", stream)
+    return _grown(_MERGE_COUNTS, (device, stream), num_counts, lambda n: cupy.zeros(n, np.int32),
+                  "the ragged merge counts", device, stream)
 
 
 def identity_table(size: int, device: int, stream: int):
@@ -94,9 +87,5 @@ def identity_table(size: int, device: int, stream: int):
     grown, never built per call."""
     import cupy
 
-    def make(n):
-        table = cupy.arange(n, dtype=np.int32)
-        cupy.cuda.Device(device).synchronize()  # filled before another stream reads it
-        return table
-
-    return _grown(_IDENTITIES, device, size, make, "the identity block table", stream)
+    return _grown(_IDENTITIES, device, size, lambda n: cupy.arange(n, dtype=np.int32),
+                  "the identity block table", device, stream)
