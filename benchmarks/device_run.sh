@@ -93,7 +93,7 @@ for step in $steps; do
     fuzz)  # random configurations of every kernel against the CPU reference (FUZZ_ARGS: e.g. --kernels step, or --hostile)
       rm -f benchmarks/results/fuzz.json benchmarks/results/fuzz_hostile.json
       run_step fuzz fuzz "${T_FUZZ:-300}" python3 benchmarks/fuzz.py --time-limit "$(( ${T_FUZZ:-300} - 30 ))" \
-        --log "$OUT/fuzz_configs.log" ${FUZZ_ARGS:-}
+        --log "$OUT/fuzz_configs$([[ " ${FUZZ_ARGS:-} " == *" --hostile "* ]] && echo _hostile).log" ${FUZZ_ARGS:-}
       cp benchmarks/results/fuzz.json benchmarks/results/fuzz_hostile.json "$OUT/" 2>/dev/null ;;
     trace_call)  # where inside one eager call the kernel starts (torch.profiler), decode 64x128 and the 32k chunk
       run_step trace_call trace_call "${T_BENCH:-150}" python3 benchmarks/trace_call.py

@@ -571,13 +571,14 @@ def dtype_label(dtype) -> str:
 
 
 def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bool, only: int | None = None,
-         log=None, quiet: bool = False, hostile: bool = False) -> dict:
+         log=None, quiet: bool = False, hostile: bool = False, shard: tuple[int, int] = (0, 1)) -> dict:
     """Draw and check configurations kernel by kernel.  Returns {kernel: {"configs", "mismatches",
     "worst": {dtype: rel err}, "failed": [replay arguments]}}; stops drawing at ``time_limit``
-    seconds (what ran is reported)."""
+    seconds (what ran is reported).  ``shard`` ``(i, n)``: only the configurations whose index is i
+    modulo n (one of n processes sharing a kernel's draws)."""
     start = time.perf_counter()
     stats = {}
-    indices = range(configs) if only is None else [only]
+    indices = range(shard[0], configs, shard[1]) if only is None else [only]
     for kernel in kernels:
         entry = stats[kernel] = {"configs": 0, "mismatches": 0, "worst": {}, "failed": []}
         for index in indices:
@@ -642,17 +643,20 @@ def merged(result: dict, path: pathlib.Path) -> dict:
 
 
 def in_processes(args, argv: list) -> tuple[dict, dict]:
-    """Each kernel of ``args.kernels`` in its own ``fuzz.py`` process, ``args.jobs`` at a time.
-    ``--time-limit`` stays one limit for the whole run: a process gets the time left when it
-    starts.  Each writes its log beside ``args.log`` as it goes (``<log>.<kernel>``, joined into
-    ``args.log`` in kernel order at the end) and its own report; returns ``(report, stats)`` of
-    those that reported (``stats`` as :func:`fuzz` gives it, without the replay lists: the
-    processes printed those), and ``{}`` stats for a kernel whose process wrote no report."""
+    """The kernels of ``args.kernels`` in ``fuzz.py`` processes, ``args.jobs`` at a time: one per
+    kernel, or, with more jobs than kernels, ``args.jobs // len(kernels)`` per kernel, each drawing
+    every n-th configuration (``--shard``; the reference side is CPU work, so shards scale with the
+    CPUs).  ``--time-limit`` stays one limit for the whole run: a process gets the time left when
+    it starts.  Each writes its log beside ``args.log`` as it goes (``<log>.<kernel>.<shard>``,
+    joined into ``args.log`` in kernel order at the end) and its own report; returns ``(report,
+    stats)`` of those that reported (``stats`` as :func:`fuzz` gives it, the shards' counts summed
+    and worst errors the largest, without the replay lists: the processes printed those); a kernel
+    one of whose processes wrote no report counts a mismatch."""
     import subprocess
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    own = {"--kernels", "--out", "--log", "--jobs", "--time-limit"}
+    own = {"--kernels", "--out", "--log", "--jobs", "--time-limit", "--shard"}
     base, skip = [], False
     for arg in argv:  # the caller's arguments less those each process gets its own of
         if skip and not arg.startswith("--"):
@@ -662,35 +666,49 @@ def in_processes(args, argv: list) -> tuple[dict, dict]:
             base.append(arg)
     deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
     kernels = list(dict.fromkeys(args.kernels))
-    logs = {k: pathlib.Path(f"{args.log}.{k}") for k in kernels}
+    shards = max(1, args.jobs // len(kernels))
+    units = [(k, i) for k in kernels for i in range(shards)]
+    logs = {u: pathlib.Path(f"{args.log}.{u[0]}.{u[1]}") for u in units}
     with tempfile.TemporaryDirectory() as tmp:
-        reports = {k: pathlib.Path(tmp) / f"{k}.json" for k in kernels}
+        reports = {u: pathlib.Path(tmp) / f"{u[0]}.{u[1]}.json" for u in units}
 
-        def run(kernel: str) -> int:  # in a pool thread: the time left is read as the process starts
+        def run(unit: tuple) -> int:  # in a pool thread: the time left is read as the process starts
             limit = [] if deadline is None else ["--time-limit", f"{max(0.0, deadline - time.perf_counter()):.1f}"]
-            return subprocess.run([sys.executable, __file__, *base, *limit, "--kernels", kernel, "--jobs", "1",
-                                   "--out", str(reports[kernel]), "--log", str(logs[kernel])]).returncode
+            return subprocess.run([sys.executable, __file__, *base, *limit, "--kernels", unit[0], "--jobs", "1",
+                                   "--shard", f"{unit[1]}/{shards}", "--out", str(reports[unit]),
+                                   "--log", str(logs[unit])]).returncode
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            codes = dict(zip(kernels, pool.map(run, kernels)))
-        found = {k: json.loads(reports[k].read_text()) for k in kernels if reports[k].exists()}
+            codes = dict(zip(units, pool.map(run, units)))
+        found = {u: json.loads(reports[u].read_text()) for u in units if reports[u].exists()}
     with open(args.log, "w") as log:
+        for unit in units:
+            if logs[unit].exists():
+                log.write(logs[unit].read_text())
+                logs[unit].unlink()
+    stats = {k: {"configs": 0, "mismatches": 0, "worst": {}} for k in kernels}
+    for unit in units:
+        entry = stats[unit[0]]
+        if unit not in found:
+            print(f"fuzz.py: no report from the process of {unit[0]} shard {unit[1]} (exit code {codes[unit]})",
+                  flush=True)
+            entry["mismatches"] += 1  # no report: the run cannot pass
+            continue
+        for case in found[unit]["cases"]:
+            metric, value = case["metric"], case["value"]
+            if metric in ("configs", "mismatches"):
+                entry[metric] += value
+            else:
+                label = metric.removeprefix("worst_rel_err_")
+                entry["worst"][label] = max(entry["worst"].get(label, 0.0), value)
+    if shards > 1:
         for kernel in kernels:
-            if logs[kernel].exists():
-                log.write(logs[kernel].read_text())
-                logs[kernel].unlink()
-    for kernel in kernels:
-        if kernel not in found:
-            print(f"fuzz.py: no report from the process of {kernel} (exit code {codes[kernel]})", flush=True)
-    cases = [case for kernel in kernels if kernel in found for case in found[kernel]["cases"]]
-    stats = {}
-    for kernel in kernels:
-        values = {c["metric"]: c["value"] for c in found.get(kernel, {}).get("cases", [])}
-        stats[kernel] = {"configs": values.get("configs", 0), "mismatches": values.get("mismatches", 0)}
-        if kernel not in found:
-            stats[kernel]["mismatches"] = 1  # no report: the run cannot pass
-    first = next(iter(found.values()), None) or report({}, args.dry_run, args.hostile)
-    return dict(first, cases=cases), stats
+            entry = stats[kernel]
+            worst = ", ".join(f"{k} {v:.2e}" for k, v in sorted(entry["worst"].items()))
+            print(f"{kernel:15} {entry['configs']:5} configs in {shards} shards, {entry['mismatches']} mismatches, "
+                  f"worst rel err: {worst or '-'}", flush=True)
+    reported = [k for k in kernels if any(u in found for u in units if u[0] == k)]
+    return report({k: stats[k] for k in reported}, args.dry_run, args.hostile), stats
 
 
 def main(argv=None) -> int:
@@ -710,7 +728,9 @@ def main(argv=None) -> int:
     parser.add_argument("--log", default=str(ROOT / "benchmarks" / "logs" / "fuzz.log"),
                         help="every configuration's seed, shapes and result")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="kernels fuzzed at once, one process each (the reference side is CPU work)")
+                        help="processes at once: one per kernel, or with more jobs than kernels, shards of each "
+                             "kernel's draws (the reference side is CPU work)")
+    parser.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # i/n: the i-th of n processes of a kernel
     args = parser.parse_args(argv)
     if args.kernels is None:
         args.kernels = [k for k in KERNELS if not args.hostile or k in CORRUPT]
@@ -723,12 +743,17 @@ def main(argv=None) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
     pathlib.Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    if args.jobs > 1 and len(args.kernels) > 1:
+    try:
+        shard = tuple(int(part) for part in args.shard.split("/"))
+        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
+    except (ValueError, AssertionError):
+        parser.error("--shard must be i/n with 0 <= i < n")
+    if args.jobs > 1 and args.only is None:
         result, stats = in_processes(args, argv if argv is not None else sys.argv[1:])
     else:
         with open(args.log, "w") as log:
             stats = fuzz(args.kernels, args.configs, args.seed, args.time_limit, args.dry_run, args.only, log,
-                         hostile=args.hostile)
+                         hostile=args.hostile, shard=shard)
         result = report(stats, args.dry_run, args.hostile)
     result = merged(result, pathlib.Path(args.out))
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

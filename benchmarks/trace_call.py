@@ -15,7 +15,7 @@ Cases: decode 64 x 128 (bf16, 32/8 heads, D = 128, block 16, shuffled table) -- 
 tensors and with CuPy arrays (default arguments) and cuDNN SDPA on contiguous copies -- the
 512-token chunk after a 32k prefix, ours paged and ours on contiguous K/V (torch tensors), and
 decode 64 x 4096, where the default call balances on the device (the ragged ``paged_decode``,
-whose CTA 0 lists the work), beside ``num_splits=1`` (the decode kernel) and cuDNN.  Each call's kernels are
+whose first CTA lists the work), beside ``num_splits=1`` (the decode kernel) and cuDNN.  Each call's kernels are
 also listed by name (median duration) with ``gaps``: the kernels' span less their durations.
 
     python benchmarks/trace_call.py [--reps 30] [--out benchmarks/results/trace_call.json]

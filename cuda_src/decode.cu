@@ -13,7 +13,7 @@
 //   TRACE       0 or 1: whether paged_decode takes a trace buffer and records each CTA's start,
 //               end and SM in it (default 0; only the decode benchmark's keys set it)
 //   RAGGED      0 or 1: the work-list kernel of a continuous-batching step, or of a call balanced by
-//               length on the device (build_list, by CTA 0 of the launch), (default 0), below
+//               length on the device (build_list, by the launch's first CTA), (default 0), below
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q, rotary layout)
 // is a run-time argument, so two dtypes x five head dims (x rotary or not) are the whole family.
 //
@@ -62,9 +62,10 @@
 //
 // RAGGED=1: one launch for a whole step whose sequences have different query lengths (prefill
 // chunks, decodes, speculative rows), q / k_new / v_new / out packed as [T, H(kv), D] tokens.  CTA
-// blockIdx.x takes kv head blockIdx.x % Hkv of work item blockIdx.x / Hkv (so the CTAs are issued in
-// list order, every kv head of an item together, and the padding items' CTAs come last), which the
-// step plan built on the host (runtime/_work.py), or CTA 0 of the launch (build_list) from a call's lengths
+// number n takes kv head n % Hkv of work item n / Hkv (so the CTAs start in list order, every kv head
+// of an item together, and the padding items' CTAs come last); n is blockIdx.x where the step plan
+// built the list on the host (runtime/_work.py), and the CTA's ticket (the order it started in,
+// wait_for_list) where the launch's first CTA builds it on the device (build_list) from a call's lengths
 // (at the end): sequence b, row group, split of its keys, its split count, its first
 // token in the packed arrays, its query length, its cached keys, and the first workspace slot of its
 // splits.  Rows are (group head, query token) as above, per sequence; a row group whose rows see
@@ -333,7 +334,7 @@ struct WorkItem {
 
 __device__ __forceinline__ WorkItem load_item(const int* work, int index) {
   const int4* at = reinterpret_cast<const int4*>(work) + 2 * (long long)index;
-  const int4 a = __ldcg(at), c = __ldcg(at + 1);  // L2: the device list is written by this launch's CTA 0
+  const int4 a = __ldcg(at), c = __ldcg(at + 1);  // L2: the device list is written by this launch's first CTA
   return WorkItem{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 }
 #endif
@@ -373,10 +374,10 @@ __device__ __forceinline__ void place_thread(Cta& cta, const DecodeParams& param
 }
 
 #if RAGGED
-__device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem& item) {
+__device__ __forceinline__ Cta locate(const DecodeParams& params, const WorkItem& item, int number) {
   Cta cta;
   place_thread(cta, params);
-  cta.kv_head = blockIdx.x % params.num_kv_heads;
+  cta.kv_head = number % params.num_kv_heads;
   cta.num_kv_heads = params.num_kv_heads;
   cta.row_group = item.row_group;
   cta.split = item.split;
@@ -1141,8 +1142,8 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 
 // build_list: the work list of a ragged launch built on the device, for the calls that have no
 // host lengths -- flash_attn_with_kvcache (cache_seqlens on the GPU) and flash_attn_varlen_func's
-// short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  CTA 0 of the launch
-// builds it while the other CTAs wait for it (wait_for_list); the rule is the step plan's
+// short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  The CTA of ticket 0 (the
+// first to start) builds it while the other CTAs wait for it (wait_for_list); the rule is the step plan's
 // (runtime/_work.py): the row groups' keys shared out over kListWaves waves of CTA slots per kv
 // head (at least kListMinTiles tiles a range), a sequence split only past 1.5 ranges, the range
 // doubled while the list would not fit the host's capacities.  Items go by their keys, most
@@ -1304,16 +1305,22 @@ __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, in
   }
 }
 
-// The device list's hand-over inside one launch.  sync[0]: the list is ready; sync[1]: CTAs past
-// the wait.  CTA 0 builds the list and releases sync[0]; the others acquire it.  This relies on the
-// GPU issuing a grid's CTAs in index order (as NVIDIA GPUs do; measured on the H200), so that every
-// waiting CTA waits behind a CTA that is running: a builder chosen by an atomic ticket would not.
-// Two launches must not share the two ints at once (one stream's buffers; kernels/ragged.py).  Every CTA then counts itself;
-// the last one sets both back to zero, so they are zeros between launches and graph replays (the
-// host allocates them zeroed).  The work items are then read through L2 (load_item's __ldcg).
-__device__ __forceinline__ void wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
-                                              int* work, int* sync, int* errors) {
-  if (blockIdx.x == 0) {
+// The device list's hand-over inside one launch, through three ints: sync[2] hands out tickets in
+// the order CTAs start, sync[0] says the list is ready, sync[1] counts the CTAs past the wait.  The
+// CTA with ticket 0 builds the list and releases sync[0]; the others acquire it.  Whatever order the
+// GPU starts a grid's CTAs in, every waiting CTA waits behind a builder that is already running, and
+// each CTA takes the work of its ticket (so the work goes in list order as CTAs start).  Two
+// launches must not share the ints at once (one stream's buffers; kernels/ragged.py).  Every CTA
+// counts itself after its ticket; the last one sets all three back to zero, so they are zeros
+// between launches and graph replays (the host allocates them zeroed).  The work items are then
+// read through L2 (load_item's __ldcg).  Returns the ticket.
+__device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
+                                             int* work, int* sync, int* errors) {
+  __shared__ int ticket_shared;
+  if (threadIdx.x == 0) ticket_shared = atomicAdd(sync + 2, 1);
+  __syncthreads();
+  const int ticket = ticket_shared;
+  if (ticket == 0) {
     build_list(a, slots_per_head, max_items, max_slots, work, errors);
     __threadfence();
     __syncthreads();
@@ -1326,11 +1333,16 @@ __device__ __forceinline__ void wait_for_list(const ListArgs& a, int slots_per_h
       __nanosleep(64);
     }
   }
-  if (threadIdx.x == 0 && atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
-    sync[1] = 0;
-    sync[0] = 0;
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's ticket is taken before it is counted
+    if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
+      sync[2] = 0;
+      sync[1] = 0;
+      sync[0] = 0;
+    }
   }
   __syncthreads();
+  return ticket;
 }
 #endif
 
@@ -1384,14 +1396,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // while they fly (Q rotation, fused append, index checks), the K/V loop, the warp merge, the store.
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if RAGGED
+  int number = blockIdx.x;  // which CTA of the list this one is (see RAGGED above)
   if (list_sync) {
     const ListArgs a{list_seqlens, list_cu_q, list_cu_k, list_batch, list_seqlen_q, params.seqlen_q, list_max_seqlen_q,
                      params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit};
-    wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors);
+    number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors);
   }
-  const WorkItem item = load_item(work, blockIdx.x / params.num_kv_heads);
+  const WorkItem item = load_item(work, number / params.num_kv_heads);
   if (item.q_len <= 0) return;  // padding: the whole CTA leaves before any barrier
-  const Cta cta = locate(params, item);
+  const Cta cta = locate(params, item, number);
 #else
   const Cta cta = locate(params);
 #endif

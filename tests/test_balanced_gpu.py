@@ -1,7 +1,7 @@
 """Calls without host lengths balanced on the device: ``flash_attn_with_kvcache`` over a paged cache
 (``kernels.decode.BalancedDecodeLaunch``) and ``flash_attn_varlen_func``'s short rows over a paged
 cache (``VarlenLaunch.short_rows``), both on the ragged kernel with a work list that
-CTA 0 of the ragged launch builds from the device's lengths.
+the first CTA of the ragged launch to start builds from the device's lengths.
 
 Against the CPU reference backend with NaN-poisoned outputs: long sequences among short ones (so
 the list splits), empty and one-token sequences, every head dim, GQA ratios, block sizes, appends,

@@ -207,6 +207,22 @@ def test_kernels_in_processes_report_as_one_process(tmp_path):
     assert strip((tmp_path / "one.log").read_text()) == strip((tmp_path / "two.log").read_text())
 
 
+def test_shards_of_a_kernel_report_as_one_process(tmp_path):
+    """``--jobs`` above the kernel count shares each kernel's draws among processes (every n-th
+    index each): together they draw the same configurations, once each, and report the same
+    counts and worst errors as one process."""
+    common = ["--dry-run", "--configs", "5", "--kernels", "merge", "--seed", "3"]
+    assert fuzz.main(common + ["--out", str(tmp_path / "one.json"), "--log", str(tmp_path / "one.log")]) == 0
+    assert fuzz.main(common + ["--jobs", "3", "--out", str(tmp_path / "three.json"),
+                               "--log", str(tmp_path / "three.log")]) == 0
+    one, three = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "three"))
+    assert one["cases"] == three["cases"]
+    assert {c["value"] for c in three["cases"] if c["metric"] == "configs"} == {5}
+    indices = sorted(int(line.split(" #")[1].split()[0]) for line in (tmp_path / "three.log").read_text().splitlines())
+    assert indices == [0, 1, 2, 3, 4]
+    assert not list(tmp_path.glob("three.log.*"))
+
+
 def test_kernels_in_processes_share_one_time_limit(tmp_path):
     """``--time-limit`` bounds the whole run with ``--jobs``: a process started after it is spent
     draws at most one configuration, and a kernel's log is written beside the run's as it goes."""

@@ -63,7 +63,7 @@ def split_workspace(num_floats: int, device: int, stream: int):
 def work_buffer(num_ints: int, device: int, stream: int):
     """The int32 buffer of (device, stream), of at least ``num_ints``, zeroed when allocated, that
     a device-built ragged work list lives in (``kernels/ragged.py``, ``DeviceListLaunch``): the
-    hand-over's ints first, then the list, written by CTA 0 of a launch and read by its other CTAs."""
+    hand-over's ints first, then the list, written by the first CTA of a launch to start and read by its other CTAs."""
     import cupy
 
     return _grown(_WORK_LISTS, (device, stream), num_ints, lambda n: cupy.zeros(n, np.int32),

@@ -13,7 +13,7 @@ step is one launch.  It reads the item list's pointer and count from the plan, s
 replays it with another list of the same length.
 
 ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` have their lengths on the device only
-(``cache_seqlens``, ``cu_seqlens``).  :class:`DeviceListLaunch` has CTA 0 of the same launch read
+(``cache_seqlens``, ``cu_seqlens``).  :class:`DeviceListLaunch` has the first CTA of the same launch read
 them and write the list by the same rule (the constants below), padded to capacities fixed by host
 values (:func:`list_capacities`), while the other CTAs wait for it: one launch, capturable.
 """
@@ -39,7 +39,7 @@ _LIST_ARGS = 11  # the device list's arguments (all zeros: a host list)
 # range at least MIN_SPLIT_TILES tiles, at most MAX_SPLITS splits a sequence.
 ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
-SYNC_INTS = 8      # the device list's hand-over (2 ints), ahead of its items in the work-list buffer
+SYNC_INTS = 8      # the device list's hand-over (3 ints used), ahead of its items in the work-list buffer
 WAVES = 2
 MIN_SPLIT_TILES = 4
 MAX_SPLITS = 128   # decode.cu kMaxSplits: merge_if_last's weights, [16 rows][MAX_SPLITS] floats
@@ -172,7 +172,7 @@ def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, in
 class DeviceListLaunch:
     """A ragged launch whose work list the device builds: for calls that have no host lengths
     (``flash_attn_with_kvcache``'s ``cache_seqlens``, ``flash_attn_varlen_func``'s ``cu_seqlens``
-    on the GPU).  CTA 0 of the ragged launch lists the items by the plan's rule from the lengths
+    on the GPU).  The first CTA of the ragged launch to start lists the items by the plan's rule from the lengths
     while the others wait (decode.cu ``wait_for_list``), on a grid of the list's capacity (padding
     items do nothing), so a CUDA graph captures the one launch and replays it with other lengths.
 
@@ -222,7 +222,7 @@ class DeviceListLaunch:
         stream are ordered, so each call's list is read before the next call writes it; two host
         threads launching on the same stream at once must not share it, nor may a CUDA graph
         captured on this stream be replayed on another while this stream runs the same shapes (the
-        hand-over's two ints and the merge counts would be shared by two launches at once).  The
+        hand-over's ints and the merge counts would be shared by two launches at once).  The
         hand-over's ints sit at the buffer's start (a fixed place, whatever list a launch writes
         after them)."""
         found = self._work_ptrs.get(stream)
