@@ -570,6 +570,13 @@ def dtype_label(dtype) -> str:
     return "bfloat16" if np.dtype(dtype) == BF16 else np.dtype(dtype).name
 
 
+def summary_line(kernel: str, entry: dict, note: str = "") -> str:
+    """One kernel's line of a run's summary: configurations, mismatches, worst error per dtype."""
+    worst = ", ".join(f"{k} {v:.2e}" for k, v in sorted(entry["worst"].items()))
+    return f"{kernel:15} {entry['configs']:5} configs{note}, {entry['mismatches']} mismatches, worst rel err: " \
+           f"{worst or '-'}{' (time limit reached)' if entry.get('stopped') else ''}"
+
+
 def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bool, only: int | None = None,
          log=None, quiet: bool = False, hostile: bool = False, shard: tuple[int, int] = (0, 1)) -> dict:
     """Draw and check configurations kernel by kernel.  Returns {kernel: {"configs", "mismatches",
@@ -601,9 +608,7 @@ def fuzz(kernels, configs: int, seed: int, time_limit: float | None, dry_run: bo
                 print(f"MISMATCH {kernel} #{index}: {'; '.join(failures)}\n  replay: python benchmarks/fuzz.py "
                       f"{replay(case)}\n  config: {describe(case)}", flush=True)
         if not quiet:
-            worst = ", ".join(f"{k} {v:.2e}" for k, v in sorted(entry["worst"].items()))
-            print(f"{kernel:15} {entry['configs']:5} configs, {entry['mismatches']} mismatches, worst rel err: "
-                  f"{worst or '-'}{' (time limit reached)' if entry.get('stopped') else ''}", flush=True)
+            print(summary_line(kernel, entry), flush=True)
     return stats
 
 
@@ -703,10 +708,7 @@ def in_processes(args, argv: list) -> tuple[dict, dict]:
                 entry["worst"][label] = max(entry["worst"].get(label, 0.0), value)
     if shards > 1:
         for kernel in kernels:
-            entry = stats[kernel]
-            worst = ", ".join(f"{k} {v:.2e}" for k, v in sorted(entry["worst"].items()))
-            print(f"{kernel:15} {entry['configs']:5} configs in {shards} shards, {entry['mismatches']} mismatches, "
-                  f"worst rel err: {worst or '-'}", flush=True)
+            print(summary_line(kernel, stats[kernel], f" in {shards} shards"), flush=True)
     reported = [k for k in kernels if any(u in found for u in units if u[0] == k)]
     return report({k: stats[k] for k in reported}, args.dry_run, args.hostile), stats
 
@@ -743,10 +745,8 @@ def main(argv=None) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
     pathlib.Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        shard = tuple(int(part) for part in args.shard.split("/"))
-        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
-    except (ValueError, AssertionError):
+    shard = tuple(int(part) for part in args.shard.split("/") if part.isdigit())
+    if len(shard) != 2 or args.shard.count("/") != 1 or not shard[0] < shard[1]:
         parser.error("--shard must be i/n with 0 <= i < n")
     if args.jobs > 1 and args.only is None:
         result, stats = in_processes(args, argv if argv is not None else sys.argv[1:])
