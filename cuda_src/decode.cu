@@ -11,7 +11,8 @@
 //   ROTARY      0 or 1: whether the kernel holds the rotary-embedding code (default 0).  The code
 //               stays out of the ROTARY=0 kernel entirely, its K/V loop included.
 //   TRACE       0 or 1: whether paged_decode takes a trace buffer and records each CTA's start,
-//               end and SM in it (default 0; only the decode benchmark's keys set it)
+//               the moment it knows its work, its end, its SM and its number in it (default 0;
+//               only the benchmarks' keys set it: bench_decode.py, trace_list.py)
 //   RAGGED      0 or 1: the work-list kernel of a continuous-batching step, or of a call balanced by
 //               length on the device (build_list, by the launch's first CTA), (default 0), below
 // Everything else (block size, window, softcap, ALiBi, splits, GQA ratio, seqlen_q, rotary layout)
@@ -87,8 +88,8 @@
 #ifndef RAGGED
 #define RAGGED 0
 #endif
-#if RAGGED && (ROTARY || TRACE)
-#error "RAGGED takes neither ROTARY nor TRACE"
+#if RAGGED && ROTARY
+#error "RAGGED does not take ROTARY"
 #endif
 
 namespace decode {
@@ -1347,9 +1348,18 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
 #endif
 
 #if TRACE
-// The benchmark's trace row of this CTA: start ns, end ns, SM.
+// The benchmark's trace row of this CTA (kernels/decode.py TRACE_COLUMNS): start ns, ready ns (its
+// work item known: after a device list's wait, the start elsewhere), end ns, SM, number (the
+// ticket of a device-listed CTA, else its linear index).
+constexpr int kTraceColumns = 5;
 __device__ __forceinline__ unsigned long long* trace_row(unsigned long long* trace) {
-  return trace + 3 * (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
+  return trace + kTraceColumns * (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
+}
+__device__ __forceinline__ void trace_ready(unsigned long long* trace, int number) {
+  if (trace && threadIdx.x == 0) {
+    trace_row(trace)[1] = cp::global_ns();
+    trace_row(trace)[4] = (unsigned long long)number;
+  }
 }
 #endif
 
@@ -1385,7 +1395,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     , int list_slots_per_head, int list_max_items, int list_max_slots, int* list_sync
 #endif
 #if TRACE
-    , unsigned long long* __restrict__ trace  // [CTAs][3]: start ns, end ns, SM
+    , unsigned long long* __restrict__ trace  // [CTAs][kTraceColumns] (trace_row)
 #endif
     ) {
 #if TRACE
@@ -1403,10 +1413,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors);
   }
   const WorkItem item = load_item(work, number / params.num_kv_heads);
+#if TRACE
+  trace_ready(trace, number);
+  if (item.q_len <= 0 && trace && threadIdx.x == 0) {  // padding: its end and SM now
+    trace_row(trace)[2] = cp::global_ns();
+    trace_row(trace)[3] = cp::sm_id();
+  }
+#endif
   if (item.q_len <= 0) return;  // padding: the whole CTA leaves before any barrier
   const Cta cta = locate(params, item, number);
 #else
   const Cta cta = locate(params);
+#if TRACE
+  trace_ready(trace, blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+#endif
 #endif
   const Buffers buf = buffers(smem_raw);
   load_sequence_and_q(params, cta, buf, q, cache_seqlens, cache_batch_idx, cache_leftpad);
@@ -1440,8 +1460,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
 #if TRACE
   if (trace && threadIdx.x == 0) {
     unsigned long long* row = trace_row(trace);
-    row[1] = cp::global_ns();
-    row[2] = cp::sm_id();
+    row[2] = cp::global_ns();
+    row[3] = cp::sm_id();
   }
 #endif
 }

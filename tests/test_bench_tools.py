@@ -65,3 +65,27 @@ def test_trace_split_matches_launches_and_kernels_to_their_call(benchmarks):
     assert parts["peer"]["gaps"] == 246.0 - 222.0 - 14.0 - 6.0  # between the two kernels
     assert parts["peer"]["kernel cudnn_kernel"] == 14.0 and parts["peer"]["kernel cudnn_second"] == 6.0
     assert trace_call.split(events, ["missing"]) == {}
+
+
+def test_trace_list_summary_tells_builder_waiters_work_and_padding(monkeypatch):
+    """trace_list.py's reading of a trace (start, ready, end, SM, number in ns): the builder's
+    time is ticket 0's start to ready, real CTAs are the items' kv heads, the rest padding."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import numpy as np
+    import trace_list
+
+    heads = trace_list.KV_HEADS
+    rows = []
+    for number in range(3 * heads):  # 2 real items, 1 padding item
+        start = 1000 * (number // heads)            # ns
+        ready = max(start, 4000) if number // heads < 2 else 9000  # all wait for the list (ready at 4 us)
+        end = ready + (20000 if number // heads < 2 else 500)
+        rows.append([start + 50_000, ready + 50_000, end + 50_000, number % 4, number])
+    summary = trace_list.summarise(np.array(rows, np.uint64), real_items=2)
+    assert summary["real_ctas"] == 2 * heads and summary["padding_ctas"] == heads
+    assert summary["ticket0_ready_us"] == 4.0
+    assert summary["first_real_ready_us"] == 4.0
+    assert summary["wait_us_p50_p100"][1] == 4.0  # ticket 0 itself: its build
+    assert summary["real_duration_us_p10_p50_p90"][1] == 20.0
+    assert summary["last_real_end_us"] == 24.0 and summary["span_us"] == 24.0
+    assert summary["padding_last_end_us"] == 9.5 and summary["padding_duration_us_p50_p100"] == [7.5, 7.5]

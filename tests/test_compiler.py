@@ -100,7 +100,8 @@ def _candidate_keys():
     def keys(make, candidates):
         return [make(BF16, head_dim, tiles) for head_dim, shapes in sorted(candidates.items()) for tiles in shapes]
 
-    return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True)]
+    return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True),
+                                                        decode.kernel_key(BF16, 128, trace=True, ragged=True)]
             + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES))
 
 

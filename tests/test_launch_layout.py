@@ -69,8 +69,9 @@ def _decode_layout(layout: str) -> str:
     (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset(), varlen._LAYOUT),
     (kv_write.SOURCE, "write_kv_cache", frozenset(), kv_write._LAYOUT),
     (decode.SOURCE, "paged_decode", frozenset({"RAGGED"}), _decode_layout(ragged._RAGGED_LAYOUT)),
+    (decode.SOURCE, "paged_decode", frozenset({"RAGGED", "TRACE"}), _decode_layout(ragged._RAGGED_LAYOUT + "P")),
 ], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache",
-        "paged_decode-RAGGED"])
+        "paged_decode-RAGGED", "paged_decode-RAGGED-TRACE"])
 def test_layout_matches_the_kernel_signature(source, kernel, macros, layout):
     expected = [code_of(p) for p in parameters(source, kernel, macros)]
     assert expand(layout) == expected, f"{kernel}: layout {layout} against the signature {expected}"

@@ -38,7 +38,7 @@ keys on half the warps), which a plain launch takes when it runs the grid in few
 at the first such call, so a warm-up call of each captured shape, which the split workspace needs
 anyway, also loads it outside the capture).  ``DecodeLaunch(p, tiles)`` and ``run(p, tiles)``
 launch a named shape (the benchmark's sweep and the GPU tests name theirs).  ``trace=`` launches the ``TRACE``
-specialization, which records each CTA's start, end and SM for the benchmark's ``--trace``: the
+specialization, which records each CTA's start, end, SM and more for the benchmarks' traces: the
 registered keys (:func:`all_keys`) hold no trace code and take no trace argument.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ from ._decode_shapes import (COMBINE_THREADS, MAX_SPLITS, ROWS_PER_CTA, SMALL_TI
                              fewer_waves, kernel_key, slots, tile_keys)
 
 __all__ = ["COMBINE_THREADS", "MAX_SPLITS", "ROWS_PER_CTA", "SMALL_TILES", "SOURCE", "STAGES", "TILE_ELEMS", "TILES",
-           "WARPS", "BalancedDecodeLaunch", "DecodeLaunch", "Tiles", "all_keys", "balances", "choose_splits",
-           "choose_tiles", "ctas_per_sm", "fewer_waves", "kernel_key", "launch_for", "plan", "problem_args", "ptr",
+           "TRACE_COLUMNS", "WARPS", "BalancedDecodeLaunch", "DecodeLaunch", "Tiles", "all_keys", "balances",
+           "choose_splits", "choose_tiles", "ctas_per_sm", "fewer_waves", "kernel_key", "launch_for", "plan", "problem_args", "ptr",
            "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
 
 
@@ -107,6 +107,8 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
 _PARAMS_LAYOUT = "9q20i2f"
 _DECODE_LAYOUT = _PARAMS_LAYOUT + "19P"
 _TRACE_LAYOUT = _DECODE_LAYOUT + "P"
+# A trace row per CTA (decode.cu trace_row): start ns, ready ns (its work known), end ns, SM, number.
+TRACE_COLUMNS = 5
 # combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
 _COMBINE_LAYOUT = "PPiqiiPP"
 _NO_STRIDES = (0, 0, 0)
@@ -181,9 +183,9 @@ class DecodeLaunch:
     Built from a checked problem whose arrays are device :class:`~cupy_paged._core.arrays.Array`
     descriptors; valid for every call with the same shapes, strides, dtypes, device and
     scalar arguments (the call memo of ``api/_call.py`` keys it so).  ``tiles``: another pipeline
-    shape than :func:`choose_tiles`'s; ``trace``: a uint64 CuPy array of 3 per CTA (:func:`trace_size`)
-    that each launch fills with every CTA's start and end on the GPU's nanosecond clock and its SM
-    (the TRACE specialization; for the benchmark).
+    shape than :func:`choose_tiles`'s; ``trace``: a uint64 CuPy array of ``TRACE_COLUMNS`` per CTA
+    (:func:`trace_size`) that each launch fills with every CTA's start, ready and end on the GPU's
+    nanosecond clock, its SM and its number (the TRACE specialization; for the benchmarks).
     """
 
     def __init__(self, p: DecodeProblem, tiles: Tiles | None = None, trace=None):
@@ -348,10 +350,10 @@ def plan(p: DecodeProblem, tiles: Tiles | None = None) -> int:
 
 
 def trace_size(p: DecodeProblem, tiles: Tiles | None = None) -> int:
-    """Elements of the ``trace`` buffer that ``run(p, tiles, trace=...)`` fills: 3 per CTA of the
-    decode launch."""
+    """Elements of the ``trace`` buffer that ``run(p, tiles, trace=...)`` fills: ``TRACE_COLUMNS``
+    per CTA of the decode launch."""
     shape = _problem_shape(p, tiles, trace=True)
-    return 3 * shape.row_groups * shape.splits * p.num_kv_heads * p.batch
+    return TRACE_COLUMNS * shape.row_groups * shape.splits * p.num_kv_heads * p.batch
 
 
 def ptr(array) -> int:

@@ -90,22 +90,28 @@ class RaggedLaunch:
     window : tuple of int
     alibi_stride : int
         ``alibi_batch_stride`` of the slopes (0 for ``[H]`` or none).
+    trace : cupy.ndarray, optional
+        A uint64 buffer of ``decode.TRACE_COLUMNS`` per CTA of the grid: launches the ``TRACE``
+        specialization, which records each CTA's start, the moment it knows its item, its end, SM
+        and number (for ``benchmarks/trace_list.py``; registered keys hold no trace code).
 
     :meth:`from_arrays` takes the step's arrays instead.
     """
 
     @classmethod
     def from_arrays(cls, q, k_cache, k_new, v_new, max_blocks: int, softmax_scale: float, window=(-1, -1),
-                    softcap: float = 0.0, alibi_slopes=None) -> "RaggedLaunch":
+                    softcap: float = 0.0, alibi_slopes=None, trace=None) -> "RaggedLaunch":
         """The launch of Array descriptors: ``q`` ``[T, H, D]``, ``k_cache`` ``[num_blocks,
-        block_size, Hkv, D]``, ``k_new``/``v_new`` ``[T, Hkv, D]`` or None, ``alibi_slopes`` or None."""
+        block_size, Hkv, D]``, ``k_new``/``v_new`` ``[T, Hkv, D]`` or None, ``alibi_slopes`` or None;
+        ``trace`` as the constructor takes it."""
         return cls(q.device, q.dtype, tuple(int(x) for x in q.shape), element_strides(q)[:2],
                    None if k_new is None else element_strides(k_new)[:2],
                    None if v_new is None else element_strides(v_new)[:2], tuple(int(x) for x in k_cache.shape[:3]),
-                   max_blocks, softmax_scale, window, softcap, alibi_batch_stride(alibi_slopes))
+                   max_blocks, softmax_scale, window, softcap, alibi_batch_stride(alibi_slopes), trace)
 
     def __init__(self, device: int, dtype, q_shape: tuple, q_strides: tuple, kn_strides, vn_strides,
-                 cache_shape: tuple, max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int):
+                 cache_shape: tuple, max_blocks: int, softmax_scale: float, window, softcap: float, alibi_stride: int,
+                 trace=None):
         total, num_heads, head_dim = q_shape
         num_blocks, block_size, num_kv_heads = cache_shape
         self.device, self.dtype = device, dtype
@@ -113,7 +119,7 @@ class RaggedLaunch:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         tiles = TILES[head_dim]
         self.threads, self.smem = tiles.threads, tiles.smem_bytes(head_dim)
-        self.key = key = kernel_key(dtype, head_dim, ragged=True)
+        self.key = key = kernel_key(dtype, head_dim, trace=trace is not None, ragged=True)
         decode = get_function(key, "paged_decode", self.smem)
         appends = kn_strides is not None
         kn = tuple(int(s) for s in kn_strides) if appends else (0, 0)
@@ -122,8 +128,8 @@ class RaggedLaunch:
         params = [0, *(int(s) for s in q_strides), 0, *kn, 0, *vn, max_blocks, num_blocks,
                   block_size.bit_length() - 1, 0, total, int(appends), num_heads, num_kv_heads, 0, 0, left, right,
                   0, 0, 0, 0, 0, alibi_stride, 0, 0, float(softmax_scale), float(softcap)]
-        self.launch = Launcher(decode, _RAGGED_LAYOUT)
-        self.launch.pack(*params, *([0] * (_POINTERS + _LIST_ARGS)))
+        self.launch = Launcher(decode, _RAGGED_LAYOUT + ("" if trace is None else "P"))
+        self.launch.pack(*params, *([0] * (_POINTERS + _LIST_ARGS)), *(() if trace is None else (trace.data.ptr,)))
         self._pointer_span = self.launch.span(len(params), _POINTERS)
         self._list_span = self.launch.span(len(params) + _POINTERS, _LIST_ARGS)
         self.listed_on_device = False  # DeviceListLaunch's: every run passes the list's arguments
