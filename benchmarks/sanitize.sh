@@ -17,7 +17,7 @@
 #     tests/conftest.py), a case each, named "TOOL:FILE[i/n]".  tests/test_load.py runs only when named.
 #   Each pair runs with CUPY_PAGED_SANITIZER=TOOL set, for the tests whose timing a tool changes.
 #   One case per pair (benchmarks/sanitizer_record.py): name "TOOL:FILE" ("TOOL:FILE -k EXPR" with
-#   SANITIZE_K), metric "errors" (the tool's error summary; for racecheck its hazards), peers {} ; the
+#   SANITIZE_K, then " kernels=REGEX" with SANITIZE_KERNELS), metric "errors" (the tool's error summary; for racecheck its hazards), peers {} ; the
 #   test outcome, seconds and date beside it, and the printed reports counted by kernel, those in the
 #   project's own kernels apart.  A pair cut short, killed, or that ran no test has value null.
 set -uo pipefail
@@ -45,6 +45,8 @@ run_pair() {  # tool file shard: one sanitizer process over (a shard of) one tes
   local tool=$1 file=$2 shard=$3 extra=() start=$SECONDS name=$2
   local log=$logs/${tool}_$(basename "$file" .py)${SANITIZE_K:+_k_${SANITIZE_K//[^a-zA-Z0-9]/_}}.log
   [[ -n ${SANITIZE_K:-} ]] && name="$file -k $SANITIZE_K"  # another selection of a file is another case
+  # so is another set of kernels instrumented (the unfiltered verdict of the same file stays beside it)
+  [[ -n ${SANITIZE_KERNELS:-} ]] && { name="$name kernels=$SANITIZE_KERNELS"; log=${log%.log}_kernels.log; }
   if (( shards > 1 )); then name="$name[$shard/$shards]"; log=${log%.log}_$shard.log; fi
   [[ -n ${SANITIZE_KERNELS:-} ]] && extra=(--kernel-name "regex=$SANITIZE_KERNELS")
   local left=$((deadline - SECONDS - 20))  # ends each pair in time to record it, none left running

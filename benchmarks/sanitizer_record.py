@@ -1,6 +1,6 @@
 """One compute-sanitizer pair's case in ``results/sanitizer.json`` (``sanitize.sh`` calls it per pair).
 
-The case: ``name`` ("TOOL:FILE", "TOOL:FILE -k EXPR", a shard's "[i/n]" after), metric ``errors``
+The case: ``name`` ("TOOL:FILE", "TOOL:FILE -k EXPR", " kernels=REGEX" after where a filter was given, a shard's "[i/n]" last), metric ``errors``
 (the tool's summary count; None when the process never finished: cut at its time limit, killed,
 or no test selected), the pytest outcome, seconds and date, and where the printed reports are:
 ``printed_reports`` (count by kernel, most first) and ``project_reports`` (those in the project's
