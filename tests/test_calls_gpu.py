@@ -458,6 +458,21 @@ def test_lse_is_of_the_callers_kind(name, kind, request):
 
 
 @pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_func_lse_is_this_calls_over_many_calls(kind, request):
+    """flash_attn_func's LSE equals the reference call after call, with fresh inputs each time.
+    Regression of a fault found on the H200 (2026-12-03, benchmarks/lse_order_check.py): with torch
+    tensors 3 of 300 and 9 of 400 calls returned an LSE that was not the call's (a permutation of
+    an earlier call's values, or zeros) while the output was right; none with
+    CUDA_LAUNCH_BLOCKING=1.  Open: benchmarks/NOTES_calls.md, fourteenth session."""
+    if kind == "torch":
+        request.getfixturevalue("torch_cuda")
+    for i in range(300):
+        call = CALLS["func"](_rng("func many", kind, i), return_attn_probs=True)
+        args = device_args(call.args, kind)
+        compare(call, fetch(call, call.fn(**args), args), call.reference())
+
+
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
 def test_write_kv_cache_writes_are_seen_by_the_caller(kind, request):
     """write_kv_cache returns None and its writes show in the caller's own caches (read back
     through torch for torch caches)."""
