@@ -127,3 +127,32 @@ def test_memo_lookup_reads_keys_and_falls_back(monkeypatch):
     for host in (np.zeros(4, np.float16), np.zeros(4, BF16)):
         assert arrays.memo_lookup({key: found}, arrays.CUPY, key_of, a, host, 1.5)[:2] == (None, None)
     assert arrays.memo_lookup({key: found}, arrays.CUPY, key_of, a, b, [1.5])[:2] == (None, None)
+
+
+def test_torch_stream_wraps_the_default_stream_not_a_new_one():
+    """A raw handle becomes torch's stream object of that very handle: 0 is the legacy default
+    stream, which torch's ExternalStream(0) does not wrap (it makes a pooled stream, so a copy put
+    there ran unordered with a kernel on stream 0: flash_attn_func's LSE, 2026-12-03)."""
+    import types
+
+    from cupy_paged._core.arrays import torch_stream
+
+    made = []
+
+    def external(handle):
+        made.append(("ExternalStream", handle))
+        return ("pooled" if handle == 0 else "external", handle)
+
+    def from_external(handle):
+        made.append(("get_stream_from_external", handle))
+        return ("wrapped", handle)
+
+    new_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_stream_from_external=from_external, ExternalStream=external, default_stream=lambda: ("default", 0)))
+    assert torch_stream(new_torch, 0) == ("wrapped", 0)
+    assert torch_stream(new_torch, 1234) == ("wrapped", 1234)
+    old_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(ExternalStream=external,
+                                                                 default_stream=lambda: ("default", 0)))
+    assert torch_stream(old_torch, 0) == ("default", 0)
+    assert torch_stream(old_torch, 1234) == ("external", 1234)
+    assert ("ExternalStream", 0) not in made

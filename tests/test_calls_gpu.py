@@ -463,7 +463,9 @@ def test_func_lse_is_this_calls_over_many_calls(kind, request):
     Regression of a fault found on the H200 (2026-12-03, benchmarks/lse_order_check.py): with torch
     tensors 3 of 300 and 9 of 400 calls returned an LSE that was not the call's (a permutation of
     an earlier call's values, or zeros) while the output was right; none with
-    CUDA_LAUNCH_BLOCKING=1.  Open: benchmarks/NOTES_calls.md, fourteenth session."""
+    CUDA_LAUNCH_BLOCKING=1.  The cause: the LSE's transposing copy ran on ``ExternalStream(0)``, which
+    torch makes a new pooled stream instead of the default stream (``_core.arrays.torch_stream``;
+    benchmarks/NOTES_calls.md, fourteenth session)."""
     if kind == "torch":
         request.getfixturevalue("torch_cuda")
     for i in range(300):

@@ -320,8 +320,20 @@ def on_stream(kind: str, stream: int):
     allocation a call makes on an explicit ``stream=``)."""
     if kind is TORCH:
         torch = _torch()
-        return torch.cuda.stream(torch.cuda.ExternalStream(stream))
+        return torch.cuda.stream(torch_stream(torch, stream))
     return cupy_stream(stream)
+
+
+def torch_stream(torch, handle: int):
+    """The torch stream object of the ``cudaStream_t`` ``handle``.  Not ``ExternalStream``: for
+    handle 0 (the legacy default stream, torch's own default) it makes a new pooled stream instead
+    of wrapping it (pytorch/pytorch#182960), so work put "on stream 0" through it would run
+    unordered with work on stream 0 itself (what flash_attn_func's LSE copy did, NOTES_calls.md,
+    fourteenth session).  ``get_stream_from_external`` (torch 2.7+) wraps every handle."""
+    wrap = getattr(torch.cuda, "get_stream_from_external", None)
+    if wrap is not None:
+        return wrap(handle)
+    return torch.cuda.default_stream() if handle == 0 else torch.cuda.ExternalStream(handle)
 
 
 class _StreamHandle:

@@ -133,8 +133,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if not attn_probs:
         return result
     lse = lse.reshape(p.num_heads, batch, seqlen_q)
-    with on_stream(fast, h):  # the transpose copy is ordered after the kernel, on the call's stream
-        lse = lse.permute(1, 0, 2).contiguous() if fast is TORCH else lse.transpose(1, 0, 2).copy()
-    return result, lse, None
+    if stream is None:  # h is the framework's current stream: the copy goes there after the kernel
+        return result, _batch_major(lse, fast), None
+    with on_stream(fast, h):  # the copy on the caller's stream=, after the kernel
+        return result, _batch_major(lse, fast), None
+
+
+def _batch_major(lse, kind: str):
+    """``[H, B, S]`` -> a ``[B, H, S]`` copy, on the framework's current stream."""
+    return lse.permute(1, 0, 2).contiguous() if kind is TORCH else lse.transpose(1, 0, 2).copy()
 
 
