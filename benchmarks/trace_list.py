@@ -168,8 +168,8 @@ def main(argv=None) -> int:
     import cupy_paged
 
     rng = np.random.default_rng(0)
-    report = {"date": datetime.date.today().isoformat(), "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-              "cupy": cupy.__version__, "cases": []}
+    device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    report = {"date": datetime.date.today().isoformat(), "device": device, "cupy": cupy.__version__, "cases": []}
     table = []
     for name in args.cases.split(","):
         case = Case(rng, CASES[name])
@@ -197,7 +197,8 @@ def main(argv=None) -> int:
         print(f"| {row['name']} | public call | {row['public_b2b_us']} | | | | | | | |")
         for label in ("device_list", "host_list", "decode_kernel"):
             r = row[label]
-            print(f"| | {label} | {r['b2b_us']} | {r['span_us']} | {r['ticket0_ready_us']} | {r['first_real_ready_us']} "
+            print(f"| | {label} | {r['b2b_us']} | {r['span_us']} | {r['ticket0_ready_us']} "
+                  f"| {r['first_real_ready_us']} "
                   f"| {r['wait_us_p50_p100']} | {r['real_duration_us_p10_p50_p90'][1]} | {r['last_real_end_us']} "
                   f"| {r['padding_ctas']} / {r['padding_last_end_us']} |")
     return 0

@@ -62,8 +62,8 @@ from ._decode_shapes import (COMBINE_THREADS, MAX_SPLITS, ROWS_PER_CTA, SMALL_TI
 
 __all__ = ["COMBINE_THREADS", "MAX_SPLITS", "ROWS_PER_CTA", "SMALL_TILES", "SOURCE", "STAGES", "TILE_ELEMS", "TILES",
            "TRACE_COLUMNS", "WARPS", "BalancedDecodeLaunch", "DecodeLaunch", "Tiles", "all_keys", "balances",
-           "choose_splits", "choose_tiles", "ctas_per_sm", "fewer_waves", "kernel_key", "launch_for", "plan", "problem_args", "ptr",
-           "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
+           "choose_splits", "choose_tiles", "ctas_per_sm", "fewer_waves", "kernel_key", "launch_for", "plan",
+           "problem_args", "ptr", "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
 
 
 # --------------------------------------------------------------------------- workspace
