@@ -11,7 +11,7 @@
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
-#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
+#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS), lse_check (T_BENCH), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
 #   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS),
 #   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
 set -uo pipefail
@@ -98,6 +98,10 @@ for step in $steps; do
     trace_list)  # the device-listed ragged launch CTA by CTA beside the host-listed one and the decode kernel
       run_step trace_list trace_list "${T_BENCH:-150}" python3 benchmarks/trace_list.py ${TRACE_LIST_ARGS:-}
       cp benchmarks/results/trace_list.json "$OUT/" 2>/dev/null ;;
+    lse_check)  # flash_attn_func's LSE call after call, three call paths (benchmarks/lse_order_check.py)
+      for mode in torch_func cupy_func torch_varlen; do
+        run_step lse_check lse_check "${T_BENCH:-150}" python3 benchmarks/lse_order_check.py 400 nosync "$mode"
+      done ;;
     trace_call)  # where inside one eager call the kernel starts (torch.profiler), decode 64x128 and the 32k chunk
       run_step trace_call trace_call "${T_BENCH:-150}" python3 benchmarks/trace_call.py
       cp benchmarks/results/trace_call.json "$OUT/" 2>/dev/null ;;
@@ -146,7 +150,7 @@ for step in $steps; do
         --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call trace_list profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call trace_list lse_check profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
