@@ -147,9 +147,8 @@ def summarise(rows: np.ndarray, real_items: int) -> dict:
 def trace_one(make, calls: int, out) -> tuple[dict, float, object]:
     """The trace of the last of ``calls`` traced launches, the untraced launch's back-to-back median
     (us) and a copy of the traced launch's output ``out``."""
-    run, _, _ = make(None)
+    run, ctas, _ = make(None)
     b2b = bench_decode.median_ms(run, reps=30) * 1e3
-    _, ctas, _ = make(None)
     trace = cupy.zeros(ctas * decode_ops.TRACE_COLUMNS, np.uint64)
     run, _, listed = make(trace)
     for _ in range(calls):
