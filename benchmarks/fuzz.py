@@ -151,6 +151,13 @@ def _punch_holes(rng, table: np.ndarray, needed_blocks: list, num_blocks: int) -
     return True
 
 
+def _device_list_batch(rng) -> tuple[int, int]:
+    """``(batch, longest)`` of a call the device-built list serves: up to 40 sequences of up to 600
+    keys, or (15%) 129-320 of up to 160, past the 128 a CTA of the list's builder keeps in its
+    threads (decode.cu stage_lengths)."""
+    return (int(rng.integers(129, 321)), 160) if rng.random() < 0.15 else (int(rng.integers(1, 41)), 600)
+
+
 def _one_long(rng, lengths: list, low: int, high: int) -> list:
     """Half the time one of ``lengths`` made ``low..high`` long: a sequence the balance rule splits."""
     if lengths and rng.random() < 0.5:
@@ -163,10 +170,10 @@ def draw_varlen(rng, paged: bool, short: bool = False) -> dict:
     ``max_seqlen_q`` exact, so that the GPU takes the short-row path (paged only)."""
     num_heads, kv_heads, head_dim, dtype = _heads(rng)
     if short:
-        batch = int(rng.integers(1, 41))
+        batch, longest = _device_list_batch(rng)
         longest_q = max(1, 16 // (num_heads // kv_heads))
         lengths_q = [int(rng.integers(0, longest_q + 1)) for _ in range(batch)]
-        lengths_q, lengths_k = _fit(lengths_q, _one_long(rng, _lengths(rng, batch, 600), 1000, 6000), num_heads)
+        lengths_q, lengths_k = _fit(lengths_q, _one_long(rng, _lengths(rng, batch, longest), 1000, 6000), num_heads)
     else:
         batch = 0 if rng.random() < 0.02 else int(rng.integers(1, 9))
         lengths_q, lengths_k = _fit(_lengths(rng, batch, 96), _lengths(rng, batch, 300), num_heads)
@@ -253,13 +260,13 @@ def draw_decode(rng) -> dict:
 
 def draw_balanced(rng) -> dict:
     """``flash_attn_with_kvcache`` as the device-built list serves it (``balanced_decode`` forces
-    that path on the GPU side): a paged cache, an int32 ``cache_seqlens`` of up to 40 sequences with
+    that path on the GPU side): a paged cache, an int32 ``cache_seqlens`` (``_device_list_batch``) with
     one long one half the time, 1-4 query tokens with or without their appends, no rotary, no LSE."""
     num_heads, kv_heads, head_dim, dtype = _heads(rng)
-    batch = int(rng.integers(1, 41))
+    batch, longest = _device_list_batch(rng)
     seqlen_q = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
     seqlen_new = seqlen_q if rng.random() < 0.7 else 0
-    cached = _fit([seqlen_q] * batch, _one_long(rng, _lengths(rng, batch, 600), 1000, 6000), num_heads)[1]
+    cached = _fit([seqlen_q] * batch, _one_long(rng, _lengths(rng, batch, longest), 1000, 6000), num_heads)[1]
     block_size = int(rng.choice(BLOCK_SIZES))
     table, num_blocks = _paged_table(rng, [n + seqlen_new + int(rng.integers(0, 2 * block_size)) for n in cached],
                                      block_size)

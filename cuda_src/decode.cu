@@ -1151,7 +1151,8 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 // first, in kListBuckets classes (the order within a class is the atomics'; results do not depend
 // on it: each row is written by one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
 // query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of
-// at most kThreads, thread b reads sequence b once and keeps it for every pass.
+// at most kThreads, thread b reads sequence b once and keeps it for every pass; a larger batch's
+// lengths are staged in shared memory (stage_lengths).
 //
 // Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q drops the
 // sequence (no item: its rows are not where q says); a cu_seqlens_k entry that decreases gives
@@ -1202,22 +1203,40 @@ __device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* 
 
 __device__ __forceinline__ int list_splits(const ListSeq& s, long long chunk) {
   if (s.row_groups == 0 || 2 * s.keys <= 3 * chunk) return 1;
-  return (int)min((s.keys + chunk - 1) / chunk, (long long)kMaxSplits);
+  // Here chunk < keys; while keys + chunk fits 32 bits (any real table), a 32-bit division (a
+  // 64-bit one is a long software sequence, and every pass makes one a sequence).
+  if (s.keys + chunk > 0xffffffffLL) return (int)min((s.keys + chunk - 1) / chunk, (long long)kMaxSplits);
+  return (int)min((unsigned)(s.keys + chunk - 1) / (unsigned)chunk, (unsigned)kMaxSplits);
 }
 
-// The sum (or max) over the CTA of every thread's value; every thread gets it.
-__device__ __forceinline__ long long list_reduce(long long v, long long* scratch, bool take_max) {
+// The keys of each of a sequence's n ranges (n <= kMaxSplits), in 32 bits where they fit.
+__device__ __forceinline__ long long list_span(const ListSeq& s, int n) {
+  if (s.keys > 0x7fffffffLL) return (s.keys + n - 1) / n;
+  return (long long)(((unsigned)s.keys + (unsigned)(n - 1)) / (unsigned)n);
+}
+
+// The sums over the CTA of every thread's N values (of the last one the max, where last_max), in
+// place: every thread gets them, through one pair of barriers.
+constexpr int kListReduceMax = 3;
+template <int N>
+__device__ __forceinline__ void list_reduce(long long (&v)[N], long long (*scratch)[kWarps], bool last_max) {
+  static_assert(N <= kListReduceMax, "scratch holds kListReduceMax values a warp");
+  auto combine = [&](int i, long long x, long long y) { return last_max && i == N - 1 ? max(x, y) : x + y; };
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const long long other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = take_max ? max(v, other) : v + other;
-  }
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v[i] = combine(i, v[i], __shfl_xor_sync(0xffffffffu, v[i], o));
   __syncthreads();  // scratch free: every thread has read the last reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int i = 0; i < N; ++i) scratch[i][threadIdx.x / 32] = v[i];
   __syncthreads();
-  long long all = scratch[0];
-  for (int w = 1; w < kWarps; ++w) all = take_max ? max(all, scratch[w]) : all + scratch[w];
-  return all;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    long long all = scratch[i][0];
+    for (int w = 1; w < kWarps; ++w) all = combine(i, all, scratch[i][w]);
+    v[i] = all;
+  }
 }
 
 __device__ __forceinline__ void store_item(int* list, long long index, int b, int row_group, int split, int splits,
@@ -1227,75 +1246,121 @@ __device__ __forceinline__ void store_item(int* list, long long index, int b, in
   at[1] = make_int4(s.q_start, s.q_len, s.cached, slot);
 }
 
-__device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, int max_items, int max_slots, int* work,
-                                       int* errors) {
-  __shared__ long long scratch[kWarps];
+// The lengths staged in the launch's dynamic shared memory (the pipeline's buffers, free until the
+// CTA attends), so that every pass after the first reads them there: a batch larger than the CTA
+// would otherwise reread global memory each pass.  Returns the arguments reading the staged copy
+// (those given where the batch does not fit, or fits the CTA's threads: those keep theirs).
+__device__ __forceinline__ ListArgs stage_lengths(ListArgs a, int* stage) {
+  constexpr int kStageInts = Smem::kBytes / 4;
+  if (a.batch <= kThreads) return a;
+  if (a.cache_seqlens && a.batch <= kStageInts) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < a.batch; i += kThreads) stage[i] = a.cache_seqlens[i];
+    a.cache_seqlens = stage;
+  } else if (!a.cache_seqlens && 2 * (a.batch + 1) <= kStageInts) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i <= a.batch; i += kThreads) {
+      stage[i] = a.cu_seqlens_q[i];
+      stage[a.batch + 1 + i] = a.cu_seqlens_k[i];
+    }
+    a.cu_seqlens_q = stage;
+    a.cu_seqlens_k = stage + a.batch + 1;
+  }
+  __syncthreads();
+  return a;
+}
+
+__device__ __noinline__ void build_list(const ListArgs given, int slots_per_head, int max_items, int max_slots,
+                                       int* work, int* errors, int* stage) {
+  static_assert(kListBuckets == 32, "one warp scans the bucket counts");
+  __shared__ long long scratch[kListReduceMax][kWarps];
   __shared__ int bucket_start[kListBuckets];
   __shared__ int slot_cursor;
+  const ListArgs a = stage_lengths(given, stage);
   // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
   const bool one_each = a.batch <= kThreads;
   ListSeq own{};
   if (one_each && (int)threadIdx.x < a.batch) own = list_sequence(a, threadIdx.x, errors, true);
   auto sequence = [&](int b) { return one_each ? own : list_sequence(a, b, errors, false); };
-  long long total = 0, base = 0;
+  long long sums[2] = {0, 0};  // keys times row groups, row groups
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     const ListSeq s = one_each ? own : list_sequence(a, b, errors, true);
-    total += s.row_groups * s.keys;
-    base += s.row_groups;
+    sums[0] += s.row_groups * s.keys;
+    sums[1] += s.row_groups;
   }
-  total = list_reduce(total, scratch, false);
-  base = list_reduce(base, scratch, false);
+  list_reduce(sums, scratch, false);
+  const long long total = sums[0], base = sums[1];
   long long chunk = max((long long)kListMinTiles * kTileKeys,
                         (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
-  long long items = 0, used_slots = 0, longest = 0;
+  long long items = 0, longest = 0;
   for (int round = 0; round < 48; ++round) {
     chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
-    items = used_slots = longest = 0;
+    long long counts[3] = {0, 0, 0};  // items, items of split sequences (workspace slots), the longest range
     for (int b = threadIdx.x; b < a.batch; b += kThreads) {
       const ListSeq s = sequence(b);
       const int n = list_splits(s, chunk);
-      items += (long long)s.row_groups * n;
-      if (n > 1) used_slots += (long long)s.row_groups * n;
-      if (s.row_groups) longest = max(longest, (s.keys + n - 1) / n);
+      counts[0] += (long long)s.row_groups * n;
+      if (n > 1) counts[1] += (long long)s.row_groups * n;
+      if (s.row_groups) counts[2] = max(counts[2], list_span(s, n));
     }
-    items = list_reduce(items, scratch, false);
-    used_slots = list_reduce(used_slots, scratch, false);
-    longest = list_reduce(longest, scratch, true);
-    if ((items <= max_items && used_slots <= max_slots) || items == base) break;
+    list_reduce(counts, scratch, true);
+    items = counts[0];
+    longest = counts[2];
+    if ((items <= max_items && counts[1] <= max_slots) || items == base) break;
     chunk *= 2;
   }
-  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.
+  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.  The
+  // quotient in double is exact here (integers below 2^53, at least 1/longest from the next one).
   if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
   if (threadIdx.x == 0) slot_cursor = 0;
   __syncthreads();
   auto bucket = [&](const ListSeq& s, int n) {
-    const long long span = (s.keys + n - 1) / n;
-    return longest > 0 ? (int)((longest - span) * (kListBuckets - 1) / longest) : 0;
+    return longest > 0 ? (int)((double)(longest - list_span(s, n)) * (kListBuckets - 1) / (double)longest) : 0;
   };
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     const ListSeq s = sequence(b);
     if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int at = 0;
-    for (int k = 0; k < kListBuckets; ++k) {
-      const int count = bucket_start[k];
-      bucket_start[k] = at;
-      at += count;
+  if (threadIdx.x < 32) {  // exclusive prefix of the bucket counts, one lane a bucket
+    const int count = bucket_start[threadIdx.x];
+    int upto = count;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int below = __shfl_up_sync(0xffffffffu, upto, o);
+      if ((int)threadIdx.x >= o) upto += below;
     }
+    bucket_start[threadIdx.x] = upto - count;
   }
   __syncthreads();
-  for (int b = threadIdx.x; b < a.batch; b += kThreads) {
-    const ListSeq s = sequence(b);
-    if (s.row_groups == 0) continue;
-    const int n = list_splits(s, chunk);
-    const int first = atomicAdd(&bucket_start[bucket(s, n)], s.row_groups * n);
-    const int slot = n > 1 ? atomicAdd(&slot_cursor, s.row_groups * n) : 0;
-    for (int rg = 0; rg < s.row_groups; ++rg) {
-      const int rg_slot = n > 1 ? slot + rg * n : 0;
-      for (int split = 0; split < n; ++split)
-        if (first + rg * n + split < max_items) store_item(work, first + rg * n + split, b, rg, split, n, s, rg_slot);
+  // Item i of a sequence's count (row group i / n, split i % n) goes to first + i.  A sequence of a
+  // few items is written by its thread; one of more (split many times) by its whole warp, so that
+  // no thread writes a long sequence's 128 items alone.  The loop runs the same passes in every
+  // thread (whole warps at the ballot).
+  constexpr int kOwnItems = 4;
+  auto store = [&](int i, int b, int first, int n, int slot, const ListSeq& s) {
+    const int rg = i / n, split = i - rg * n;
+    if (first + i < max_items) store_item(work, first + i, b, rg, split, n, s, n > 1 ? slot + rg * n : 0);
+  };
+  for (int b0 = 0; b0 < a.batch; b0 += kThreads) {
+    const int b = b0 + threadIdx.x;
+    ListSeq s{};
+    int n = 1, count = 0, first = 0, slot = 0;
+    if (b < a.batch) {
+      s = sequence(b);
+      n = list_splits(s, chunk);
+      count = s.row_groups * n;
+      if (count) first = atomicAdd(&bucket_start[bucket(s, n)], count);
+      if (count && n > 1) slot = atomicAdd(&slot_cursor, count);
+    }
+    if (count <= kOwnItems)
+      for (int i = 0; i < count; ++i) store(i, b, first, n, slot, s);
+    for (unsigned many = __ballot_sync(0xffffffffu, count > kOwnItems); many; many &= many - 1) {
+      const int from = __ffs(many) - 1;
+      const auto take = [&](int v) { return __shfl_sync(0xffffffffu, v, from); };
+      const ListSeq t{take(s.q_start), take(s.q_len), take(s.cached), 0, 0};
+      const int tb = take(b), tn = take(n), tcount = take(count), tfirst = take(first), tslot = take(slot);
+      for (int i = threadIdx.x % 32; i < tcount; i += 32) store(i, tb, tfirst, tn, tslot, t);
     }
   }
   // Padding past the list (the launch's grid is the capacity).
@@ -1306,43 +1371,42 @@ __device__ __noinline__ void build_list(const ListArgs a, int slots_per_head, in
   }
 }
 
-// The device list's hand-over inside one launch, through three ints: sync[2] hands out tickets in
-// the order CTAs start, sync[0] says the list is ready, sync[1] counts the CTAs past the wait.  The
-// CTA with ticket 0 builds the list and releases sync[0]; the others acquire it.  Whatever order the
-// GPU starts a grid's CTAs in, every waiting CTA waits behind a builder that is already running, and
-// each CTA takes the work of its ticket (so the work goes in list order as CTAs start).  Two
-// launches must not share the ints at once (one stream's buffers; kernels/ragged.py).  Every CTA
-// counts itself after its ticket; the last one sets all three back to zero, so they are zeros
-// between launches and graph replays (the host allocates them zeroed).  The work items are then
-// read through L2 (load_item's __ldcg).  Returns the ticket.
+// The device list's hand-over inside one launch, through two ints that are zero between launches
+// and graph replays (the host allocates them zeroed).  sync[1] hands out tickets in the order CTAs
+// start, wrapping to zero after the grid's last (atomicInc).  The CTA of ticket 0 builds the list
+// and then adds the number of other CTAs to sync[0] (a release); each other CTA waits until sync[0]
+// is not zero (an acquire) and takes one off without waiting for the result, so the last one leaves
+// it zero.  A CTA asks for its ticket and reads sync[0] at once: after the first wave the list is
+// out, and the hand-over costs one round trip.  Whatever order the GPU starts a grid's CTAs in,
+// every waiting CTA waits behind a builder that is already running, and each CTA takes the work of
+// its ticket (so the work goes in list order as CTAs start).  Two launches must not share the ints
+// at once (one stream's buffers; kernels/ragged.py).  The work items are then read through L2
+// (load_item's __ldcg).  Returns the ticket.
 __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
-                                             int* work, int* sync, int* errors) {
+                                             int* work, int* sync, int* errors, int* stage) {
   __shared__ int ticket_shared;
-  if (threadIdx.x == 0) ticket_shared = atomicAdd(sync + 2, 1);
+  if (threadIdx.x == 0) {
+    const unsigned ticket = atomicInc(reinterpret_cast<unsigned*>(sync + 1), gridDim.x - 1);
+    unsigned ready;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(sync) : "memory");
+    if (ticket != 0) {
+      while (!ready) {
+        __nanosleep(64);
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(sync) : "memory");
+      }
+      asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(0xffffffffu) : "memory");
+    }
+    ticket_shared = (int)ticket;
+  }
   __syncthreads();
   const int ticket = ticket_shared;
   if (ticket == 0) {
-    build_list(a, slots_per_head, max_items, max_slots, work, errors);
+    build_list(a, slots_per_head, max_items, max_slots, work, errors, stage);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync), "r"(1) : "memory");
-  } else if (threadIdx.x == 0) {
-    unsigned ready = 0;
-    while (true) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(sync) : "memory");
-      if (ready) break;
-      __nanosleep(64);
-    }
+    if (threadIdx.x == 0)
+      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(gridDim.x - 1) : "memory");
   }
-  if (threadIdx.x == 0) {
-    __threadfence();  // this CTA's ticket is taken before it is counted
-    if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
-      sync[2] = 0;
-      sync[1] = 0;
-      sync[0] = 0;
-    }
-  }
-  __syncthreads();
   return ticket;
 }
 #endif
@@ -1410,7 +1474,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   if (list_sync) {
     const ListArgs a{list_seqlens, list_cu_q, list_cu_k, list_batch, list_seqlen_q, params.seqlen_q, list_max_seqlen_q,
                      params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit};
-    number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors);
+    number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors,
+                           reinterpret_cast<int*>(smem_raw));
   }
   const WorkItem item = load_item(work, number / params.num_kv_heads);
 #if TRACE

@@ -72,6 +72,8 @@ MIXES = {
     "one-long": [9000] + [37] * 23,
     "lognormal": np.random.default_rng(3).lognormal(6.5, 1.2, 40).clip(0, 12000).astype(int).tolist(),
     "zeros-ones": [0, 1, 0, 5000, 1, 2, 15, 16, 17, 0],
+    # more sequences than the builder's CTA has threads: its lengths staged in shared memory
+    "many": [7000] + np.random.default_rng(5).lognormal(4.0, 1.0, 299).clip(0, 600).astype(int).tolist(),
 }
 
 # (id, dtype, head_dim, H, Hkv, block_size, seqlen_q, seqlen_new, options)
@@ -168,8 +170,8 @@ def test_a_sequence_split_the_most_times_merges_right(balance):
     assert len(long_items) == MAX_SPLITS and (long_items[:, 3] == MAX_SPLITS).all()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_device_list_splits_as_the_host_rule(balance, seed):
+@pytest.mark.parametrize("seed,batch", [(0, 48), (1, 48), (2, 300)])
+def test_device_list_splits_as_the_host_rule(balance, seed, batch):
     """Each sequence's split count in the list the device writes equals the host rule's
     (runtime/_work.py plan_work) for the same lengths, slots and capacities: one rule, two builders."""
     import cupy
@@ -179,7 +181,7 @@ def test_device_list_splits_as_the_host_rule(balance, seed):
 
     balance(True)
     rng = np.random.default_rng(seed)
-    seqlens = rng.lognormal(6.5, 1.3, 48).clip(0, 20_000).astype(int).tolist()
+    seqlens = rng.lognormal(6.5, 1.3, batch).clip(0, 20_000).astype(int).tolist()
     case = make_case(rng, F16, 128, 16, 4, 16, seqlens, 1, 1)
     check_decode(case, causal=True)
     launch = launch_of_last_call().balanced
@@ -192,16 +194,19 @@ def test_device_list_splits_as_the_host_rule(balance, seed):
     assert device == {b: int(n) for b, n in enumerate(splits)}
 
 
-# Varlen short rows: query lengths 0 to 4 with 4 query heads per kv head (at most 16 rows).
-@pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size,max_q,options", [
-    (BF16, 128, 16, 4, 16, 1, {"causal": True}),
-    (F16, 64, 8, 2, 32, 4, {"causal": True, "return_softmax_lse": True}),
-    (BF16, 256, 8, 8, 64, 2, {"softcap": 30.0, "window_size": (300, 0), "causal": True}),
-    (F16, 32, 16, 1, 8, 1, {"alibi": True, "return_softmax_lse": True}),
-], ids=["sanitize-bf16-d128-decode", "f16-d64-sq4-lse", "bf16-d256-mha-window", "f16-d32-mqa16-alibi"])
+# Varlen short rows: query lengths 0 to 4 with 4 query heads per kv head (at most 16 rows); the last
+# case has more sequences than the list builder's CTA has threads (its lengths staged in shared memory).
+@pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size,max_q,options,batch", [
+    (BF16, 128, 16, 4, 16, 1, {"causal": True}, 30),
+    (F16, 64, 8, 2, 32, 4, {"causal": True, "return_softmax_lse": True}, 30),
+    (BF16, 256, 8, 8, 64, 2, {"softcap": 30.0, "window_size": (300, 0), "causal": True}, 30),
+    (F16, 32, 16, 1, 8, 1, {"alibi": True, "return_softmax_lse": True}, 30),
+    (BF16, 128, 32, 8, 16, 4, {"causal": True, "return_softmax_lse": True}, 300),
+], ids=["sanitize-bf16-d128-decode", "f16-d64-sq4-lse", "bf16-d256-mha-window", "f16-d32-mqa16-alibi",
+        "bf16-d128-sq4-300seqs"])
 @pytest.mark.parametrize("balanced", [True, False], ids=["ragged", "varlen-kernel"])
 def test_varlen_short_rows_match_reference(balance, monkeypatch, balanced, dtype, head_dim, num_heads, num_kv_heads,
-                                           block_size, max_q, options):
+                                           block_size, max_q, options, batch):
     import cupy
 
     from cupy_paged.kernels import ragged
@@ -210,10 +215,10 @@ def test_varlen_short_rows_match_reference(balance, monkeypatch, balanced, dtype
     runs = []
     real_run = ragged.DeviceListLaunch.run
     monkeypatch.setattr(ragged.DeviceListLaunch, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
-    rng = np.random.default_rng(zlib.crc32(f"{dtype}{head_dim}{max_q}".encode()))
-    lens_q = rng.integers(1, max_q + 1, 30)
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{head_dim}{max_q}{batch}".encode()))
+    lens_q = rng.integers(1, max_q + 1, batch)
     lens_q[3] = 0
-    lens_k = (rng.lognormal(6.0, 1.3, 30).clip(0, 9000).astype(np.int64) + lens_q)
+    lens_k = (rng.lognormal(6.0 if batch <= 30 else 4.5, 1.3, batch).clip(0, 9000).astype(np.int64) + lens_q)
     lens_k[0] = 9000
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
