@@ -415,7 +415,7 @@ def trace_case(rng, batch, context, block_size=16, calls=8):
     for _ in range(calls):
         decode_ops.run(problem, trace=trace)
     cupy.cuda.get_current_stream().synchronize()
-    start, _, end, sm, _ = (cupy.asnumpy(trace).reshape(-1, decode_ops.TRACE_COLUMNS).astype(np.int64).T)
+    start, _, end, sm = (cupy.asnumpy(trace).reshape(-1, decode_ops.TRACE_COLUMNS).astype(np.int64).T)[:4]
     t0 = start.min()
     start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
     span = float(end.max())

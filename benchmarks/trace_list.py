@@ -120,15 +120,26 @@ def listed_items(listed) -> int:
     return int((rows[:, 5] > 0).sum())
 
 
+# The device list builder's stamps (decode.cu build_stamp), after the five columns of every row.
+BUILD_PHASES = ("ticket", "staged", "first pass", "rounds", "buckets", "stored", "released")
+
+
 def summarise(rows: np.ndarray, real_items: int) -> dict:
-    """The trace of one launch (rows: start, ready, end, SM, number; ns) in microseconds from its first start."""
-    start, ready, end, _, number = rows.astype(np.int64).T
+    """The trace of one launch (rows: start, ready, end, SM, number, then the builder's stamps; ns)
+    in microseconds from its first start; ``build_phases_us``: from ticket 0's start to each of its
+    stamps (None where no CTA built a list)."""
+    rows = rows.astype(np.int64)
+    start, ready, end, _, number = rows[:, :5].T
     t0 = start.min()
     start, ready, end = (start - t0) / 1e3, (ready - t0) / 1e3, (end - t0) / 1e3
     real = number // KV_HEADS < real_items
     pad = ~real
     first = number == 0
     waited = ready - start
+    stamps = rows[first, 5:5 + len(BUILD_PHASES)] if first.any() and rows.shape[1] > 5 else None
+    built = stamps is not None and stamps.size and (stamps[0] > 0).all()
+    phases = ({name: round(float(at - t0) / 1e3 - float(start[first][0]), 2)
+               for name, at in zip(BUILD_PHASES, stamps[0])} if built else None)
     pct = (lambda a, p: round(float(np.percentile(a, p)), 2) if a.size else None)
     return {
         "ctas": int(len(start)), "real_ctas": int(real.sum()), "padding_ctas": int(pad.sum()),
@@ -141,6 +152,7 @@ def summarise(rows: np.ndarray, real_items: int) -> dict:
         "padding_duration_us_p50_p100": [pct((end - start)[pad], 50), pct((end - start)[pad], 100)],
         "padding_last_end_us": round(float(end[pad].max()), 2) if pad.any() else None,
         "busy_real_slot_us": round(float((end - ready)[real].sum()), 1),
+        "build_phases_us": phases,
     }
 
 
@@ -200,6 +212,11 @@ def main(argv=None) -> int:
                   f"| {r['first_real_ready_us']} "
                   f"| {r['wait_us_p50_p100']} | {r['real_duration_us_p10_p50_p90'][1]} | {r['last_real_end_us']} "
                   f"| {r['padding_ctas']} / {r['padding_last_end_us']} |")
+    print("\n| case | " + " | ".join(BUILD_PHASES) + " |  (device list builder: us from its start to each stamp)")
+    print("| --- |" + " ---: |" * len(BUILD_PHASES))
+    for row in table:
+        phases = row["device_list"]["build_phases_us"] or {}
+        print(f"| {row['name']} | " + " | ".join(str(phases.get(name)) for name in BUILD_PHASES) + " |")
     return 0
 
 

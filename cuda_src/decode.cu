@@ -1246,6 +1246,16 @@ __device__ __forceinline__ void store_item(int* list, long long index, int b, in
   at[1] = make_int4(s.q_start, s.q_len, s.cached, slot);
 }
 
+#if TRACE
+// The builder's clock stamps (the benchmark's trace row, its columns 5 to 11: kTraceColumns below;
+// null for the other CTAs): its ticket known, the lengths staged, the first pass reduced, the rounds
+// done, the bucket scan done, the items stored, the release made.
+constexpr int kBuildStamps = 7;
+__device__ __forceinline__ void build_stamp(unsigned long long* stamps, int i) {
+  if (stamps && threadIdx.x == 0) stamps[i] = cp::global_ns();
+}
+#endif
+
 // The lengths staged in the launch's dynamic shared memory (the pipeline's buffers, free until the
 // CTA attends), so that every pass after the first reads them there: a batch larger than the CTA
 // would otherwise reread global memory each pass.  Returns the arguments reading the staged copy
@@ -1271,12 +1281,19 @@ __device__ __forceinline__ ListArgs stage_lengths(ListArgs a, int* stage) {
 }
 
 __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head, int max_items, int max_slots,
-                                       int* work, int* errors, int* stage) {
+                                       int* work, int* errors, int* stage
+#if TRACE
+                                       , unsigned long long* stamps
+#endif
+                                       ) {
   static_assert(kListBuckets == 32, "one warp scans the bucket counts");
   __shared__ long long scratch[kListReduceMax][kWarps];
   __shared__ int bucket_start[kListBuckets];
   __shared__ int slot_cursor;
   const ListArgs a = stage_lengths(given, stage);
+#if TRACE
+  build_stamp(stamps, 1);
+#endif
   // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
   const bool one_each = a.batch <= kThreads;
   ListSeq own{};
@@ -1289,6 +1306,9 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     sums[1] += s.row_groups;
   }
   list_reduce(sums, scratch, false);
+#if TRACE
+  build_stamp(stamps, 2);
+#endif
   const long long total = sums[0], base = sums[1];
   long long chunk = max((long long)kListMinTiles * kTileKeys,
                         (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
@@ -1309,6 +1329,9 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     if ((items <= max_items && counts[1] <= max_slots) || items == base) break;
     chunk *= 2;
   }
+#if TRACE
+  build_stamp(stamps, 3);
+#endif
   // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.  The
   // quotient in double is exact here (integers below 2^53, at least 1/longest from the next one).
   if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
@@ -1333,6 +1356,9 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     bucket_start[threadIdx.x] = upto - count;
   }
   __syncthreads();
+#if TRACE
+  build_stamp(stamps, 4);
+#endif
   // Item i of a sequence's count (row group i / n, split i % n) goes to first + i.  A sequence of a
   // few items is written by its thread; one of more (split many times) by its whole warp, so that
   // no thread writes a long sequence's 128 items alone.  The loop runs the same passes in every
@@ -1369,6 +1395,9 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     reinterpret_cast<int4*>(work)[2 * i] = zero;
     reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
   }
+#if TRACE
+  build_stamp(stamps, 5);
+#endif
 }
 
 // The device list's hand-over inside one launch, through two ints that are zero between launches
@@ -1383,7 +1412,11 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
 // at once (one stream's buffers; kernels/ragged.py).  The work items are then read through L2
 // (load_item's __ldcg).  Returns the ticket.
 __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
-                                             int* work, int* sync, int* errors, int* stage) {
+                                             int* work, int* sync, int* errors, int* stage
+#if TRACE
+                                             , unsigned long long* stamps
+#endif
+                                             ) {
   __shared__ int ticket_shared;
   if (threadIdx.x == 0) {
     const unsigned ticket = atomicInc(reinterpret_cast<unsigned*>(sync + 1), gridDim.x - 1);
@@ -1401,11 +1434,19 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
   __syncthreads();
   const int ticket = ticket_shared;
   if (ticket == 0) {
+#if TRACE
+    build_stamp(stamps, 0);
+    build_list(a, slots_per_head, max_items, max_slots, work, errors, stage, stamps);
+#else
     build_list(a, slots_per_head, max_items, max_slots, work, errors, stage);
+#endif
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
       asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(gridDim.x - 1) : "memory");
+#if TRACE
+    build_stamp(stamps, 6);
+#endif
   }
   return ticket;
 }
@@ -1414,8 +1455,12 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
 #if TRACE
 // The benchmark's trace row of this CTA (kernels/decode.py TRACE_COLUMNS): start ns, ready ns (its
 // work item known: after a device list's wait, the start elsewhere), end ns, SM, number (the
-// ticket of a device-listed CTA, else its linear index).
-constexpr int kTraceColumns = 5;
+// ticket of a device-listed CTA, else its linear index), then the builder's kBuildStamps (zeros in
+// every other row).
+constexpr int kTraceColumns = 12;
+#if RAGGED
+static_assert(kTraceColumns == 5 + kBuildStamps, "the builder's stamps follow the five columns");
+#endif
 __device__ __forceinline__ unsigned long long* trace_row(unsigned long long* trace) {
   return trace + kTraceColumns * (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
 }
@@ -1475,7 +1520,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     const ListArgs a{list_seqlens, list_cu_q, list_cu_k, list_batch, list_seqlen_q, params.seqlen_q, list_max_seqlen_q,
                      params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit};
     number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors,
-                           reinterpret_cast<int*>(smem_raw));
+                           reinterpret_cast<int*>(smem_raw)
+#if TRACE
+                           , trace ? trace_row(trace) + 5 : nullptr
+#endif
+                           );
   }
   const WorkItem item = load_item(work, number / params.num_kv_heads);
 #if TRACE

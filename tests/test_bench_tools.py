@@ -80,8 +80,13 @@ def test_trace_list_summary_tells_builder_waiters_work_and_padding(monkeypatch):
         start = 1000 * (number // heads)            # ns
         ready = max(start, 4000) if number // heads < 2 else 9000  # all wait for the list (ready at 4 us)
         end = ready + (20000 if number // heads < 2 else 500)
-        rows.append([start + 50_000, ready + 50_000, end + 50_000, number % 4, number])
+        # the builder (ticket 0) stamps its phases 0.5 us apart; the other rows leave them zero
+        stamps = [start + 50_000 + 500 * (i + 1) for i in range(len(trace_list.BUILD_PHASES))] if number == 0 else \
+            [0] * len(trace_list.BUILD_PHASES)
+        rows.append([start + 50_000, ready + 50_000, end + 50_000, number % 4, number] + stamps)
     summary = trace_list.summarise(np.array(rows, np.uint64), real_items=2)
+    assert list(summary["build_phases_us"].values()) == [0.5 * (i + 1) for i in range(len(trace_list.BUILD_PHASES))]
+    assert trace_list.summarise(np.array(rows, np.uint64)[:, :5], real_items=2)["build_phases_us"] is None
     assert summary["real_ctas"] == 2 * heads and summary["padding_ctas"] == heads
     assert summary["ticket0_ready_us"] == 4.0
     assert summary["first_real_ready_us"] == 4.0

@@ -107,8 +107,9 @@ def reserve_workspace(batch: int, seqlen_q: int, num_heads: int, head_dim: int,
 _PARAMS_LAYOUT = "9q20i2f"
 _DECODE_LAYOUT = _PARAMS_LAYOUT + "19P"
 _TRACE_LAYOUT = _DECODE_LAYOUT + "P"
-# A trace row per CTA (decode.cu trace_row): start ns, ready ns (its work known), end ns, SM, number.
-TRACE_COLUMNS = 5
+# A trace row per CTA (decode.cu trace_row): start ns, ready ns (its work known), end ns, SM, number,
+# then (the device list's builder only, else zeros) seven stamps of its build (decode.cu build_stamp).
+TRACE_COLUMNS = 12
 # combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
 _COMBINE_LAYOUT = "PPiqiiPP"
 _NO_STRIDES = (0, 0, 0)
