@@ -22,6 +22,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 steps=${*:-warm tests bench sanitize}
 steps=${steps//bench /bench_decode bench_varlen bench_calls }
 [[ $steps == *bench ]] && steps="${steps%bench}bench_decode bench_varlen bench_calls"
+steps=${steps//verify_list/trace_list verify_list}  # the checks after a change of the device list follow its trace
 collect_results() {  # one file for every results/*.json, since the device returns few files
   python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
@@ -100,13 +101,10 @@ for step in $steps; do
       rm -f benchmarks/results/trace_list.json
       run_step trace_list trace_list "${T_BENCH:-150}" python3 benchmarks/trace_list.py ${TRACE_LIST_ARGS:-}
       cp benchmarks/results/trace_list.json "$OUT/" 2>/dev/null ;;
-    verify_list)  # the device-listed launch's checks after a change of it: its trace alone, then its
-      # GPU test file under racecheck in 6 shards beside fuzzing of its two call paths, normal and
-      # hostile (VERIFY_SEED, default 1: draws other than seed 0's; VERIFY_CONFIGS, default 1000;
-      # T_VERIFY for each fuzz run and for the racecheck shards together)
-      rm -f benchmarks/results/trace_list.json
-      run_step trace_list trace_list "${T_BENCH:-150}" python3 benchmarks/trace_list.py
-      cp benchmarks/results/trace_list.json "$OUT/" 2>/dev/null
+    verify_list)  # the device-listed launch's checks after a change of it (after trace_list, run alone
+      # first: see the expansion above): its GPU test file under racecheck in 6 shards beside fuzzing
+      # of its two call paths, normal and hostile (VERIFY_SEED, default 1: draws other than seed 0's;
+      # VERIFY_CONFIGS, default 1000; T_VERIFY for each fuzz run and for the racecheck shards together)
       ( export SANITIZE_TOTAL=$(( 2 * ${T_VERIFY:-150} )) SANITIZE_SHARDS=6 SANITIZE_JOBS=6
         bash benchmarks/sanitize.sh racecheck tests/test_balanced_gpu.py >"$OUT/verify_racecheck.log" 2>&1
         cp "${SANITIZE_OUT:-benchmarks/results/sanitizer.json}" "$OUT/sanitizer.json" 2>/dev/null ) &

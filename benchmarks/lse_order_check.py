@@ -1,12 +1,12 @@
-"""Diagnostic of an open fault: flash_attn_func's LSE, fresh inputs each call, read back at once and
+"""Check of a fixed fault: flash_attn_func's LSE, fresh inputs each call, read back at once and
 compared with torch's own logsumexp of the same scores (and the output with torch's attention).
 
 Prints each call whose LSE differs (how far, how many rows, zeros, equal to the previous call's)
 and the counts.  On the H200 (2026-12-03, torch tensors): 3 of 300 and 9 of 400 calls wrong
 without a sanitizer, 3 of 400 with ``torch.cuda.synchronize()`` before the read, 0 of 400 with
 ``CUDA_LAUNCH_BLOCKING=1``; the outputs always right.  The cause: the LSE's copy ran on torch's
-``ExternalStream(0)``, a pooled stream, not stream 0 (benchmarks/NOTES_calls.md); fixed since, to be
-confirmed with this script.
+``ExternalStream(0)``, a pooled stream, not stream 0 (benchmarks/NOTES_calls.md).  After the fix
+(``_core.arrays.torch_stream``): 0 of 400 in each of the three modes (fifteenth session).
 
     python benchmarks/lse_order_check.py [CALLS] [sync|nosync] [torch_func|cupy_func|torch_varlen]
 

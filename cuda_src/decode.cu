@@ -1400,6 +1400,13 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
 #endif
 }
 
+// An int of global memory read with acquire semantics at GPU scope.
+__device__ __forceinline__ unsigned load_acquire(const int* at) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(at) : "memory");
+  return value;
+}
+
 // The device list's hand-over inside one launch, through two ints that are zero between launches
 // and graph replays (the host allocates them zeroed).  sync[1] hands out tickets in the order CTAs
 // start, wrapping to zero after the grid's last (atomicInc).  The CTA of ticket 0 builds the list
@@ -1420,13 +1427,9 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
   __shared__ int ticket_shared;
   if (threadIdx.x == 0) {
     const unsigned ticket = atomicInc(reinterpret_cast<unsigned*>(sync + 1), gridDim.x - 1);
-    unsigned ready;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(sync) : "memory");
+    unsigned ready = load_acquire(sync);
     if (ticket != 0) {
-      while (!ready) {
-        __nanosleep(64);
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(sync) : "memory");
-      }
+      for (; !ready; ready = load_acquire(sync)) __nanosleep(64);
       asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(0xffffffffu) : "memory");
     }
     ticket_shared = (int)ticket;

@@ -68,8 +68,9 @@ def test_trace_split_matches_launches_and_kernels_to_their_call(benchmarks):
 
 
 def test_trace_list_summary_tells_builder_waiters_work_and_padding(monkeypatch):
-    """trace_list.py's reading of a trace (start, ready, end, SM, number in ns): the builder's
-    time is ticket 0's start to ready, real CTAs are the items' kv heads, the rest padding."""
+    """trace_list.py's reading of a trace (start, ready, end, SM, number, then the builder's stamps, in
+    ns): the builder's time is ticket 0's start to ready, its phases its stamps from that start, real
+    CTAs are the items' kv heads, the rest padding."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import numpy as np
     import trace_list
