@@ -1150,9 +1150,8 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 // doubled while the list would not fit the host's capacities.  Items go by their keys, most
 // first, in kListBuckets classes (the order within a class is the atomics'; results do not depend
 // on it: each row is written by one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
-// query length 0), so the launch's fixed grid (the capacity) does nothing there.  With a batch of
-// at most kThreads, thread b reads sequence b once and keeps it for every pass; a larger batch's
-// lengths are staged in shared memory (stage_lengths).
+// query length 0), so the launch's fixed grid (the capacity) does nothing there.  The lengths are
+// staged in shared memory once (stage_lengths) and every pass reads them there.
 //
 // Bad values: a cu_seqlens_q entry that decreases, leaves q or exceeds max_seqlen_q drops the
 // sequence (no item: its rows are not where q says); a cu_seqlens_k entry that decreases gives
@@ -1172,19 +1171,23 @@ struct ListArgs {
   int batch, seqlen_q, total_q, max_seqlen_q, appends, group, key_limit;
 };
 
+// The builder runs once a launch, in one CTA, cold: its instructions are fetched from L2 or memory
+// as it goes, so it is written small -- per-sequence values in 32 bits (a table row holds fewer than
+// 2^30 keys: kernels/ragged.py MAX_LIST_KEYS, which the host checks), one path for every batch
+// (the lengths staged in shared memory), and list_sequence not inlined into each pass.
 struct ListSeq {
   int q_start, q_len, cached;  // as the WorkItem carries them
-  long long keys;              // what the sequence's items read, for the balance
+  int keys;                    // what the sequence's items read, for the balance
   int row_groups;
 };
 
-__device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* errors, bool report) {
+__device__ __noinline__ ListSeq list_sequence(const ListArgs& a, int b, int* errors, bool report) {
   ListSeq s;
   if (a.cache_seqlens) {
     s.q_start = b * a.seqlen_q;
     s.q_len = a.seqlen_q;
     s.cached = a.cache_seqlens[b];
-    s.keys = (long long)min(max(s.cached, 0), a.key_limit) + (a.appends ? s.q_len : 0);
+    s.keys = min(max(s.cached, 0), a.key_limit) + (a.appends ? s.q_len : 0);
   } else {
     const int q0 = a.cu_seqlens_q[b], q1 = a.cu_seqlens_q[b + 1];
     const int k0 = a.cu_seqlens_k[b], k1 = a.cu_seqlens_k[b + 1];
@@ -1195,24 +1198,23 @@ __device__ __forceinline__ ListSeq list_sequence(const ListArgs& a, int b, int* 
     s.q_start = q0;
     s.q_len = q_ok ? q1 - q0 : 0;  // a decreasing k keeps its rows: they see no key (paged_decode's hole)
     s.cached = k1 - k0;
-    s.keys = q_ok && k_ok ? (long long)min(s.cached, a.key_limit) : 0;
+    s.keys = q_ok && k_ok ? min(s.cached, a.key_limit) : 0;
   }
   s.row_groups = s.q_len > 0 ? (a.group * s.q_len + kRows - 1) / kRows : 0;
   return s;
 }
 
-__device__ __forceinline__ int list_splits(const ListSeq& s, long long chunk) {
-  if (s.row_groups == 0 || 2 * s.keys <= 3 * chunk) return 1;
-  // Here chunk < keys; while keys + chunk fits 32 bits (any real table), a 32-bit division (a
-  // 64-bit one is a long software sequence, and every pass makes one a sequence).
-  if (s.keys + chunk > 0xffffffffLL) return (int)min((s.keys + chunk - 1) / chunk, (long long)kMaxSplits);
-  return (int)min((unsigned)(s.keys + chunk - 1) / (unsigned)chunk, (unsigned)kMaxSplits);
+// The range (chunk, keys) is at most kListMaxChunk: past every sequence's keys, so nothing splits.
+constexpr int kListMaxChunk = (1 << 30) / kTileKeys * kTileKeys;
+
+__device__ __forceinline__ int list_splits(const ListSeq& s, int chunk) {
+  if (s.row_groups == 0 || 2LL * s.keys <= 3LL * chunk) return 1;
+  return (int)min(((unsigned)s.keys + (unsigned)chunk - 1u) / (unsigned)chunk, (unsigned)kMaxSplits);
 }
 
-// The keys of each of a sequence's n ranges (n <= kMaxSplits), in 32 bits where they fit.
-__device__ __forceinline__ long long list_span(const ListSeq& s, int n) {
-  if (s.keys > 0x7fffffffLL) return (s.keys + n - 1) / n;
-  return (long long)(((unsigned)s.keys + (unsigned)(n - 1)) / (unsigned)n);
+// The keys of each of a sequence's n ranges.
+__device__ __forceinline__ int list_span(const ListSeq& s, int n) {
+  return (int)(((unsigned)s.keys + (unsigned)(n - 1)) / (unsigned)n);
 }
 
 // The sums over the CTA of every thread's N values (of the last one the max, where last_max), in
@@ -1257,18 +1259,16 @@ __device__ __forceinline__ void build_stamp(unsigned long long* stamps, int i) {
 #endif
 
 // The lengths staged in the launch's dynamic shared memory (the pipeline's buffers, free until the
-// CTA attends), so that every pass after the first reads them there: a batch larger than the CTA
-// would otherwise reread global memory each pass.  Returns the arguments reading the staged copy
-// (those given where the batch does not fit, or fits the CTA's threads: those keep theirs).
+// CTA attends), so that the passes read them there.  Returns the arguments reading the staged copy,
+// or those given where the batch does not fit.
 __device__ __forceinline__ ListArgs stage_lengths(ListArgs a, int* stage) {
   constexpr int kStageInts = Smem::kBytes / 4;
-  if (a.batch <= kThreads) return a;
   if (a.cache_seqlens && a.batch <= kStageInts) {
-#pragma unroll 4
+    #pragma unroll 1
     for (int i = threadIdx.x; i < a.batch; i += kThreads) stage[i] = a.cache_seqlens[i];
     a.cache_seqlens = stage;
   } else if (!a.cache_seqlens && 2 * (a.batch + 1) <= kStageInts) {
-#pragma unroll 4
+    #pragma unroll 1
     for (int i = threadIdx.x; i <= a.batch; i += kThreads) {
       stage[i] = a.cu_seqlens_q[i];
       stage[a.batch + 1 + i] = a.cu_seqlens_k[i];
@@ -1294,61 +1294,62 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
 #if TRACE
   build_stamp(stamps, 1);
 #endif
-  // Sequence b of the passes below: this thread's own, read once, while the batch fits the CTA.
-  const bool one_each = a.batch <= kThreads;
-  ListSeq own{};
-  if (one_each && (int)threadIdx.x < a.batch) own = list_sequence(a, threadIdx.x, errors, true);
-  auto sequence = [&](int b) { return one_each ? own : list_sequence(a, b, errors, false); };
   long long sums[2] = {0, 0};  // keys times row groups, row groups
+  #pragma unroll 1
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
-    const ListSeq s = one_each ? own : list_sequence(a, b, errors, true);
-    sums[0] += s.row_groups * s.keys;
+    const ListSeq s = list_sequence(a, b, errors, true);
+    sums[0] += (long long)s.row_groups * s.keys;
     sums[1] += s.row_groups;
   }
   list_reduce(sums, scratch, false);
 #if TRACE
   build_stamp(stamps, 2);
 #endif
-  const long long total = sums[0], base = sums[1];
-  long long chunk = max((long long)kListMinTiles * kTileKeys,
-                        (total + kListWaves * slots_per_head - 1) / max(kListWaves * slots_per_head, 1));
-  long long items = 0, longest = 0;
+  const long long per_range = max(kListWaves * slots_per_head, 1);
+  int chunk = (int)min(max((long long)kListMinTiles * kTileKeys, (sums[0] + per_range - 1) / per_range),
+                       (long long)kListMaxChunk);
+  long long items = 0;
+  int longest = 0;
+  #pragma unroll 1
   for (int round = 0; round < 48; ++round) {
     chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
     long long counts[3] = {0, 0, 0};  // items, items of split sequences (workspace slots), the longest range
+    #pragma unroll 1
     for (int b = threadIdx.x; b < a.batch; b += kThreads) {
-      const ListSeq s = sequence(b);
+      const ListSeq s = list_sequence(a, b, errors, false);
       const int n = list_splits(s, chunk);
-      counts[0] += (long long)s.row_groups * n;
-      if (n > 1) counts[1] += (long long)s.row_groups * n;
-      if (s.row_groups) counts[2] = max(counts[2], list_span(s, n));
+      counts[0] += s.row_groups * n;
+      if (n > 1) counts[1] += s.row_groups * n;
+      if (s.row_groups) counts[2] = max(counts[2], (long long)list_span(s, n));
     }
     list_reduce(counts, scratch, true);
     items = counts[0];
-    longest = counts[2];
-    if ((items <= max_items && counts[1] <= max_slots) || items == base) break;
-    chunk *= 2;
+    longest = (int)counts[2];
+    if ((items <= max_items && counts[1] <= max_slots) || items == sums[1]) break;
+    chunk = chunk >= kListMaxChunk / 2 ? kListMaxChunk : 2 * chunk;
   }
 #if TRACE
   build_stamp(stamps, 3);
 #endif
-  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest.  The
-  // quotient in double is exact here (integers below 2^53, at least 1/longest from the next one).
+  // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest (an
+  // order, not a result: float rounding may move an item to the next bucket).
   if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
   if (threadIdx.x == 0) slot_cursor = 0;
   __syncthreads();
+  const float per_bucket = longest > 0 ? (kListBuckets - 1) / (float)longest : 0.0f;
   auto bucket = [&](const ListSeq& s, int n) {
-    return longest > 0 ? (int)((double)(longest - list_span(s, n)) * (kListBuckets - 1) / (double)longest) : 0;
+    return min((int)((float)(longest - list_span(s, n)) * per_bucket), kListBuckets - 1);
   };
+  #pragma unroll 1
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
-    const ListSeq s = sequence(b);
-    if (s.row_groups) atomicAdd(&bucket_start[bucket(s, list_splits(s, chunk))], s.row_groups * list_splits(s, chunk));
+    const ListSeq s = list_sequence(a, b, errors, false);
+    const int n = list_splits(s, chunk);
+    if (s.row_groups) atomicAdd(&bucket_start[bucket(s, n)], s.row_groups * n);
   }
   __syncthreads();
   if (threadIdx.x < 32) {  // exclusive prefix of the bucket counts, one lane a bucket
     const int count = bucket_start[threadIdx.x];
     int upto = count;
-#pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int below = __shfl_up_sync(0xffffffffu, upto, o);
       if ((int)threadIdx.x >= o) upto += below;
@@ -1368,29 +1369,34 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     const int rg = i / n, split = i - rg * n;
     if (first + i < max_items) store_item(work, first + i, b, rg, split, n, s, n > 1 ? slot + rg * n : 0);
   };
+  #pragma unroll 1
   for (int b0 = 0; b0 < a.batch; b0 += kThreads) {
     const int b = b0 + threadIdx.x;
     ListSeq s{};
     int n = 1, count = 0, first = 0, slot = 0;
     if (b < a.batch) {
-      s = sequence(b);
+      s = list_sequence(a, b, errors, false);
       n = list_splits(s, chunk);
       count = s.row_groups * n;
       if (count) first = atomicAdd(&bucket_start[bucket(s, n)], count);
       if (count && n > 1) slot = atomicAdd(&slot_cursor, count);
     }
     if (count <= kOwnItems)
+      #pragma unroll 1
       for (int i = 0; i < count; ++i) store(i, b, first, n, slot, s);
+    #pragma unroll 1
     for (unsigned many = __ballot_sync(0xffffffffu, count > kOwnItems); many; many &= many - 1) {
       const int from = __ffs(many) - 1;
       const auto take = [&](int v) { return __shfl_sync(0xffffffffu, v, from); };
       const ListSeq t{take(s.q_start), take(s.q_len), take(s.cached), 0, 0};
       const int tb = take(b), tn = take(n), tcount = take(count), tfirst = take(first), tslot = take(slot);
+      #pragma unroll 1
       for (int i = threadIdx.x % 32; i < tcount; i += 32) store(i, tb, tfirst, tn, tslot, t);
     }
   }
   // Padding past the list (the launch's grid is the capacity).
   const int4 zero = make_int4(0, 0, 0, 0);
+  #pragma unroll 1
   for (long long i = items + threadIdx.x; i < max_items; i += kThreads) {
     reinterpret_cast<int4*>(work)[2 * i] = zero;
     reinterpret_cast<int4*>(work)[2 * i + 1] = zero;

@@ -282,8 +282,9 @@ def balances(p: DecodeProblem) -> bool:
     By default (``ragged.BALANCE`` None) it does when the decode kernel's own choice would not split
     the grid (a full wave of CTAs or more), so that one long sequence would run on one CTA per kv
     head while the rest finish, and a sequence can be long enough to split (more than 1.5 ranges of
-    the rule's shortest).  The lengths themselves are on the device: batches of equal lengths take it
-    too (the list then splits nothing)."""
+    the rule's shortest).  Never for a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys or more
+    (the device list counts keys in 32 bits).  The lengths themselves are on the device: batches of
+    equal lengths take it too (the list then splits nothing)."""
     from . import ragged
 
     if ragged.BALANCE is False or p.block_table is None or isinstance(p.cache_seqlens, int):
@@ -295,9 +296,11 @@ def balances(p: DecodeProblem) -> bool:
             or (p.seqlen_new and (_token_strides(p.k_new, seqlen_q) is None
                                   or _token_strides(p.v_new, seqlen_q) is None))):
         return False
+    max_blocks, _, shift = _cache_geometry(p)
+    if max_blocks << shift >= ragged.MAX_LIST_KEYS:
+        return False
     if ragged.BALANCE:
         return True
-    max_blocks, _, shift = _cache_geometry(p)
     shortest = ragged.MIN_SPLIT_TILES * ragged.tile_keys(int(p.q.shape[3]))
     return 2 * (max_blocks << shift) > 3 * shortest and _problem_shape(p, None).splits == 1
 

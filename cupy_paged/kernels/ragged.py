@@ -43,6 +43,8 @@ SYNC_INTS = 8      # the device list's hand-over (2 ints used), ahead of its ite
 WAVES = 2
 MIN_SPLIT_TILES = 4
 MAX_SPLITS = 128   # decode.cu kMaxSplits: merge_if_last's weights, [16 rows][MAX_SPLITS] floats
+# The device list counts a sequence's keys in 32 bits: it serves tables whose rows hold fewer keys.
+MAX_LIST_KEYS = 1 << 30
 
 # Whether calls without host lengths take the device-built list (DeviceListLaunch): None lets
 # kernels.decode.balances (flash_attn_with_kvcache) and VarlenLaunch (short rows) decide; True /

@@ -175,12 +175,12 @@ class VarlenLaunch:
         # outside a graph capture (paged prefill shapes never make it).
         self.group = num_heads // p.num_kv_heads
         self._short = None
-        self._short_args = None if (given or not paged or head_dim not in DECODE_TILES
-                                    or self.group > ROWS) else (
+        self._short_keys = table_width << block_shift  # keys a table row holds
+        self._short_args = None if (given or not paged or head_dim not in DECODE_TILES or self.group > ROWS
+                                    or self._short_keys >= ragged.MAX_LIST_KEYS) else (
             device, p.q.dtype, self.out_shape, (q_row, q_head), None, None,
             (kv_rows, p.block_size, p.num_kv_heads), table_width, p.softmax_scale, p.window, p.softcap,
             self.alibi_stride)
-        self._short_keys = table_width << block_shift  # keys a table row holds
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
