@@ -130,6 +130,26 @@ def test_auto_rule():
     assert not balances(problem(64, 4096, num_splits=1))
 
 
+def test_tables_past_the_key_limit_keep_the_decode_kernel(monkeypatch):
+    """The device list counts keys in 32 bits: a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys or
+    more never takes it, even when balancing is forced (the limit lowered here to a 4,096-key row)."""
+    import cupy
+
+    from cupy_paged.api.decode import prepare_decode
+    from cupy_paged.kernels import ragged
+    from cupy_paged.kernels.decode import balances
+
+    arrays = dict(q=cupy.empty((64, 1, 32, 128), BF16), k_cache=cupy.empty((8, 16, 8, 128), BF16),
+                  v_cache=cupy.empty((8, 16, 8, 128), BF16), cache_seqlens=cupy.zeros(64, np.int32),
+                  block_table=cupy.zeros((64, 256), np.int32))
+    for forced in (None, True):
+        monkeypatch.setattr(ragged, "BALANCE", forced)
+        monkeypatch.setattr(ragged, "MAX_LIST_KEYS", 4097)
+        assert balances(prepare_decode(**arrays))
+        monkeypatch.setattr(ragged, "MAX_LIST_KEYS", 4096)
+        assert not balances(prepare_decode(**arrays))
+
+
 def test_one_long_sequence_is_split_over_ctas(balance):
     """The list the device builds for one 20k-key sequence among 63 short ones splits the long one
     into ranges of about the batch's keys per CTA slot pair, and covers every sequence once."""
@@ -242,6 +262,39 @@ def test_varlen_short_rows_match_reference(balance, monkeypatch, balanced, dtype
     assert got is out
     assert_close(got, ref, dtype)
     assert bool(runs) == balanced, "the short-row path ran" if runs else "the short-row path did not run"
+
+
+@pytest.mark.parametrize("margin", [0, 1], ids=["at-limit", "under-limit"])
+def test_varlen_short_rows_past_the_key_limit_take_the_varlen_kernel(balance, monkeypatch, margin):
+    """Short rows over a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys (the limit lowered to the
+    keys of this table's rows) take the varlen kernel, still right; with the limit one key higher they
+    take the device list."""
+    import cupy
+
+    from cupy_paged.kernels import ragged
+
+    balance(None)
+    runs = []
+    real_run = ragged.DeviceListLaunch.run
+    monkeypatch.setattr(ragged.DeviceListLaunch, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    rng = np.random.default_rng(11)
+    lens_q = np.ones(20, np.int64)
+    lens_k = rng.integers(1, 9000, 20)
+    lens_k[0] = 9000
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = randn(rng, (20, 16, 128), BF16)
+    k = randn(rng, (int(cu_k[-1]), 4, 128), BF16)
+    v = randn(rng, (int(cu_k[-1]), 4, 128), BF16)
+    (k_cache, v_cache), table = scatter_paged(rng, [k, v], lens_k, 16)
+    monkeypatch.setattr(ragged, "MAX_LIST_KEYS", table.shape[1] * 16 + margin)
+    args = (cu_q, cu_k, 1, int(lens_k.max()))
+    ref = cupy_paged.flash_attn_varlen_func(q, k_cache, v_cache, *args, block_table=table, causal=True)
+    dev = [cupy.asarray(x) for x in (q, k_cache, v_cache, cu_q, cu_k)]
+    got = cupy_paged.flash_attn_varlen_func(*dev[:3], dev[3], dev[4], *args[2:], block_table=cupy.asarray(table),
+                                            causal=True)
+    assert_close(got, ref, BF16)
+    assert bool(runs) == bool(margin)
 
 
 def test_new_tokens_of_length_zero_append_nothing(balance):
