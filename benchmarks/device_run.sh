@@ -11,8 +11,8 @@
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
-#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS), verify_list (T_VERIFY, VERIFY_SEED,
-#   VERIFY_CONFIGS), lse_check (T_BENCH), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
+#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS),
+#   lse_check (T_BENCH), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
 #   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS),
 #   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
 set -uo pipefail
@@ -22,7 +22,6 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 steps=${*:-warm tests bench sanitize}
 steps=${steps//bench /bench_decode bench_varlen bench_calls }
 [[ $steps == *bench ]] && steps="${steps%bench}bench_decode bench_varlen bench_calls"
-steps=${steps//verify_list/trace_list verify_list}  # the checks after a change of the device list follow its trace
 collect_results() {  # one file for every results/*.json, since the device returns few files
   python3 - "$OUT/results.json" <<'PY'
 import json, pathlib, sys
@@ -101,21 +100,6 @@ for step in $steps; do
       rm -f benchmarks/results/trace_list.json
       run_step trace_list trace_list "${T_BENCH:-150}" python3 benchmarks/trace_list.py ${TRACE_LIST_ARGS:-}
       cp benchmarks/results/trace_list.json "$OUT/" 2>/dev/null ;;
-    verify_list)  # the device-listed launch's checks after a change of it (after trace_list, run alone
-      # first: see the expansion above): its GPU test file under racecheck in 6 shards beside fuzzing
-      # of its two call paths, normal and hostile (VERIFY_SEED, default 1: draws other than seed 0's;
-      # VERIFY_CONFIGS, default 1000; T_VERIFY for each fuzz run and for the racecheck shards together)
-      ( export SANITIZE_TOTAL=$(( 2 * ${T_VERIFY:-150} )) SANITIZE_SHARDS=6 SANITIZE_JOBS=6
-        bash benchmarks/sanitize.sh racecheck tests/test_balanced_gpu.py >"$OUT/verify_racecheck.log" 2>&1
-        cp "${SANITIZE_OUT:-benchmarks/results/sanitizer.json}" "$OUT/sanitizer.json" 2>/dev/null ) &
-      for hostile in "" --hostile; do
-        run_step verify_fuzz fuzz "${T_VERIFY:-150}" python3 benchmarks/fuzz.py --seed "${VERIFY_SEED:-1}" \
-          --kernels balanced varlen_short --configs "${VERIFY_CONFIGS:-1000}" --jobs 9 \
-          --time-limit "$(( ${T_VERIFY:-150} - 15 ))" $hostile --log "$OUT/fuzz_configs_verify${hostile/--/_}.log" \
-          --out "$OUT/fuzz_verify${hostile/--/_}.json"
-      done
-      wait
-      summary+=("$(printf '%-12s %s' verify_race "$(grep -h -E 'errors=' "$OUT/verify_racecheck.log" | cut -c1-90 | tr '\n' ';')")") ;;
     lse_check)  # flash_attn_func's LSE call after call, three call paths (benchmarks/lse_order_check.py)
       for mode in torch_func cupy_func torch_varlen; do
         run_step lse_check lse_check "${T_BENCH:-150}" python3 benchmarks/lse_order_check.py 400 nosync "$mode"
@@ -168,7 +152,7 @@ for step in $steps; do
         --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call trace_list verify_list lse_check profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call trace_list lse_check profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -153,8 +153,8 @@ def _punch_holes(rng, table: np.ndarray, needed_blocks: list, num_blocks: int) -
 
 def _device_list_batch(rng) -> tuple[int, int]:
     """``(batch, longest)`` of a call the device-built list serves: up to 40 sequences of up to 600
-    keys, or (15%) 129-320 of up to 160, past the 128 a CTA of the list's builder keeps in its
-    threads (decode.cu stage_lengths)."""
+    keys, or (15%) 129-320 of up to 160, more than the list builder's CTA has threads (each thread
+    then takes several sequences in every pass of decode.cu build_list)."""
     return (int(rng.integers(129, 321)), 160) if rng.random() < 0.15 else (int(rng.integers(1, 41)), 600)
 
 

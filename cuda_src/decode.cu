@@ -1169,6 +1169,9 @@ struct ListArgs {
   const int* cu_seqlens_q;   // [B + 1]: varlen calls, else null
   const int* cu_seqlens_k;
   int batch, seqlen_q, total_q, max_seqlen_q, appends, group, key_limit;
+#if TRACE
+  unsigned long long* stamps;  // the builder's stamps (build_stamp), or null
+#endif
 };
 
 // The builder runs once a launch, in one CTA, cold: its instructions are fetched from L2 or memory
@@ -1248,14 +1251,18 @@ __device__ __forceinline__ void store_item(int* list, long long index, int b, in
   at[1] = make_int4(s.q_start, s.q_len, s.cached, slot);
 }
 
+// The builder's clock stamps in the TRACE specialization (the benchmark's trace row, its columns 5
+// to 11: kTraceColumns below; ListArgs::stamps, null for the other CTAs): its ticket known, the
+// lengths staged, the first pass reduced, the rounds done, the bucket scan done, the items stored,
+// the release made.  LIST_STAMP(a, i) is nothing in the other specializations.
 #if TRACE
-// The builder's clock stamps (the benchmark's trace row, its columns 5 to 11: kTraceColumns below;
-// null for the other CTAs): its ticket known, the lengths staged, the first pass reduced, the rounds
-// done, the bucket scan done, the items stored, the release made.
 constexpr int kBuildStamps = 7;
 __device__ __forceinline__ void build_stamp(unsigned long long* stamps, int i) {
   if (stamps && threadIdx.x == 0) stamps[i] = cp::global_ns();
 }
+#define LIST_STAMP(a, i) build_stamp((a).stamps, i)
+#else
+#define LIST_STAMP(a, i)
 #endif
 
 // The lengths staged in the launch's dynamic shared memory (the pipeline's buffers, free until the
@@ -1281,19 +1288,13 @@ __device__ __forceinline__ ListArgs stage_lengths(ListArgs a, int* stage) {
 }
 
 __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head, int max_items, int max_slots,
-                                       int* work, int* errors, int* stage
-#if TRACE
-                                       , unsigned long long* stamps
-#endif
-                                       ) {
+                                       int* work, int* errors, int* stage) {
   static_assert(kListBuckets == 32, "one warp scans the bucket counts");
   __shared__ long long scratch[kListReduceMax][kWarps];
   __shared__ int bucket_start[kListBuckets];
   __shared__ int slot_cursor;
   const ListArgs a = stage_lengths(given, stage);
-#if TRACE
-  build_stamp(stamps, 1);
-#endif
+  LIST_STAMP(a, 1);
   long long sums[2] = {0, 0};  // keys times row groups, row groups
   #pragma unroll 1
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
@@ -1302,9 +1303,7 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     sums[1] += s.row_groups;
   }
   list_reduce(sums, scratch, false);
-#if TRACE
-  build_stamp(stamps, 2);
-#endif
+  LIST_STAMP(a, 2);
   const long long per_range = max(kListWaves * slots_per_head, 1);
   int chunk = (int)min(max((long long)kListMinTiles * kTileKeys, (sums[0] + per_range - 1) / per_range),
                        (long long)kListMaxChunk);
@@ -1328,9 +1327,7 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     if ((items <= max_items && counts[1] <= max_slots) || items == sums[1]) break;
     chunk = chunk >= kListMaxChunk / 2 ? kListMaxChunk : 2 * chunk;
   }
-#if TRACE
-  build_stamp(stamps, 3);
-#endif
+  LIST_STAMP(a, 3);
   // Bucket k holds the items of span (keys) in the k-th 1/kListBuckets below the longest (an
   // order, not a result: float rounding may move an item to the next bucket).
   if (threadIdx.x < kListBuckets) bucket_start[threadIdx.x] = 0;
@@ -1357,9 +1354,7 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     bucket_start[threadIdx.x] = upto - count;
   }
   __syncthreads();
-#if TRACE
-  build_stamp(stamps, 4);
-#endif
+  LIST_STAMP(a, 4);
   // Item i of a sequence's count (row group i / n, split i % n) goes to first + i.  A sequence of a
   // few items is written by its thread; one of more (split many times) by its whole warp, so that
   // no thread writes a long sequence's 128 items alone.  The loop runs the same passes in every
@@ -1401,9 +1396,7 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     reinterpret_cast<int4*>(work)[2 * i] = zero;
     reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
   }
-#if TRACE
-  build_stamp(stamps, 5);
-#endif
+  LIST_STAMP(a, 5);
 }
 
 // An int of global memory read with acquire semantics at GPU scope.
@@ -1425,11 +1418,7 @@ __device__ __forceinline__ unsigned load_acquire(const int* at) {
 // at once (one stream's buffers; kernels/ragged.py).  The work items are then read through L2
 // (load_item's __ldcg).  Returns the ticket.
 __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
-                                             int* work, int* sync, int* errors, int* stage
-#if TRACE
-                                             , unsigned long long* stamps
-#endif
-                                             ) {
+                                             int* work, int* sync, int* errors, int* stage) {
   __shared__ int ticket_shared;
   if (threadIdx.x == 0) {
     const unsigned ticket = atomicInc(reinterpret_cast<unsigned*>(sync + 1), gridDim.x - 1);
@@ -1443,19 +1432,13 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
   __syncthreads();
   const int ticket = ticket_shared;
   if (ticket == 0) {
-#if TRACE
-    build_stamp(stamps, 0);
-    build_list(a, slots_per_head, max_items, max_slots, work, errors, stage, stamps);
-#else
+    LIST_STAMP(a, 0);
     build_list(a, slots_per_head, max_items, max_slots, work, errors, stage);
-#endif
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
       asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(gridDim.x - 1) : "memory");
-#if TRACE
-    build_stamp(stamps, 6);
-#endif
+    LIST_STAMP(a, 6);
   }
   return ticket;
 }
@@ -1527,13 +1510,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   int number = blockIdx.x;  // which CTA of the list this one is (see RAGGED above)
   if (list_sync) {
     const ListArgs a{list_seqlens, list_cu_q, list_cu_k, list_batch, list_seqlen_q, params.seqlen_q, list_max_seqlen_q,
-                     params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit};
-    number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors,
-                           reinterpret_cast<int*>(smem_raw)
+                     params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit
 #if TRACE
-                           , trace ? trace_row(trace) + 5 : nullptr
+                     , trace ? trace_row(trace) + 5 : nullptr
 #endif
-                           );
+                     };
+    number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors,
+                           reinterpret_cast<int*>(smem_raw));
   }
   const WorkItem item = load_item(work, number / params.num_kv_heads);
 #if TRACE

@@ -72,7 +72,7 @@ MIXES = {
     "one-long": [9000] + [37] * 23,
     "lognormal": np.random.default_rng(3).lognormal(6.5, 1.2, 40).clip(0, 12000).astype(int).tolist(),
     "zeros-ones": [0, 1, 0, 5000, 1, 2, 15, 16, 17, 0],
-    # more sequences than the builder's CTA has threads: its lengths staged in shared memory
+    # more sequences than the builder's CTA has threads: each thread takes several in every pass
     "many": [7000] + np.random.default_rng(5).lognormal(4.0, 1.0, 299).clip(0, 600).astype(int).tolist(),
 }
 
@@ -215,7 +215,7 @@ def test_device_list_splits_as_the_host_rule(balance, seed, batch):
 
 
 # Varlen short rows: query lengths 0 to 4 with 4 query heads per kv head (at most 16 rows); the last
-# case has more sequences than the list builder's CTA has threads (its lengths staged in shared memory).
+# case has more sequences than the list builder's CTA has threads (several a thread in every pass).
 @pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size,max_q,options,batch", [
     (BF16, 128, 16, 4, 16, 1, {"causal": True}, 30),
     (F16, 64, 8, 2, 32, 4, {"causal": True, "return_softmax_lse": True}, 30),
