@@ -60,7 +60,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # D=64, two warpgroups, among them); earlier sweeps, with their outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
-    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
+    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3), WgmmaTiles(128, 2, producer=True),
+          WgmmaTiles(128, 3, producer=True)),
 }
 
 
@@ -127,8 +128,9 @@ class Batch:
                 block_table=table, out=self.out, check_values=False)
         from cupy_paged.api.varlen import prepare_varlen
 
-        p = prepare_varlen(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
-                                   None, True, (-1, -1), 0.0, None, None, False, self.out, False)
+        k, v, table = paged if paged is not None else (self.k, self.v, None)
+        p = prepare_varlen(self.q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k,
+                           None, True, (-1, -1), 0.0, None, table, False, self.out, False)
         launch = varlen_ops.VarlenLaunch(p, tiles)  # resolved once: the closure times the launch
         args = varlen_ops.problem_args(p)
         import cupy as _cupy
@@ -224,21 +226,24 @@ def prefill_case(name, lens, head_dim, reps, cases):
     return batch, value
 
 
-def sweep_case(name, lens, head_dim, reps):
-    """The registered kernel and every WGMMA_SWEEP shape of ``head_dim`` on one batch:
-    TFLOP/s, registers and local memory of the shape as built on this machine, and the largest
-    difference of its output from the registered kernel's."""
+def sweep_case(name, lens, head_dim, reps, lens_k=None, block_size=None):
+    """The registered kernel and every WGMMA_SWEEP shape of ``head_dim`` on one batch (causal;
+    keys ``lens_k``, default ``lens``; through a shuffled block table of ``block_size`` when
+    given): TFLOP/s, registers and local memory of the shape as built on this machine, and the
+    largest difference of its output from the registered kernel's."""
     import cupy
 
-    batch = Batch(lens, lens, head_dim)
-    work = flops(lens, lens, head_dim)
-    registered = batch.ours()
+    lens_k = lens_k or lens
+    batch = Batch(lens, lens_k, head_dim)
+    paged = batch.paged(block_size) if block_size else None
+    work = flops(lens, lens_k, head_dim)
+    registered = batch.ours(paged=paged)
     registered()
     reference = batch.out.astype(np.float32)
     row = dict(name=name, registered=round(work / time_ms(registered, reps) / 1e9, 1), variants={})
     for tiles in WGMMA_SWEEP.get(head_dim, ()):
         label = tiles.label()
-        fn = batch.ours(tiles)
+        fn = batch.ours(tiles, paged)
         batch.out.view(np.uint16).fill(0x7FC0)  # NaN: an unwritten output shows
         fn()
         diff = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
@@ -462,10 +467,14 @@ def main() -> int:
 
     if args.sweep:  # last, after the results are written: a failing candidate loses only the sweep
         sweep: list[dict] = []
-        for name, lens, head_dim in (("causal_d128_8x4096", [4096] * 8, 128),
-                                     ("causal_d128_mixed", mixed_lengths(), 128),
-                                     ("causal_d64_16x2048", [2048] * 16, 64)):
-            sweep.append(sweep_case(name, lens, head_dim, args.reps))
+        for name, lens, head_dim, options in (
+                ("causal_d128_8x4096", [4096] * 8, 128, {}),
+                ("causal_d128_mixed", mixed_lengths(), 128, {}),
+                ("causal_d128_8x2048", [2048] * 8, 128, {}),
+                ("paged_bs16_d128_8x4096", [4096] * 8, 128, dict(block_size=16)),
+                ("chunk512_after_32k_bs16", [512], 128, dict(lens_k=[32768 + 512], block_size=16)),
+                ("causal_d64_16x2048", [2048] * 16, 64, {})):
+            sweep.append(sweep_case(name, lens, head_dim, args.reps, **options))
         result["sweep"] = sweep
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\n{'sweep case':22} {'variant':22} {'TFLOP/s':>8} {'x reg.':>7} {'regs':>5} {'local':>6} maxdiff")

@@ -45,4 +45,48 @@ __device__ __forceinline__ u64 smem_descriptor(u32 address, u32 leading, u32 str
          (static_cast<u64>((stride >> 4) & 0x3FFFu) << 32) | (1ull << 62);  // 1 << 62: 128-byte swizzle
 }
 
+// ---- the warp-specialized kernel's synchronisation (varlen_wgmma.cu, PRODUCER = 1)
+
+// An mbarrier (8 bytes of shared memory at `bar`) expecting `count` arrivals per phase; one thread
+// initialises it before a barrier that publishes it.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival (release: this thread's earlier shared-memory writes are seen by whoever waits).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// One arrival when every cp.async this thread issued so far has landed; counted in the barrier's
+// expected arrivals (noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait (acquire) until the phase of parity `parity` has completed.  A fresh barrier is in phase 0,
+// and the phase before it (parity 1) counts as completed, so a producer's first wait on a free
+// slot returns at once.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity)
+      : "memory");
+}
+// Named barriers 1..15 among `threads` threads (a multiple of 32): sync waits, arrive does not.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The registers of every thread of this warpgroup from here on (setmaxnreg: the producer gives
+// some back, the consumers take them).
+template <int kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
 }  // namespace cp

@@ -47,6 +47,7 @@ struct Traits {
   static constexpr int kMinBlocks = MIN_CTAS;
   static constexpr int kAhead = STAGES - 1;  // key tiles in flight ahead of the one computed
   static constexpr int kThreads = WARPS * 32;
+  static constexpr int kCtaThreads = kThreads;  // every thread loads
   static constexpr int kWarpRows = BM / WARPS;  // query rows per warp
   static constexpr int kMTiles = kWarpRows / 16;  // m16 tiles per warp
   static constexpr int kNTiles = BN / 8;          // n8 tiles of S per warp row tile

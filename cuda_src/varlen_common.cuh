@@ -1,6 +1,7 @@
 // Pieces of the varlen forward pass shared by its two kernels (varlen.cu: mma.sync, sm_80+;
 // varlen_wgmma.cu: wgmma, sm_90a).  The including file defines, in namespace varlen, the element
-// type T and the traits Tr (kHeadDim, kBlockM, kBlockN, kThreads, kChunks, kMTiles, kNTiles,
+// type T and the traits Tr (kHeadDim, kBlockM, kBlockN, kThreads (the threads that load, numbered
+// from 0), kCtaThreads (all of the CTA's), kChunks, kMTiles, kNTiles,
 // kDTiles; the K/V pipeline's kStages, kAhead (tiles in flight ahead of the one computed) and
 // kKVBytes (bytes of one K or V tile); and QTile / KVTile, the shared-memory layouts of the Q and
 // K/V tiles, each with a static offset(row, chunk)); these functions are written against those
@@ -113,8 +114,11 @@ __device__ __forceinline__ void stage_ids(u32 s_slot, const KvSource& src, int n
 // one block-table load (the prologue's tiles, and every partial tile).  Paged, with
 // `stage_next`, it then stages the block ids of the tile kAhead below, n0 - kAhead * kBlockN,
 // into the id slot at shared address s_next_ids (load_stage).  (Both are derived here, inside the
-// paged branch, which keeps them out of the contiguous path's code.)
-template <bool kStaged>
+// paged branch, which keeps them out of the contiguous path's code.)  kParts says which tiles are
+// copied: kLoadK, kLoadV or both (the warp-specialized kernel loads K and V behind separate
+// barriers); the loadable bytes are written with K.
+constexpr int kLoadK = 1, kLoadV = 2, kLoadKV = 3;
+template <bool kStaged, int kParts = kLoadKV>
 __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_loadable, const int* ids,
                                             bool stage_next, u32 s_next_ids, const KvSource& src, int n0) {
   using P = TilePasses<Tr::kBlockN>;
@@ -144,9 +148,9 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
         const int r = P::row(pass), j = n0 + r;
         const bool ok = paged::is_block(blocks[pass], src.num_rows);
         const unsigned slot = ok ? layout.slot(blocks[pass], j) : 0u;
-        cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
-        cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
-        if (c == 0) s_loadable[r] = ok;
+        if (kParts & kLoadK) cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+        if (kParts & kLoadV) cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
+        if ((kParts & kLoadK) && c == 0) s_loadable[r] = ok;
         hole |= !ok;
       }
       // The tile kAhead below a full tile is full too (tiles are visited downwards): no check.
@@ -161,11 +165,13 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
       const int block = listed ? __ldg(src.table + column) : -1;
       const bool ok = paged::is_block(block, src.num_rows) && listed;
       const unsigned slot = ok ? layout.slot(block, j) : 0u;
-      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c),
-                      reinterpret_cast<const char*>(src.k + c * 8) + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
-      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c),
-                      reinterpret_cast<const char*>(src.v + c * 8) + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
-      if (c == 0) s_loadable[r] = ok;
+      if (kParts & kLoadK)
+        cp::cp_async_16(s_k + Tr::KVTile::offset(r, c),
+                        reinterpret_cast<const char*>(src.k + c * 8) + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+      if (kParts & kLoadV)
+        cp::cp_async_16(s_v + Tr::KVTile::offset(r, c),
+                        reinterpret_cast<const char*>(src.v + c * 8) + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
+      if ((kParts & kLoadK) && c == 0) s_loadable[r] = ok;
       hole |= !ok && j < src.length;
     }
     const int next_n0 = n0 - Tr::kAhead * Tr::kBlockN;
@@ -179,8 +185,8 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
 #pragma unroll
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass);
-      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), kp, true);
-      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), vp, true);
+      if (kParts & kLoadK) cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), kp, true);
+      if (kParts & kLoadV) cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), vp, true);
       kp += src.k_pass;
       vp += src.v_pass;
     }
@@ -191,9 +197,11 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass);
       const bool ok = n0 + r < src.loadable;
-      cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), src.k + (ok ? k_tile + r * src.k_row + c * 8 : 0ll), ok);
-      cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), src.v + (ok ? v_tile + r * src.v_row + c * 8 : 0ll), ok);
-      if (c == 0) s_loadable[r] = ok;
+      if (kParts & kLoadK)
+        cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), src.k + (ok ? k_tile + r * src.k_row + c * 8 : 0ll), ok);
+      if (kParts & kLoadV)
+        cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), src.v + (ok ? v_tile + r * src.v_row + c * 8 : 0ll), ok);
+      if ((kParts & kLoadK) && c == 0) s_loadable[r] = ok;
       hole |= !ok && n0 + r < src.length;
     }
   }
@@ -344,7 +352,7 @@ __device__ __forceinline__ void store_output(WarpState& st, T* out, long long ou
 // Rows [first, last) of a tile that sees no key at all: zeros and LSE -inf.
 __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, float* lse, long long lse_base,
                                                  int q_start, int first, int last, int total_q) {
-  for (int index = threadIdx.x; index < (last - first) * Tr::kChunks; index += Tr::kThreads) {
+  for (int index = threadIdx.x; index < (last - first) * Tr::kChunks; index += Tr::kCtaThreads) {
     const long long row = (long long)q_start + first + index / Tr::kChunks;
     if (row < 0 || row >= total_q) continue;
     reinterpret_cast<uint4*>(out + row * out_row)[index % Tr::kChunks] = make_uint4(0, 0, 0, 0);

@@ -16,11 +16,15 @@
 // Shared memory written by cp.async (generic proxy) is read by wgmma (async proxy): every thread
 // fences the proxies after its copies land and before the barrier that publishes them.
 //
+// With PRODUCER = 1 the CTA is warp-specialized instead: one more warpgroup (the producer, threads
+// 0 .. 127) issues every cp.async, and the WARPGROUPS = 2 consumer warpgroups only compute (see
+// "The warp-specialized kernel" below).
+//
 // Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys per tile),
-// NUM_STAGES (K/V pipeline depth), SMEM_BYTES (the host's dynamic shared memory for the shape,
-// checked by WgTraits).  Compiled for sm_90a only (kernels/varlen.py picks this kernel on compute
-// capability 9.0 and falls back to varlen.cu elsewhere).  A warpgroup runs the steps of a tile in
-// order, each waited for.
+// NUM_STAGES (K/V pipeline depth), PRODUCER (0 or 1), SMEM_BYTES (the host's dynamic shared memory
+// for the shape, checked by WgTraits).  Compiled for sm_90a only (kernels/varlen.py picks this
+// kernel on compute capability 9.0 and falls back to varlen.cu elsewhere).  Without a producer, a
+// warpgroup runs the steps of a tile in order, each waited for.
 #include "common.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
@@ -32,10 +36,14 @@ using cp::u32;
 using cp::u64;
 using T = SCALAR_T;
 
-template <int D, int GROUPS, int BN, int STAGES>
+template <int D, int GROUPS, int BN, int STAGES, int WITH_PRODUCER>
 struct WgTraits {
   static constexpr int kHeadDim = D, kBlockM = 64 * GROUPS, kBlockN = BN, kStages = STAGES;
-  static constexpr int kThreads = 128 * GROUPS, kGroupRows = 64;
+  static constexpr bool kProducer = WITH_PRODUCER != 0;
+  static constexpr int kGroups = GROUPS, kGroupRows = 64;
+  // The threads that load (all, or the producer warpgroup) and all of the CTA's.
+  static constexpr int kThreads = kProducer ? 128 : 128 * GROUPS;
+  static constexpr int kCtaThreads = 128 * (GROUPS + WITH_PRODUCER);
   // CTAs per SM the registers must allow: one warpgroup per CTA leaves room for two CTAs (at up to
   // 255 registers a thread), whose independent schedules overlap one's softmax with the other's
   // matrix products.
@@ -54,15 +62,21 @@ struct WgTraits {
   // 1024 bytes of slack to align the tiles to the swizzle atom, Q, the K and V stages, one
   // "key is loadable" byte per key per stage, the paged loader's block-id ring (one int per key
   // per stage: varlen_common.cuh, id_ring).
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * STAGES * kKVBytes + STAGES * BN + 4 * STAGES * BN;
+  // With a producer: the same tiles, then its barriers (8 bytes each: Q, and per stage K full, V
+  // full, K free, V free), a hole byte per producer warp and stage, the loadable bytes; no id ring.
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * STAGES);
+  static constexpr int kSmemBytes =
+      kProducer ? 1024 + kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes + 4 * STAGES + STAGES * BN
+                : 1024 + kQBytes + 2 * STAGES * kKVBytes + STAGES * BN + 4 * STAGES * BN;
   static_assert(D == 64 || D == 128 || D == 256, "wgmma N of P V: 64, 128 or 256");
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of Q K^T: 64, 128 or 256");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert(GROUPS == 1 || GROUPS == 2, "one or two warpgroups per CTA");
+  static_assert(!kProducer || GROUPS == 2, "the producer serves two consumer warpgroups");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
 };
 
-using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES>;
+using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES, PRODUCER>;
 // The host launches with SMEM_BYTES of dynamic shared memory (WgmmaTiles.smem_bytes in
 // kernels/varlen_wgmma.py): it must be this layout's size.
 static_assert(Tr::kSmemBytes == SMEM_BYTES, "WgmmaTiles.smem_bytes differs from WgTraits::kSmemBytes");
@@ -75,9 +89,8 @@ namespace varlen {
 
 using PFragsWg = u32[Tr::kBlockN / 16][4];
 
-// S = Q K^T for this warpgroup's 64 rows: issued, not waited for.
-__device__ __forceinline__ void qk_issue(float (&s)[Tr::kNTiles][4], u64 desc_q, u64 desc_k) {
-  cp::wgmma_fence();
+// The wgmma instructions of S = Q K^T for this warpgroup's 64 rows (no fence, no commit).
+__device__ __forceinline__ void qk_products(float (&s)[Tr::kNTiles][4], u64 desc_q, u64 desc_k) {
 #pragma unroll
   for (int kk = 0; kk < Tr::kKSteps; ++kk) {
     // k16 step kk: column block kk / 4, 32 bytes per step inside the block's 128-byte rows.
@@ -85,6 +98,15 @@ __device__ __forceinline__ void qk_issue(float (&s)[Tr::kNTiles][4], u64 desc_q,
     const u64 k_step = ((kk >> 2) * Tr::KVTile::kColumnBytes + (kk & 3) * 32) >> 4;
     cp::Wgmma<Tr::kBlockN>::ss(s, desc_q + q_step, desc_k + k_step, kk > 0, T());
   }
+}
+
+// The wgmma instructions of O += P V for this warpgroup (no fence, no commit).
+__device__ __forceinline__ void pv_products(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v);
+
+// S = Q K^T for this warpgroup's 64 rows: issued, not waited for.
+__device__ __forceinline__ void qk_issue(float (&s)[Tr::kNTiles][4], u64 desc_q, u64 desc_k) {
+  cp::wgmma_fence();
+  qk_products(s, desc_q, desc_k);
   cp::wgmma_commit();
 }
 
@@ -99,13 +121,17 @@ __device__ __forceinline__ void fence_operands(X (&x)[N][4]) {
 
 // O += P V for this warpgroup, waited for: the next iteration rescales O and reuses the stage.
 // Neither O nor P may be touched while it runs, hence the fences on both sides of it.
+__device__ __forceinline__ void pv_products(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v) {
+#pragma unroll
+  for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)  // keys 16 kk .. + 15: two 8-row groups of V
+    cp::Wgmma<Tr::kHeadDim>::rs(o, p[kk], desc_v + ((kk * 16 * 128) >> 4), T());
+}
+
 __device__ __forceinline__ void pv_run(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v) {
   fence_operands(o);
   fence_operands(p);
   cp::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)  // keys 16 kk .. + 15: two 8-row groups of V
-    cp::Wgmma<Tr::kHeadDim>::rs(o, p[kk], desc_v + ((kk * 16 * 128) >> 4), T());
+  pv_products(o, p, desc_v);
   cp::wgmma_commit();
   cp::wgmma_wait<0>();
   fence_operands(o);
@@ -130,6 +156,7 @@ __device__ __forceinline__ void scores_to_p(float (&s)[1][Tr::kNTiles][4], WarpS
 
 }  // namespace varlen
 
+#if !PRODUCER
 extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::kMinBlocks) varlen_fwd_wgmma(VARLEN_FWD_PARAMS) {
   using namespace varlen;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -207,3 +234,6 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kThreads, varlen::Tr::k
   }
   check_inputs(VARLEN_FWD_ARGS);
 }
+#else
+#include "varlen_ws.cuh"
+#endif

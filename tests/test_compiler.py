@@ -81,6 +81,23 @@ def test_ptxas_log_is_parsed():
     assert kernel.spill_loads == kernel.spill_stores == 0 and report.cubin_bytes > 0
 
 
+def test_a_non_inlined_functions_properties_are_not_the_kernels():
+    """ptxas prints a block of properties for each non-inlined device function after the
+    kernel's own; the kernel's spills are its own block's (a kernel that spills is reported so,
+    whatever its callees do)."""
+    log = "\n".join([
+        "ptxas info    : Compiling entry function 'k' for 'sm_90a'",
+        "ptxas info    : Function properties for k",
+        "ptxas         .     32 bytes stack frame, 36 bytes spill stores, 40 bytes spill loads",
+        "ptxas info    : Used 168 registers, used 16 barriers, 32 bytes cumulative stack size",
+        "ptxas info    : Function properties for _ZN6varlen14check_sequenceEPKi",
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+    ])
+    (kernel,) = nvrtc.parse_ptxas_log(log)
+    assert (kernel.kernel, kernel.registers, kernel.stack_bytes) == ("k", 168, 32)
+    assert (kernel.spill_stores, kernel.spill_loads) == (36, 40)
+
+
 def test_compile_error_is_reported():
     broken = _compiler.KernelKey("kv_write.cu", (("HEAD_DIM", "not_a_number"),))
     with pytest.raises(RuntimeError, match="failed to compile"):

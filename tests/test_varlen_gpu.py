@@ -37,7 +37,8 @@ MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
 }
 WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
-    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3)),
+    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3), WgmmaTiles(128, 2, producer=True),
+          WgmmaTiles(128, 3, producer=True)),
 }
 
 
@@ -311,6 +312,10 @@ def _candidate_cases(tiles, seed, head_dim):
              causal=True, lse=True)
     run_case(tiles, seed + 2, "bfloat16", head_dim, EDGE_Q, EDGE_K, num_kv_heads=4, block_size=16,
              window=(100, 3), softcap=10.0, alibi=True, lse=True)
+    # many key tiles through a block table (every pipeline slot reused several times), and holes
+    run_case(tiles, seed + 3, "float16", head_dim, [300, 1000, 3], [2000, 1000, 1500], num_kv_heads=2,
+             block_size=16, causal=True, lse=True)
+    _holes_case(tiles, head_dim, 16, seed + 4)
 
 
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)

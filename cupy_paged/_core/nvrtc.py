@@ -51,6 +51,7 @@ def cuda_include_dirs() -> list[str]:
 _FUNC_RE = re.compile(r"Compiling entry function '(\w+)' for")
 _PROPS_RE = re.compile(
     r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PROPERTIES_RE = re.compile(r"Function properties for (\S+)")
 _USED_RE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
@@ -58,12 +59,17 @@ def parse_ptxas_log(log: str) -> list[KernelResources]:
     """Per-kernel resources from ``ptxas -v`` output."""
     kernels: list[KernelResources] = []
     current = None
+    properties_of = None  # the function whose "Function properties" block the next lines belong to
     for line in log.splitlines():
         if m := _FUNC_RE.search(line):
             current = KernelResources(m.group(1), 0, 0, 0, 0, 0)
             kernels.append(current)
+        elif m := _PROPERTIES_RE.search(line):
+            properties_of = m.group(1)
         elif current is not None and (m := _PROPS_RE.search(line)):
-            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+            # a non-inlined device function's own block follows the kernel's: not the kernel's
+            if properties_of in (None, current.kernel):
+                current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
         elif current is not None and (m := _USED_RE.search(line)):
             current.registers = int(m.group(1))
             current.shared_bytes = int(m.group(2) or 0)

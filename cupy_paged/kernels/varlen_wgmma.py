@@ -19,12 +19,18 @@ ARCH = "sm_90a"
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaTiles:
-    """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, and warpgroups per
-    CTA (64 query rows each; one warpgroup lets two CTAs share an SM)."""
+    """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, warpgroups per CTA
+    (64 query rows each; one warpgroup lets two CTAs share an SM), and whether a producer
+    warpgroup issues the loads (warp specialization, two computing warpgroups only)."""
 
     block_n: int
     stages: int
     groups: int = 2
+    producer: bool = False
+
+    def __post_init__(self):
+        if self.producer and self.groups != 2:
+            raise ValueError("a producer warpgroup serves two computing warpgroups")
 
     @property
     def block_m(self) -> int:
@@ -32,20 +38,24 @@ class WgmmaTiles:
 
     @property
     def threads(self) -> int:
-        return 128 * self.groups
+        return 128 * (self.groups + self.producer)
 
     def label(self) -> str:
-        return f"wg{self.block_m}x{self.block_n}s{self.stages}"
+        return f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("p" if self.producer else "")
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory of the launch.  The one size: :func:`kernel_key` passes it to the
         compiler as ``SMEM_BYTES``, and varlen_wgmma.cu static_asserts that it equals
         ``WgTraits::kSmemBytes``, so a layout that drifts from this sum fails to build."""
         row_bytes = 2 * head_dim
-        # 1024 bytes of alignment slack, Q, the K and V stages, then per stage and key a
-        # "loadable" byte and a block id (int)
-        return (1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
-                + self.stages * self.block_n + 4 * self.stages * self.block_n)
+        # 1024 bytes of alignment slack, Q, the K and V stages, then
+        tiles = 1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
+        if self.producer:
+            # the producer's barriers (8 bytes each: Q, and four per stage), a hole byte per
+            # producer warp and stage, and per stage and key a "loadable" byte
+            return tiles + 8 * (1 + 4 * self.stages) + 4 * self.stages + self.stages * self.block_n
+        # per stage and key a "loadable" byte and a block id (int)
+        return tiles + self.stages * self.block_n + 4 * self.stages * self.block_n
 
 
 # The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
@@ -61,7 +71,7 @@ def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelK
     ``WGMMA_TILES[head_dim]``)."""
     tiles = tiles or WGMMA_TILES[head_dim]
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
-              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages),
+              ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("PRODUCER", int(tiles.producer)),
               ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
     return KernelKey(SOURCE, params, arch=ARCH)
 

@@ -1,0 +1,211 @@
+// The warp-specialized wgmma kernel (varlen_wgmma.cu with PRODUCER = 1; included there, after the
+// helpers it shares with the kernel without a producer).  Same task per CTA, same results.
+//
+// A CTA is three warpgroups.  Warpgroup 0, the producer, gives registers back (setmaxnreg) and
+// issues every copy: Q once, then per key tile its K into a K slot and its V into a V slot, each
+// behind an mbarrier that the copies themselves complete (cp.async.mbarrier.arrive), so no thread
+// waits for a copy it did not need.  Warpgroups 1 and 2, the consumers, take the registers and own
+// 64 query rows each; they never issue a load and never meet at a CTA barrier.  Per tile t a
+// consumer warpgroup runs
+//   [ O += P(t-1) V(t-1);  S = Q K(t)^T ]   both issued at once, then waited for
+//   softmax(S) -> P(t), O rescaled
+// and the two warpgroups take turns for the bracketed products (two named barriers): while one
+// warpgroup's matrix products run on the tensor cores, the other computes its softmax.  A K slot
+// is free again once both warpgroups have computed their softmax of it (the loadable bytes of the
+// tile are read there), a V slot once both have waited for its P V.
+//
+// Memory ordering: the copies are generic-proxy writes and wgmma reads through the async proxy, so
+// a consumer fences the proxies after its wait on a full barrier (which acquires the copies) and
+// before it issues the products; the loadable bytes and hole flags are plain shared stores of the
+// producer, released by its ordinary arrival on the K barrier.
+
+namespace varlen {
+
+constexpr int kProducerRegisters = 80, kConsumerRegisters = 208;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
+constexpr int kConsumerThreads = 256, kConsumerWarps = 8;
+constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer warpgroup 0 / 1
+
+// The producer's barriers, after the K/V stages in shared memory.
+struct Barriers {
+  u32 base;
+  __device__ __forceinline__ u32 q_full() const { return base; }
+  __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (1 + Tr::kStages + s); }
+  __device__ __forceinline__ u32 k_free(int s) const { return base + 8 * (1 + 2 * Tr::kStages + s); }
+  __device__ __forceinline__ u32 v_free(int s) const { return base + 8 * (1 + 3 * Tr::kStages + s); }
+
+  // Expected arrivals per phase: a copy arrival by each producer thread (and for K an ordinary
+  // one after its loadable bytes and hole flag); a free slot, one arrival by each consumer warp.
+  __device__ __forceinline__ void init() const {
+    cp::mbar_init(q_full(), 128);
+    for (int s = 0; s < Tr::kStages; ++s) {
+      cp::mbar_init(k_full(s), 2 * 128);
+      cp::mbar_init(v_full(s), 128);
+      cp::mbar_init(k_free(s), kConsumerWarps);
+      cp::mbar_init(v_free(s), kConsumerWarps);
+    }
+  }
+};
+
+// Tile `it` of the task is in slot it % kStages in its round it / kStages; a slot's barriers
+// complete once per round, so a wait names the round's parity.
+__device__ __forceinline__ u32 round_parity(int it) { return static_cast<u32>((it / Tr::kStages) & 1); }
+
+// Warpgroup 0: every copy of the CTA.  `holes`: a byte per producer warp and stage, set when a
+// thread of the warp met a hole in the stage's tile.
+__device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barriers bars, unsigned char* holes,
+                                        unsigned char* s_loadable, long long q_row, int total_q) {
+  load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
+  cp::cp_async_mbar_arrive(bars.q_full());
+  const int warp = threadIdx.x >> 5;
+  KvSource src = t.src;
+  for (int it = 0; it < t.num_tiles; ++it) {
+    // The row strides and lane offsets re-read each tile: hoisted out of the loop, their products
+    // would outnumber the producer's registers and spill.
+    asm volatile("" : "+r"(src.k_row), "+r"(src.v_row), "+l"(src.k_lane), "+l"(src.v_lane));
+    const int stage = it % Tr::kStages;
+    const u32 free_parity = round_parity(it) ^ 1u;  // the previous round's release (a fresh slot: at once)
+    const int n0 = (t.tile_first - it) * Tr::kBlockN;
+    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
+    unsigned char* loadable = s_loadable + stage * Tr::kBlockN;
+    cp::mbar_wait(bars.k_free(stage), free_parity);
+    const int hole = load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
+    cp::cp_async_mbar_arrive(bars.k_full(stage));
+    const bool warp_hole = __any_sync(0xffffffffu, hole);
+    if ((threadIdx.x & 31) == 0) holes[4 * stage + warp] = warp_hole;
+    cp::mbar_arrive(bars.k_full(stage));
+    cp::mbar_wait(bars.v_free(stage), free_parity);
+    load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
+    cp::cp_async_mbar_arrive(bars.v_full(stage));
+  }
+  cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits
+}
+
+// One consumer warpgroup (`group` 0 or 1, its threads numbered `ct` = 0 .. 255 across both).
+__device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barriers bars, const unsigned char* holes,
+                                        const unsigned char* s_loadable, int ct, float* lse, int total_q,
+                                        float softmax_scale, float softcap, int window_left, int window_right) {
+  const int m0 = t.m0, length_q = t.length_q, offset = t.offset;
+  // The warp and warpgroup as warp-uniform values (a shuffle from lane 0), so that the compiler
+  // sees the products issued on uniform paths.
+  const int lane = ct & 31, warp = __shfl_sync(0xffffffffu, ct >> 5, 0), group = warp >> 2;
+  const int row0 = m0 + warp * Tr::kWarpRows;  // this warp's first row, within the sequence
+  const int row_last = min(row0 + Tr::kWarpRows, length_q) - 1;
+  const int group_row0 = m0 + group * Tr::kGroupRows;
+  const int group_last = min(group_row0 + Tr::kGroupRows, length_q) - 1;
+  const bool group_active = group_row0 < length_q;  // a warpgroup past the sequence's end only takes turns
+  auto sees = [&](int n0) {
+    return group_active && (window_right < 0 || n0 <= group_last + offset + window_right) &&
+           (window_left < 0 || n0 + Tr::kBlockN - 1 >= group_row0 + offset - window_left);
+  };
+  auto stage_step = [](int stage) { return static_cast<u64>((2 * stage * Tr::kKVBytes) >> 4); };
+  const u64 desc_q = cp::smem_descriptor(s_q + group * Tr::kGroupRows * 128, 16, 1024);
+  const u64 desc_k = cp::smem_descriptor(s_kv, 16, 1024);
+  const u64 desc_v = cp::smem_descriptor(s_kv + Tr::kKVBytes, Tr::KVTile::kColumnBytes, 1024);
+  const int my_turn = kTurnBarrier + group, other_turn = kTurnBarrier + 1 - group;
+
+  WarpState st;
+  init_state(st);
+  PFrags p;
+  float s[1][Tr::kNTiles][4];
+  // The products are issued on every path alike (a wgmma under a branch is serialized by the
+  // compiler): a tile this warpgroup does not see has its S computed and dropped, and a P of zeros.
+  auto softmax_tile = [&](int it) {
+    const int stage = it % Tr::kStages, n0 = (t.tile_first - it) * Tr::kBlockN;
+    if (sees(n0)) {
+      const bool hole = *reinterpret_cast<const unsigned*>(holes + 4 * stage) != 0u;
+      RowFactors alphas;
+      scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
+                  softmax_scale, softcap, window_left, window_right);  // P = softmax(S)
+      rescale_o(st, alphas);
+      pack_p(s, p);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[0][kk][e] = 0u;
+    }
+    __syncwarp();
+    if (lane == 0) cp::mbar_arrive(bars.k_free(stage));  // its loadable bytes are read
+  };
+
+  cp::mbar_wait(bars.q_full(), 0);
+  if (group == 1) cp::named_arrive(kTurnBarrier, kConsumerThreads);  // warpgroup 0 goes first
+  // Tile 0: S only.
+  cp::mbar_wait(bars.k_full(0), 0);
+  cp::fence_proxy_async();
+  cp::named_sync(my_turn, kConsumerThreads);
+  cp::wgmma_fence();
+  qk_products(s[0], desc_q, desc_k);
+  cp::wgmma_commit();
+  cp::named_arrive(other_turn, kConsumerThreads);
+  cp::wgmma_wait<0>();
+  fence_operands(s[0]);
+  softmax_tile(0);
+  for (int it = 1; it < t.num_tiles; ++it) {
+    const int stage = it % Tr::kStages, prev = (it - 1) % Tr::kStages;
+    cp::mbar_wait(bars.k_full(stage), round_parity(it));
+    cp::mbar_wait(bars.v_full(prev), round_parity(it - 1));
+    cp::fence_proxy_async();
+    cp::named_sync(my_turn, kConsumerThreads);
+    fence_operands(st.o[0]);
+    fence_operands(p[0]);
+    cp::wgmma_fence();
+    pv_products(st.o[0], p[0], desc_v + stage_step(prev));  // O += P(t-1) V(t-1)
+    qk_products(s[0], desc_q, desc_k + stage_step(stage));  // S = Q K(t)^T
+    cp::wgmma_commit();
+    cp::named_arrive(other_turn, kConsumerThreads);
+    cp::wgmma_wait<0>();
+    fence_operands(st.o[0]);
+    fence_operands(p[0]);
+    fence_operands(s[0]);
+    __syncwarp();
+    if (lane == 0) cp::mbar_arrive(bars.v_free(prev));
+    softmax_tile(it);
+  }
+  // The last tile's P V, in turn.  Warpgroup 1 gives no turn after it: warpgroup 0 takes none.
+  const int last = (t.num_tiles - 1) % Tr::kStages;
+  cp::mbar_wait(bars.v_full(last), round_parity(t.num_tiles - 1));
+  cp::fence_proxy_async();
+  cp::named_sync(my_turn, kConsumerThreads);
+  fence_operands(st.o[0]);
+  fence_operands(p[0]);
+  cp::wgmma_fence();
+  pv_products(st.o[0], p[0], desc_v + stage_step(last));
+  cp::wgmma_commit();
+  if (group == 0) cp::named_arrive(other_turn, kConsumerThreads);
+  cp::wgmma_wait<0>();
+  fence_operands(st.o[0]);
+
+  if (row0 < length_q)
+    store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, t.scale_log2, lane);
+}
+
+}  // namespace varlen
+
+extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_fwd_wgmma(VARLEN_FWD_PARAMS) {
+  using namespace varlen;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 raw = cp::smem_address(smem_raw);
+  const u32 s_q = (raw + 1023u) & ~1023u;
+  const u32 s_kv = s_q + Tr::kQBytes;
+  const Barriers bars{s_kv + 2 * Tr::kStages * Tr::kKVBytes};
+  unsigned char* holes = smem_raw + (bars.base - raw) + Tr::kBarrierBytes;
+  unsigned char* s_loadable = holes + 4 * Tr::kStages;
+  if (threadIdx.x == 0) bars.init();
+  __syncthreads();
+
+  Task t;
+  if (make_task(t, VARLEN_FWD_ARGS)) {  // the CTA's work; then its one exit (check_sequence says why)
+    if (__shfl_sync(0xffffffffu, threadIdx.x >> 7, 0) == 0) {  // warpgroup 0 (uniform per warp)
+      cp::registers_decrease<kProducerRegisters>();
+      produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q);
+    } else {
+      cp::registers_increase<kConsumerRegisters>();
+      consume(t, s_q, s_kv, bars, holes, s_loadable, threadIdx.x - 128, lse, total_q, softmax_scale, softcap,
+              window_left, window_right);
+    }
+  }
+  check_inputs(VARLEN_FWD_ARGS);
+}
