@@ -21,7 +21,7 @@
 
 namespace varlen {
 
-constexpr int kProducerRegisters = 80, kConsumerRegisters = 208;
+constexpr int kProducerRegisters = 112, kConsumerRegisters = 192;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
 constexpr int kConsumerThreads = 256, kConsumerWarps = 8;
 constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer warpgroup 0 / 1
@@ -52,14 +52,54 @@ struct Barriers {
 // complete once per round, so a wait names the round's parity.
 __device__ __forceinline__ u32 round_parity(int it) { return static_cast<u32>((it / Tr::kStages) & 1); }
 
+// A paged full tile read by the producer with its block ids already in registers, fetched a tile
+// ahead (so that no copy waits on a block-table load).  With 128 producer threads and 16 chunks a
+// row (D = 128), a thread's rows are r0 + 8 pass (r0 < 8): passes 2q and 2q + 1 lie in one
+// 16-aligned run of keys, so for blocks of 16 keys or more they share ids[q].
+using Passes = TilePasses<Tr::kBlockN>;
+constexpr bool kIdsAhead = Passes::kLaneFixed && Passes::kRowsPerPass == 8 && Passes::kCount % 2 == 0;
+constexpr int kIds = Passes::kCount / 2;
+
+__device__ __forceinline__ bool ids_ahead(const KvSource& src, int n0) {
+  return kIdsAhead && src.table != nullptr && src.block_shift >= 4 && paged_full_tile(src, n0);
+}
+
+__device__ __forceinline__ void fetch_ids(int (&ids)[kIds], const KvSource& src, int n0) {
+  const paged::Blocks layout(src.block_shift);
+#pragma unroll
+  for (int q = 0; q < kIds; ++q) ids[q] = __ldg(src.table + layout.column(n0 + Passes::row(2 * q)));
+}
+
+template <int kParts>
+__device__ __forceinline__ int load_full_paged(u32 s_tile, unsigned char* s_loadable, const KvSource& src, int n0,
+                                               const int (&ids)[kIds]) {
+  const paged::Blocks layout(src.block_shift);
+  const int c = threadIdx.x % Tr::kChunks;
+  const unsigned slot_bytes = static_cast<unsigned>(kParts == kLoadK ? src.k_row : src.v_row) * sizeof(T);
+  const char* chunk = reinterpret_cast<const char*>((kParts == kLoadK ? src.k : src.v) + c * 8);
+  int hole = 0;
+#pragma unroll
+  for (int pass = 0; pass < Passes::kCount; ++pass) {
+    const int r = Passes::row(pass), block = ids[pass / 2];
+    const bool ok = paged::is_block(block, src.num_rows);
+    const unsigned slot = ok ? layout.slot(block, n0 + r) : 0u;
+    cp::cp_async_16(s_tile + Tr::KVTile::offset(r, c), chunk + static_cast<cp::u64>(slot) * slot_bytes, ok);
+    if (kParts == kLoadK && c == 0) s_loadable[r] = ok;
+    hole |= !ok;
+  }
+  return hole;
+}
+
 // Warpgroup 0: every copy of the CTA.  `holes`: a byte per producer warp and stage, set when a
 // thread of the warp met a hole in the stage's tile.
 __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barriers bars, unsigned char* holes,
                                         unsigned char* s_loadable, long long q_row, int total_q) {
   load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
   cp::cp_async_mbar_arrive(bars.q_full());
-  const int warp = threadIdx.x >> 5;
   KvSource src = t.src;
+  int ids[kIds], next_ids[kIds];
+  bool next_ahead = ids_ahead(src, t.tile_first * Tr::kBlockN);
+  if (next_ahead) fetch_ids(next_ids, src, t.tile_first * Tr::kBlockN);
   for (int it = 0; it < t.num_tiles; ++it) {
     // The row strides and lane offsets re-read each tile: hoisted out of the loop, their products
     // would outnumber the producer's registers and spill.
@@ -69,14 +109,29 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
     const int n0 = (t.tile_first - it) * Tr::kBlockN;
     const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
     unsigned char* loadable = s_loadable + stage * Tr::kBlockN;
+    const bool ahead = next_ahead;
+#pragma unroll
+    for (int q = 0; q < kIds; ++q) ids[q] = next_ids[q];
+    // The next tile's block ids, loaded now and used after this tile's copies.
+    next_ahead = it + 1 < t.num_tiles && ids_ahead(src, n0 - Tr::kBlockN);
+    if (next_ahead) fetch_ids(next_ids, src, n0 - Tr::kBlockN);
     cp::mbar_wait(bars.k_free(stage), free_parity);
-    const int hole = load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
+    const int hole = ahead ? load_full_paged<kLoadK>(s_k, loadable, src, n0, ids)
+                           : load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
     cp::cp_async_mbar_arrive(bars.k_full(stage));
     const bool warp_hole = __any_sync(0xffffffffu, hole);
-    if ((threadIdx.x & 31) == 0) holes[4 * stage + warp] = warp_hole;
+    if ((threadIdx.x & 31) == 0) {
+      // The warp's index read again here: kept across the loop, it is what would spill.
+      unsigned tid;
+      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+      holes[4 * stage + (tid >> 5)] = warp_hole;
+    }
     cp::mbar_arrive(bars.k_full(stage));
     cp::mbar_wait(bars.v_free(stage), free_parity);
-    load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
+    if (ahead)
+      load_full_paged<kLoadV>(s_k + Tr::kKVBytes, loadable, src, n0, ids);
+    else
+      load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
     cp::cp_async_mbar_arrive(bars.v_full(stage));
   }
   cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits

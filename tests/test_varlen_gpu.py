@@ -37,8 +37,7 @@ MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
 }
 WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1)),
-    128: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3), WgmmaTiles(128, 2, producer=True),
-          WgmmaTiles(128, 3, producer=True)),
+    128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True)),
 }
 
 

@@ -61,7 +61,7 @@ class WgmmaTiles:
 # The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
 WGMMA_TILES = {
     64: WgmmaTiles(64, 2, groups=1),  # 40 KB: several CTAs per SM overlap each other's softmax
-    128: WgmmaTiles(128, 2),           # 165 KB: one CTA of two warpgroups per SM
+    128: WgmmaTiles(128, 2, producer=True),  # 165 KB: a producer warpgroup, two computing ones (v9)
     256: WgmmaTiles(64, 2),            # 198 KB
 }
 
