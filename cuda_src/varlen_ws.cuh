@@ -23,7 +23,7 @@ namespace varlen {
 
 constexpr int kProducerRegisters = 112, kConsumerRegisters = 192;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
-constexpr int kConsumerThreads = 256, kConsumerWarps = 8;
+constexpr int kConsumerThreads = 256;
 constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer warpgroup 0 / 1
 
 // The producer's barriers, after the K/V stages in shared memory.
@@ -36,14 +36,15 @@ struct Barriers {
   __device__ __forceinline__ u32 v_free(int s) const { return base + 8 * (1 + 3 * Tr::kStages + s); }
 
   // Expected arrivals per phase: a copy arrival by each producer thread (and for K an ordinary
-  // one after its loadable bytes and hole flag); a free slot, one arrival by each consumer warp.
+  // one after its loadable bytes and hole flag); a free slot, one arrival by each consumer
+  // thread, after its own reads of the slot.
   __device__ __forceinline__ void init() const {
     cp::mbar_init(q_full(), 128);
     for (int s = 0; s < Tr::kStages; ++s) {
       cp::mbar_init(k_full(s), 2 * 128);
       cp::mbar_init(v_full(s), 128);
-      cp::mbar_init(k_free(s), kConsumerWarps);
-      cp::mbar_init(v_free(s), kConsumerWarps);
+      cp::mbar_init(k_free(s), kConsumerThreads);
+      cp::mbar_init(v_free(s), kConsumerThreads);
     }
   }
 };
@@ -181,8 +182,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
 #pragma unroll
         for (int e = 0; e < 4; ++e) p[0][kk][e] = 0u;
     }
-    __syncwarp();
-    if (lane == 0) cp::mbar_arrive(bars.k_free(stage));  // its loadable bytes are read
+    cp::mbar_arrive(bars.k_free(stage));  // its hole and loadable bytes are read
   };
 
   cp::mbar_wait(bars.q_full(), 0);
@@ -215,8 +215,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     fence_operands(st.o[0]);
     fence_operands(p[0]);
     fence_operands(s[0]);
-    __syncwarp();
-    if (lane == 0) cp::mbar_arrive(bars.v_free(prev));
+    cp::mbar_arrive(bars.v_free(prev));
     softmax_tile(it);
   }
   // The last tile's P V, in turn.  Warpgroup 1 gives no turn after it: warpgroup 0 takes none.
