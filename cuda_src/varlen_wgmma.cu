@@ -17,8 +17,8 @@
 // fences the proxies after its copies land and before the barrier that publishes them.
 //
 // With PRODUCER = 1 the CTA is warp-specialized instead: one more warpgroup (the producer, threads
-// 0 .. 127) issues every cp.async, and the WARPGROUPS = 2 consumer warpgroups only compute (see
-// "The warp-specialized kernel" below).
+// 0 .. 127) issues every cp.async, and the WARPGROUPS = 2 consumer warpgroups only compute: that
+// kernel is in varlen_ws.cuh, included at the end of this file.
 //
 // Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys per tile),
 // NUM_STAGES (K/V pipeline depth), PRODUCER (0 or 1), SMEM_BYTES (the host's dynamic shared memory
@@ -100,8 +100,6 @@ __device__ __forceinline__ void qk_products(float (&s)[Tr::kNTiles][4], u64 desc
   }
 }
 
-// The wgmma instructions of O += P V for this warpgroup (no fence, no commit).
-__device__ __forceinline__ void pv_products(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v);
 
 // S = Q K^T for this warpgroup's 64 rows: issued, not waited for.
 __device__ __forceinline__ void qk_issue(float (&s)[Tr::kNTiles][4], u64 desc_q, u64 desc_k) {
@@ -119,14 +117,15 @@ __device__ __forceinline__ void fence_operands(X (&x)[N][4]) {
     for (int e = 0; e < 4; ++e) cp::fence_operand(x[i][e]);
 }
 
-// O += P V for this warpgroup, waited for: the next iteration rescales O and reuses the stage.
-// Neither O nor P may be touched while it runs, hence the fences on both sides of it.
+// The wgmma instructions of O += P V for this warpgroup (no fence, no commit).
 __device__ __forceinline__ void pv_products(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v) {
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)  // keys 16 kk .. + 15: two 8-row groups of V
     cp::Wgmma<Tr::kHeadDim>::rs(o, p[kk], desc_v + ((kk * 16 * 128) >> 4), T());
 }
 
+// O += P V for this warpgroup, waited for: the next iteration rescales O and reuses the stage.
+// Neither O nor P may be touched while it runs, hence the fences on both sides of it.
 __device__ __forceinline__ void pv_run(float (&o)[Tr::kDTiles][4], PFragsWg& p, u64 desc_v) {
   fence_operands(o);
   fence_operands(p);

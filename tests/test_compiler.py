@@ -169,10 +169,25 @@ def test_smem_bytes_are_checked_against_the_layout():
     from cupy_paged._core.types import BF16
     from cupy_paged.kernels import decode, varlen, varlen_wgmma
 
-    for key in (decode.kernel_key(BF16, 64), varlen.kernel_key(BF16, 64), varlen_wgmma.kernel_key(BF16, 64)):
+    for key in (decode.kernel_key(BF16, 64), varlen.kernel_key(BF16, 64), varlen_wgmma.kernel_key(BF16, 64),
+                varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True))):
         wrong = tuple((name, value + 16 if name == "SMEM_BYTES" else value) for name, value in key.params)
         with pytest.raises(RuntimeError, match="smem_bytes differs"):
             nvrtc.compile_offline(_compiler.KernelKey(key.source, wrong, key.arch), key.archs()[0])
+
+
+def test_a_producer_shape_is_three_warpgroups_of_which_two_compute():
+    """``WgmmaTiles(..., producer=True)``: 128 query rows (two computing warpgroups), 384 threads
+    (a third, loading warpgroup), ``PRODUCER=1`` in its key; a one-warpgroup shape cannot have one."""
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels import varlen_wgmma
+
+    tiles = varlen_wgmma.WgmmaTiles(128, 2, producer=True)
+    assert (tiles.block_m, tiles.threads, tiles.label()) == (128, 384, "wg128x128s2p")
+    assert ("PRODUCER", 1) in varlen_wgmma.kernel_key(BF16, 128, tiles).params
+    assert ("PRODUCER", 0) in varlen_wgmma.kernel_key(BF16, 64).params
+    with pytest.raises(ValueError, match="producer"):
+        varlen_wgmma.WgmmaTiles(64, 2, groups=1, producer=True)
 
 
 def test_pinned_architecture_keys():
