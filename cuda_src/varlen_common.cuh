@@ -148,8 +148,10 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
         const int r = P::row(pass), j = n0 + r;
         const bool ok = paged::is_block(blocks[pass], src.num_rows);
         const unsigned slot = ok ? layout.slot(blocks[pass], j) : 0u;
-        if (kParts & kLoadK) cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
-        if (kParts & kLoadV) cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
+        if (kParts & kLoadK)
+          cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), k_chunk + static_cast<cp::u64>(slot) * k_slot_bytes, ok);
+        if (kParts & kLoadV)
+          cp::cp_async_16(s_v + Tr::KVTile::offset(r, c), v_chunk + static_cast<cp::u64>(slot) * v_slot_bytes, ok);
         if ((kParts & kLoadK) && c == 0) s_loadable[r] = ok;
         hole |= !ok;
       }
