@@ -120,14 +120,13 @@ class Batch:
 
     def ours(self, tiles=None, paged=None):
         """This kernel as a no-argument call: contiguous K/V, or ``paged = (k_cache, v_cache, table)``."""
+        k, v, table = paged if paged is not None else (self.k, self.v, None)
         if tiles is None:
-            k, v, table = paged if paged is not None else (self.k, self.v, None)
             return lambda: cupy_paged.flash_attn_varlen_func(
                 self.q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, causal=True,
                 block_table=table, out=self.out, check_values=False)
         from cupy_paged.api.varlen import prepare_varlen
 
-        k, v, table = paged if paged is not None else (self.k, self.v, None)
         p = prepare_varlen(self.q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k,
                            None, True, (-1, -1), 0.0, None, table, False, self.out, False)
         launch = varlen_ops.VarlenLaunch(p, tiles)  # resolved once: the closure times the launch
