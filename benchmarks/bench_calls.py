@@ -377,12 +377,6 @@ def plan_call(cached, new, out=False):
     return (lambda: plan.attention(q, k, v, k_cache, v_cache)), plan
 
 
-def lognormal_lengths(count: int = 40, seed: int = 7) -> list:
-    """``count`` lengths lognormal(6.5, 1.0), clipped to 16..16384, truncated to ints."""
-    draws = np.random.default_rng(seed).lognormal(6.5, 1.0, count)
-    return [int(n) for n in np.clip(draws, 16, 16384)]
-
-
 def release() -> None:
     """Hand the freed memory of the last case back to the device, CuPy's pool and torch's (the
     next case needs it); without a GPU, only the garbage collection."""
@@ -538,8 +532,8 @@ def all_cases(reps: int) -> dict:
              for b, s in DECODE_SHAPES}
     cases.update({f"decode {b}x{s}": (lambda b=b, s=s: decode_case(b, s, reps)) for b, s in DECODE_SHAPES_REPORTED})
     cases["varlen causal 8x4096"] = lambda: varlen_case("varlen causal 8x4096", [4096] * 8, 1.1, reps)
-    cases["varlen causal lognormal40"] = lambda: varlen_case("varlen causal lognormal40", lognormal_lengths(),
-                                                             1.0, reps)
+    cases["varlen causal lognormal40"] = lambda: varlen_case("varlen causal lognormal40",
+                                                             bench_varlen.lognormal_lengths(), 1.0, reps)
     cases["paged chunk512 after 32k"] = lambda: chunk_case(reps)
     return cases
 

@@ -60,8 +60,16 @@ RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # D=64, two warpgroups, among them); earlier sweeps, with their outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1), WgmmaTiles(128, 2, producer=True)),
-    128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True)),
+    128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True),
+          WgmmaTiles(128, 2, producer=True, persistent=True), WgmmaTiles(128, 3, producer=True, persistent=True)),
 }
+
+
+def lognormal_lengths(count: int = 40, seed: int = 7) -> list[int]:
+    """``count`` lengths lognormal(6.5, 1.0), clipped to 16..16384, truncated to ints (the
+    lognormal40 batch of bench_calls.py and of the sweep)."""
+    draws = np.random.default_rng(seed).lognormal(6.5, 1.0, count)
+    return [int(n) for n in np.clip(draws, 16, 16384)]
 
 
 def mixed_lengths() -> list[int]:
@@ -471,6 +479,9 @@ def main() -> int:
                 ("causal_d128_8x2048", [2048] * 8, 128, {}),
                 ("paged_bs16_d128_8x4096", [4096] * 8, 128, dict(block_size=16)),
                 ("chunk512_after_32k_bs16", [512], 128, dict(lens_k=[32768 + 512], block_size=16)),
+                ("chunk512_after_32k", [512], 128, dict(lens_k=[32768 + 512])),
+                ("causal_d128_lognormal40", lognormal_lengths(), 128, {}),
+                ("causal_d128_16x1024", [1024] * 16, 128, {}),
                 ("causal_d64_16x2048", [2048] * 16, 64, {})):
             sweep.append(sweep_case(name, lens, head_dim, args.reps, **options))
         result["sweep"] = sweep

@@ -352,9 +352,11 @@ __device__ __forceinline__ void store_output(WarpState& st, T* out, long long ou
 }
 
 // Rows [first, last) of a tile that sees no key at all: zeros and LSE -inf.
+// `thread` of `threads` (default: the CTA's).
 __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, float* lse, long long lse_base,
-                                                 int q_start, int first, int last, int total_q) {
-  for (int index = threadIdx.x; index < (last - first) * Tr::kChunks; index += Tr::kCtaThreads) {
+                                                 int q_start, int first, int last, int total_q,
+                                                 int thread = threadIdx.x, int threads = Tr::kCtaThreads) {
+  for (int index = thread; index < (last - first) * Tr::kChunks; index += threads) {
     const long long row = (long long)q_start + first + index / Tr::kChunks;
     if (row < 0 || row >= total_q) continue;
     reinterpret_cast<uint4*>(out + row * out_row)[index % Tr::kChunks] = make_uint4(0, 0, 0, 0);
@@ -379,11 +381,12 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
       float softcap, int window_left, int window_right,                                              \
       int max_seqlen_q,                       /* rows the grid covers (only checked against) */      \
       int alibi_batch_stride,                 /* 0 for [H] slopes, H for [B, H] */                   \
-      int *errors                             /* the device error word (common.cuh), or null */
+      int *errors,                            /* the device error word (common.cuh), or null */ \
+      int batch                               /* sequences (cu_seqlens hold batch + 1) */
 #define VARLEN_FWD_ARGS                                                                            \
   q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, q_row, q_head, k_row,   \
       k_head, v_row, v_head, total_q, kv_rows, num_heads, group_size, table_width, block_shift,     \
-      softmax_scale, softcap, window_left, window_right, max_seqlen_q, alibi_batch_stride, errors
+      softmax_scale, softcap, window_left, window_right, max_seqlen_q, alibi_batch_stride, errors, batch
 
 // The index values of this CTA's sequence that the host cannot check without a copy, checked
 // and reported to the error word (cp::report_error) once per sequence, by warp 0 of the CTA of
@@ -397,11 +400,13 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
 // Not inlined, called at the kernel's one exit, and reloading what it needs: so it keeps nothing
 // alive across the K/V loop and leaves the loop's register allocation and schedule alone (inlined,
 // or called before the loop or from two exits, it would not).
+// A persistent CTA's `kSeqArg` version takes the sequence as `seq`; the others' read blockIdx.z.
+template <bool kSeqArg = false>
 __device__ __noinline__ void check_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, const int* block_table,
                                             int table_width, int block_shift, int total_q, int kv_rows,
-                                            int max_seqlen_q, int* errors) {
+                                            int max_seqlen_q, int* errors, int seq_arg = 0) {
   if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x, seq = blockIdx.z;
+  const int lane = threadIdx.x, seq = kSeqArg ? seq_arg : static_cast<int>(blockIdx.z);
   const int q_start = cu_seqlens_q[seq], q_end = cu_seqlens_q[seq + 1];
   const int k_start = cu_seqlens_k[seq], k_end = cu_seqlens_k[seq + 1];
   const long long length_q = (long long)q_end - q_start, length_k = (long long)k_end - k_start;
@@ -450,13 +455,27 @@ struct Task {
   float slope, scale_log2;
 };
 
-// Fills `t` for this CTA (grid = (query tiles, heads, sequences)).  Returns false when the CTA has
-// nothing to compute: its tile starts past the sequence's end, or none of its rows sees a key (it
-// has then written their zeros and LSE -inf).
-__device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
-  // Longest-running query tiles (the last ones, under causal masking) start first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, seq = blockIdx.z;
+// Which task: query tile m_block of (head, seq).  A CTA of a grid (query tiles, heads, sequences)
+// takes its own, the longest-running query tiles (the last ones, under causal masking) first.
+struct GridTask {
+  __device__ __forceinline__ int m_block() const { return gridDim.x - 1 - blockIdx.x; }
+  __device__ __forceinline__ int head() const { return blockIdx.y; }
+  __device__ __forceinline__ int seq() const { return blockIdx.z; }
+  // The thread whose lane offsets the task holds (kOwnThread: threadIdx.x, read where they are
+  // computed), and which of how many threads write empty rows.
+  static constexpr bool kOwnThread = true;
+  __device__ __forceinline__ int lane_thread() const { return threadIdx.x; }
+  __device__ __forceinline__ int thread() const { return threadIdx.x; }
+  __device__ __forceinline__ int threads() const { return Tr::kCtaThreads; }
+};
+
+// Fills `t` for the task `where` names.  Returns false when there is nothing to compute: the query
+// tile starts past the sequence's end, or none of its rows sees a key (their zeros and LSE -inf
+// are then written, by where.thread() of where.threads(); none when that is 0).
+template <class Where>
+__device__ __forceinline__ bool task_at(Task& t, const Where& where, VARLEN_FWD_PARAMS) {
+  const int m_block = where.m_block();
+  const int head = where.head(), seq = where.seq();
   // Lengths wrap instead of overflowing: one that does not fit an int (only a bad cu_seqlens has
   // one) reads as negative, and a negative length is an empty sequence.
   const int q_start = cu_seqlens_q[seq], k_start = cu_seqlens_k[seq];
@@ -477,7 +496,9 @@ __device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
   if (window_right >= 0) n_hi = min(n_hi, t.m_end - 1 + t.offset + window_right + 1);
   if (window_left >= 0) n_lo = max(n_lo, t.m0 + t.offset - window_left);
   if (n_hi <= n_lo) {
-    store_empty_rows(t.out_head, t.out_row, lse, t.lse_base, t.q_start, t.m0, t.m_end, total_q);
+    if (where.threads() > 0)
+      store_empty_rows(t.out_head, t.out_row, lse, t.lse_base, t.q_start, t.m0, t.m_end, total_q, where.thread(),
+                       where.threads());
     return false;
   }
   t.tile_first = (n_hi + Tr::kBlockN - 1) / Tr::kBlockN - 1;  // visited high to low
@@ -493,7 +514,9 @@ __device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
   src.loadable = k_start < 0 ? 0 : max(0, min(t.length_k, kv_rows - k_start));
   src.table_width = table_width; src.block_shift = block_shift;
   using P = TilePasses<Tr::kBlockN>;
-  const int r = threadIdx.x / Tr::kChunks, c = threadIdx.x % Tr::kChunks;  // used when P::kLaneFixed
+  // This thread's row and chunk in a tile's passes (used when P::kLaneFixed).
+  const int r = Where::kOwnThread ? threadIdx.x / Tr::kChunks : where.lane_thread() / Tr::kChunks;
+  const int c = Where::kOwnThread ? threadIdx.x % Tr::kChunks : where.lane_thread() % Tr::kChunks;
   src.k_lane = (long long)r * k_row + c * 8;
   src.v_lane = (long long)r * v_row + c * 8;
   src.k_pass = (long long)P::kRowsPerPass * k_row;
@@ -504,6 +527,11 @@ __device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
   // With mods the scores already carry softmax_scale; otherwise it is folded into exp2.
   t.scale_log2 = t.mods ? kLog2e : softmax_scale * kLog2e;
   return true;
+}
+
+// The task of this CTA (grid = (query tiles, heads, sequences)).
+__device__ __forceinline__ bool make_task(Task& t, VARLEN_FWD_PARAMS) {
+  return task_at(t, GridTask(), VARLEN_FWD_ARGS);
 }
 
 __device__ __forceinline__ void init_state(WarpState& st) {

@@ -20,11 +20,12 @@
 // 0 .. 127) issues every cp.async, and the WARPGROUPS = 2 consumer warpgroups only compute: that
 // kernel is in varlen_ws.cuh, included at the end of this file.
 //
-// Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys per tile),
-// NUM_STAGES (K/V pipeline depth), PRODUCER (0 or 1), SMEM_BYTES (the host's dynamic shared memory
-// for the shape, checked by WgTraits).  Compiled for sm_90a only (kernels/varlen.py picks this
-// kernel on compute capability 9.0 and falls back to varlen.cu elsewhere).  Without a producer, a
-// warpgroup runs the steps of a tile in order, each waited for.
+// Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys
+// per tile), NUM_STAGES (K/V pipeline depth), PRODUCER (0 or 1), PERSISTENT (0 or 1: with a
+// producer, a grid of at most one CTA per SM, each working through a list of tasks), SMEM_BYTES
+// (the host's dynamic shared memory for the shape, checked by WgTraits).  Compiled for sm_90a
+// only (kernels/varlen.py picks this kernel on compute capability 9.0 and falls back to varlen.cu
+// elsewhere).  Without a producer, a warpgroup runs the steps of a tile in order, each waited for.
 #include "common.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
@@ -36,10 +37,12 @@ using cp::u32;
 using cp::u64;
 using T = SCALAR_T;
 
-template <int D, int GROUPS, int BN, int STAGES, int WITH_PRODUCER>
+template <int D, int GROUPS, int BN, int STAGES, int WITH_PRODUCER, int IS_PERSISTENT>
 struct WgTraits {
   static constexpr int kHeadDim = D, kBlockM = 64 * GROUPS, kBlockN = BN, kStages = STAGES;
-  static constexpr bool kProducer = WITH_PRODUCER != 0;
+  static constexpr bool kProducer = WITH_PRODUCER != 0, kPersistent = IS_PERSISTENT != 0;
+  // A persistent CTA stages each sequence's query-tile count (2 bytes) for at most kMaxSeqs.
+  static constexpr int kMaxSeqs = kPersistent ? 512 : 0;  // PERSISTENT_MAX_SEQS in kernels/varlen_wgmma.py
   static constexpr int kGroups = GROUPS, kGroupRows = 64;
   // The threads that load (all, or the producer warpgroup) and all of the CTA's.
   static constexpr int kThreads = kProducer ? 128 : 128 * GROUPS;
@@ -62,21 +65,25 @@ struct WgTraits {
   // 1024 bytes of slack to align the tiles to the swizzle atom, Q, the K and V stages, one
   // "key is loadable" byte per key per stage, the paged loader's block-id ring (one int per key
   // per stage: varlen_common.cuh, id_ring).
-  // With a producer: the same tiles, then its barriers (8 bytes each: Q, and per stage K full, V
-  // full, K free, V free), a hole byte per producer warp and stage, the loadable bytes; no id ring.
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * STAGES);
+  // With a producer: the same tiles, then its barriers (8 bytes each: Q full (and, persistent, Q
+  // free), and per stage K full, V full, K free, V free; persistent, then the task of the Q in 16
+  // bytes), a hole byte per producer warp and stage, the loadable bytes, then (persistent) the most
+  // query tiles of a sequence (an int) and each sequence's (2 bytes); no id ring.
+  static constexpr int kBarrierBytes = 8 * (1 + IS_PERSISTENT + 4 * STAGES) + 16 * IS_PERSISTENT;
   static constexpr int kSmemBytes =
-      kProducer ? 1024 + kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes + 4 * STAGES + STAGES * BN
+      kProducer ? 1024 + kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes + 4 * STAGES + STAGES * BN +
+                      (kPersistent ? 4 + 2 * kMaxSeqs : 0)
                 : 1024 + kQBytes + 2 * STAGES * kKVBytes + STAGES * BN + 4 * STAGES * BN;
   static_assert(D == 64 || D == 128 || D == 256, "wgmma N of P V: 64, 128 or 256");
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of Q K^T: 64, 128 or 256");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert(GROUPS == 1 || GROUPS == 2, "one or two warpgroups per CTA");
   static_assert(!kProducer || GROUPS == 2, "the producer serves two consumer warpgroups");
+  static_assert(!kPersistent || kProducer, "persistent CTAs are warp-specialized");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
 };
 
-using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES, PRODUCER>;
+using Tr = WgTraits<HEAD_DIM, WARPGROUPS, BLOCK_N, NUM_STAGES, PRODUCER, PERSISTENT>;
 // The host launches with SMEM_BYTES of dynamic shared memory (WgmmaTiles.smem_bytes in
 // kernels/varlen_wgmma.py): it must be this layout's size.
 static_assert(Tr::kSmemBytes == SMEM_BYTES, "WgmmaTiles.smem_bytes differs from WgTraits::kSmemBytes");

@@ -18,6 +18,13 @@
 // a consumer fences the proxies after its wait on a full barrier (which acquires the copies) and
 // before it issues the products; the loadable bytes and hole flags are plain shared stores of the
 // producer, released by its ordinary arrival on the K barrier.
+//
+// With PERSISTENT = 1 the grid has at most one CTA per SM and each CTA works through a list of
+// tasks (TaskCursor): the warpgroups go from one task to the next without meeting, the K/V ring
+// and its barriers run on across tasks (tiles counted from the CTA's first), and the producer
+// loads the next task's Q as soon as both consumers have issued their last Q K^T (a "Q free"
+// barrier), so that the next task's first tiles load while the consumers finish the last P V
+// and store the output of the one before.
 
 namespace varlen {
 
@@ -28,18 +35,21 @@ constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer
 
 // The producer's barriers, after the K/V stages in shared memory.
 struct Barriers {
+  static constexpr int kQ = Tr::kPersistent ? 2 : 1;  // Q full (and Q free)
   u32 base;
   __device__ __forceinline__ u32 q_full() const { return base; }
-  __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (1 + s); }
-  __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (1 + Tr::kStages + s); }
-  __device__ __forceinline__ u32 k_free(int s) const { return base + 8 * (1 + 2 * Tr::kStages + s); }
-  __device__ __forceinline__ u32 v_free(int s) const { return base + 8 * (1 + 3 * Tr::kStages + s); }
+  __device__ __forceinline__ u32 q_free() const { return base + 8; }
+  __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (kQ + s); }
+  __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (kQ + Tr::kStages + s); }
+  __device__ __forceinline__ u32 k_free(int s) const { return base + 8 * (kQ + 2 * Tr::kStages + s); }
+  __device__ __forceinline__ u32 v_free(int s) const { return base + 8 * (kQ + 3 * Tr::kStages + s); }
 
   // Expected arrivals per phase: a copy arrival by each producer thread (and for K an ordinary
   // one after its loadable bytes and hole flag); a free slot, one arrival by each consumer
   // thread, after its own reads of the slot.
   __device__ __forceinline__ void init() const {
-    cp::mbar_init(q_full(), 128);
+    cp::mbar_init(q_full(), Tr::kPersistent ? 129 : 128);  // persistent: and the task's arrival
+    if (Tr::kPersistent) cp::mbar_init(q_free(), kConsumerThreads);
     for (int s = 0; s < Tr::kStages; ++s) {
       cp::mbar_init(k_full(s), 2 * 128);
       cp::mbar_init(v_full(s), 128);
@@ -49,9 +59,9 @@ struct Barriers {
   }
 };
 
-// Tile `it` of the task is in slot it % kStages in its round it / kStages; a slot's barriers
-// complete once per round, so a wait names the round's parity.
-__device__ __forceinline__ u32 round_parity(int it) { return static_cast<u32>((it / Tr::kStages) & 1); }
+// Tile `g` of the CTA (its tiles counted over its tasks) is in slot g % kStages in its round
+// g / kStages; a slot's barriers complete once per round, so a wait names the round's parity.
+__device__ __forceinline__ u32 round_parity(int g) { return static_cast<u32>((g / Tr::kStages) & 1); }
 
 // A paged full tile read by the producer with its block ids already in registers, fetched a tile
 // ahead (so that no copy waits on a block-table load).  With 128 producer threads and 16 chunks a
@@ -91,10 +101,23 @@ __device__ __forceinline__ int load_full_paged(u32 s_tile, unsigned char* s_load
   return hole;
 }
 
-// Warpgroup 0: every copy of the CTA.  `holes`: a byte per producer warp and stage, set when a
-// thread of the warp met a hole in the stage's tile.
+// Warpgroup 0: every copy of task number `n` of the CTA, whose first tile is the CTA's tile g0.
+// `holes`: a byte per producer warp and stage, set when a thread of the warp met a hole in the
+// stage's tile.  The copies are not waited for here.
+// Persistent, the task's (query tile, head, sequence, 1) goes to `s_task` with its Q.
 __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barriers bars, unsigned char* holes,
-                                        unsigned char* s_loadable, long long q_row, int total_q) {
+                                        unsigned char* s_loadable, long long q_row, int total_q, int g0, int n,
+                                        int* s_task = nullptr, int4 task = int4()) {
+  if (Tr::kPersistent) {
+    if (n > 0) cp::mbar_wait(bars.q_free(), static_cast<u32>((n - 1) & 1));
+    if (threadIdx.x == 0) {
+      s_task[0] = task.x;
+      s_task[1] = task.y;
+      s_task[2] = task.z;
+      s_task[3] = task.w;
+      cp::mbar_arrive(bars.q_full());
+    }
+  }
   load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
   cp::cp_async_mbar_arrive(bars.q_full());
   KvSource src = t.src;
@@ -105,8 +128,8 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
     // The row strides and lane offsets re-read each tile: hoisted out of the loop, their products
     // would outnumber the producer's registers and spill.
     asm volatile("" : "+r"(src.k_row), "+r"(src.v_row), "+l"(src.k_lane), "+l"(src.v_lane));
-    const int stage = it % Tr::kStages;
-    const u32 free_parity = round_parity(it) ^ 1u;  // the previous round's release (a fresh slot: at once)
+    const int stage = (g0 + it) % Tr::kStages;
+    const u32 free_parity = round_parity(g0 + it) ^ 1u;  // the previous round's release (a fresh slot: at once)
     const int n0 = (t.tile_first - it) * Tr::kBlockN;
     const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
     unsigned char* loadable = s_loadable + stage * Tr::kBlockN;
@@ -135,13 +158,14 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
       load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
     cp::cp_async_mbar_arrive(bars.v_full(stage));
   }
-  cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits
 }
 
-// One consumer warpgroup (`group` 0 or 1, its threads numbered `ct` = 0 .. 255 across both).
+// One consumer warpgroup (`group` 0 or 1, its threads numbered `ct` = 0 .. 255 across both): task
+// number `n` of the CTA, whose first tile is the CTA's tile g0.
 __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barriers bars, const unsigned char* holes,
                                         const unsigned char* s_loadable, int ct, float* lse, int total_q,
-                                        float softmax_scale, float softcap, int window_left, int window_right) {
+                                        float softmax_scale, float softcap, int window_left, int window_right,
+                                        int g0, int n) {
   const int m0 = t.m0, length_q = t.length_q, offset = t.offset;
   // The warp and warpgroup as warp-uniform values (a shuffle from lane 0), so that the compiler
   // sees the products issued on uniform paths.
@@ -168,7 +192,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   // The products are issued on every path alike (a wgmma under a branch is serialized by the
   // compiler): a tile this warpgroup does not see has its S computed and dropped, and a P of zeros.
   auto softmax_tile = [&](int it) {
-    const int stage = it % Tr::kStages, n0 = (t.tile_first - it) * Tr::kBlockN;
+    const int stage = (g0 + it) % Tr::kStages, n0 = (t.tile_first - it) * Tr::kBlockN;
     if (sees(n0)) {
       const bool hole = *reinterpret_cast<const unsigned*>(holes + 4 * stage) != 0u;
       RowFactors alphas;
@@ -185,23 +209,23 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     cp::mbar_arrive(bars.k_free(stage));  // its hole and loadable bytes are read
   };
 
-  cp::mbar_wait(bars.q_full(), 0);
+  cp::mbar_wait(bars.q_full(), static_cast<u32>(n & 1));
   if (group == 1) cp::named_arrive(kTurnBarrier, kConsumerThreads);  // warpgroup 0 goes first
   // Tile 0: S only.
-  cp::mbar_wait(bars.k_full(0), 0);
+  cp::mbar_wait(bars.k_full(g0 % Tr::kStages), round_parity(g0));
   cp::fence_proxy_async();
   cp::named_sync(my_turn, kConsumerThreads);
   cp::wgmma_fence();
-  qk_products(s[0], desc_q, desc_k);
+  qk_products(s[0], desc_q, desc_k + stage_step(g0 % Tr::kStages));
   cp::wgmma_commit();
   cp::named_arrive(other_turn, kConsumerThreads);
   cp::wgmma_wait<0>();
   fence_operands(s[0]);
   softmax_tile(0);
   for (int it = 1; it < t.num_tiles; ++it) {
-    const int stage = it % Tr::kStages, prev = (it - 1) % Tr::kStages;
-    cp::mbar_wait(bars.k_full(stage), round_parity(it));
-    cp::mbar_wait(bars.v_full(prev), round_parity(it - 1));
+    const int g = g0 + it, stage = g % Tr::kStages, prev = (g - 1) % Tr::kStages;
+    cp::mbar_wait(bars.k_full(stage), round_parity(g));
+    cp::mbar_wait(bars.v_full(prev), round_parity(g - 1));
     cp::fence_proxy_async();
     cp::named_sync(my_turn, kConsumerThreads);
     fence_operands(st.o[0]);
@@ -218,9 +242,11 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     cp::mbar_arrive(bars.v_free(prev));
     softmax_tile(it);
   }
+  // Q is read no more: the producer may load the next task's.
+  if (Tr::kPersistent) cp::mbar_arrive(bars.q_free());
   // The last tile's P V, in turn.  Warpgroup 1 gives no turn after it: warpgroup 0 takes none.
-  const int last = (t.num_tiles - 1) % Tr::kStages;
-  cp::mbar_wait(bars.v_full(last), round_parity(t.num_tiles - 1));
+  const int last = (g0 + t.num_tiles - 1) % Tr::kStages;
+  cp::mbar_wait(bars.v_full(last), round_parity(g0 + t.num_tiles - 1));
   cp::fence_proxy_async();
   cp::named_sync(my_turn, kConsumerThreads);
   fence_operands(st.o[0]);
@@ -231,10 +257,63 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   if (group == 0) cp::named_arrive(other_turn, kConsumerThreads);
   cp::wgmma_wait<0>();
   fence_operands(st.o[0]);
+  if (Tr::kPersistent) cp::mbar_arrive(bars.v_free(last));  // the next task's tiles reuse the slot
 
   if (row0 < length_q)
     store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, t.scale_log2, lane);
 }
+
+
+#if PERSISTENT
+// The tasks of a persistent launch and the order the CTAs take them in: query tiles from the last
+// (under causal masking, the longest-running) to the first; within one, sequences and then heads
+// in order, so the query heads of a kv head run side by side; tiles past a sequence's end left
+// out.  Task c goes to CTA c % G in even rounds (c / G) and to CTA G - 1 - c % G in odd ones, so
+// each CTA's share of long and short tasks evens out.  The producer's warps find the CTA's tasks
+// in order, from the query-tile counts the CTA staged in shared memory (a step looks at 32
+// sequences of one level, one query tile, at once), and hand each to the consumers with its Q.
+// A task of the list, for task_at: its lane offsets for `thread`, which also writes empty rows
+// with the others of `threads` (none when 0).
+struct ListTask {
+  static constexpr bool kOwnThread = false;
+  int tile, head_index, sequence, thread_index, thread_count;
+  __device__ __forceinline__ int m_block() const { return tile; }
+  __device__ __forceinline__ int head() const { return head_index; }
+  __device__ __forceinline__ int seq() const { return sequence; }
+  __device__ __forceinline__ int lane_thread() const { return thread_index; }
+  __device__ __forceinline__ int thread() const { return thread_index; }
+  __device__ __forceinline__ int threads() const { return thread_count; }
+};
+
+struct TaskCursor {
+  int level, s0, base, round;  // the window of sequences [s0, s0 + 32) at `level`, its first task's
+                               // number; the CTA's tasks found so far
+
+  // The CTA's next task: false past its last.
+  __device__ __forceinline__ bool next(const unsigned short* tiles, int batch, int heads, int4& task) {
+    const int lane = threadIdx.x & 31;
+    const int c = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    ++round;
+    while (level >= 0) {
+      const int s = s0 + lane;
+      const unsigned window = __ballot_sync(0xffffffffu, s < batch && tiles[s] > level);
+      const int tasks = __popc(window) * heads;
+      if (c < base + tasks) {
+        const int k = c - base, r = k / heads;
+        task = make_int4(level, k - r * heads, s0 + static_cast<int>(__fns(window, 0, r + 1)), 1);
+        return true;
+      }
+      base += tasks;
+      s0 += 32;
+      if (s0 >= batch) {
+        s0 = 0;
+        --level;
+      }
+    }
+    return false;
+  }
+};
+#endif
 
 }  // namespace varlen
 
@@ -247,6 +326,72 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
   const Barriers bars{s_kv + 2 * Tr::kStages * Tr::kKVBytes};
   unsigned char* holes = smem_raw + (bars.base - raw) + Tr::kBarrierBytes;
   unsigned char* s_loadable = holes + 4 * Tr::kStages;
+#if PERSISTENT
+  // The most query tiles of a sequence, each sequence's (at most the grid's max_seqlen_q covers),
+  // and the task of the Q in shared memory: (query tile, head, sequence, 1), or (..., 0) past the
+  // CTA's last.
+  int& s_levels = *reinterpret_cast<int*>(s_loadable + Tr::kStages * Tr::kBlockN);
+  unsigned short* s_tiles = reinterpret_cast<unsigned short*>(&s_levels + 1);
+  int* s_task = reinterpret_cast<int*>(holes - 16);
+  if (threadIdx.x == 0) {
+    bars.init();
+    s_levels = 0;
+  }
+  __syncthreads();
+  const int max_tiles = max_seqlen_q / Tr::kBlockM + (max_seqlen_q % Tr::kBlockM != 0);
+  int most = 0;
+  for (int seq = threadIdx.x; seq < batch; seq += Tr::kCtaThreads) {
+    // A length that does not fit an int wraps to negative: an empty sequence, as in task_at.
+    const int length = static_cast<int>(static_cast<unsigned>(cu_seqlens_q[seq + 1]) -
+                                        static_cast<unsigned>(cu_seqlens_q[seq]));
+    const int tiles = length <= 0 ? 0 : min(length / Tr::kBlockM + (length % Tr::kBlockM != 0), max_tiles);
+    s_tiles[seq] = static_cast<unsigned short>(tiles);
+    most = max(most, tiles);
+  }
+  if (most > 0) atomicMax(&s_levels, most);
+  __syncthreads();
+  Task t;
+  if (__shfl_sync(0xffffffffu, threadIdx.x >> 7, 0) == 0) {  // warpgroup 0 (uniform per warp)
+    cp::registers_decrease<kProducerRegisters>();
+    TaskCursor cursor{s_levels - 1, 0, 0, 0};
+    int4 task;
+    int g = 0, n = 0;
+    while (cursor.next(s_tiles, batch, num_heads, task)) {
+      // A task whose rows see no key has its zeros written here.
+      // The thread's index read afresh for each task: what task_at derives from it, kept across
+      // the task loop, would outnumber the producer's registers and spill.
+      unsigned tid;
+      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+      if (!task_at(t, ListTask{task.x, task.y, task.z, static_cast<int>(tid), 128}, VARLEN_FWD_ARGS)) continue;
+      produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, g, n, s_task, task);
+      g += t.num_tiles;
+      ++n;
+    }
+    // No more tasks: Q "loaded" with the task (0, 0, 0, 0).
+    if (n > 0) cp::mbar_wait(bars.q_free(), static_cast<u32>((n - 1) & 1));
+    if (threadIdx.x == 0) {
+      s_task[3] = 0;
+      cp::mbar_arrive(bars.q_full());
+    }
+    cp::cp_async_mbar_arrive(bars.q_full());
+    cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits
+  } else {
+    cp::registers_increase<kConsumerRegisters>();
+    const int ct = threadIdx.x - 128;
+    for (int g = 0, n = 0;; g += t.num_tiles, ++n) {
+      cp::mbar_wait(bars.q_full(), static_cast<u32>(n & 1));
+      if (s_task[3] == 0) break;
+      task_at(t, ListTask{s_task[0], s_task[1], s_task[2], 0, 0}, VARLEN_FWD_ARGS);  // one with keys (produced)
+      consume(t, s_q, s_kv, bars, holes, s_loadable, ct, lse, total_q, softmax_scale, softcap, window_left,
+              window_right, g, n);
+    }
+  }
+  // Each sequence checked once, by warp 0 of one CTA.
+  if (errors != nullptr)
+    for (int s = blockIdx.x; s < batch; s += gridDim.x)
+      check_sequence<true>(cu_seqlens_q, cu_seqlens_k, block_table, table_width, block_shift, total_q, kv_rows,
+                           max_seqlen_q, errors, s);
+#else
   if (threadIdx.x == 0) bars.init();
   __syncthreads();
 
@@ -254,12 +399,14 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
   if (make_task(t, VARLEN_FWD_ARGS)) {  // the CTA's work; then its one exit (check_sequence says why)
     if (__shfl_sync(0xffffffffu, threadIdx.x >> 7, 0) == 0) {  // warpgroup 0 (uniform per warp)
       cp::registers_decrease<kProducerRegisters>();
-      produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q);
+      produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, 0, 0);
+      cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits
     } else {
       cp::registers_increase<kConsumerRegisters>();
       consume(t, s_q, s_kv, bars, holes, s_loadable, threadIdx.x - 128, lse, total_q, softmax_scale, softcap,
-              window_left, window_right);
+              window_left, window_right, 0, 0);
     }
   }
   check_inputs(VARLEN_FWD_ARGS);
+#endif
 }

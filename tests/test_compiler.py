@@ -170,7 +170,8 @@ def test_smem_bytes_are_checked_against_the_layout():
     from cupy_paged.kernels import decode, varlen, varlen_wgmma
 
     for key in (decode.kernel_key(BF16, 64), varlen.kernel_key(BF16, 64), varlen_wgmma.kernel_key(BF16, 64),
-                varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True))):
+                varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True)),
+                varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 3, producer=True, persistent=True))):
         wrong = tuple((name, value + 16 if name == "SMEM_BYTES" else value) for name, value in key.params)
         with pytest.raises(RuntimeError, match="smem_bytes differs"):
             nvrtc.compile_offline(_compiler.KernelKey(key.source, wrong, key.arch), key.archs()[0])
@@ -188,6 +189,28 @@ def test_a_producer_shape_is_three_warpgroups_of_which_two_compute():
     assert ("PRODUCER", 0) in varlen_wgmma.kernel_key(BF16, 64).params
     with pytest.raises(ValueError, match="producer"):
         varlen_wgmma.WgmmaTiles(64, 2, groups=1, producer=True)
+
+
+def test_a_persistent_shape_is_a_producer_shape_on_a_grid_of_sms():
+    """``persistent=True``: a producer shape whose key says ``PERSISTENT=1``; its twin of one CTA per
+    query tile is the same shape; it takes a call of at most PERSISTENT_MAX_SEQS sequences whose
+    tasks number in 31 bits."""
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels import varlen_wgmma
+
+    tiles = varlen_wgmma.WgmmaTiles(128, 2, producer=True, persistent=True)
+    assert (tiles.threads, tiles.label()) == (384, "wg128x128s2pP")
+    assert ("PERSISTENT", 1) in varlen_wgmma.kernel_key(BF16, 128, tiles).params
+    assert tiles.one_task_per_cta() == varlen_wgmma.WgmmaTiles(128, 2, producer=True)
+    assert tiles.smem_bytes(128) > tiles.one_task_per_cta().smem_bytes(128)
+    with pytest.raises(ValueError, match="producer"):
+        varlen_wgmma.WgmmaTiles(128, 2, persistent=True)
+    most = varlen_wgmma.PERSISTENT_MAX_SEQS
+    assert varlen_wgmma.persistent_fits(tiles, most, 32, 128 * 1000)
+    assert not varlen_wgmma.persistent_fits(tiles, most + 1, 32, 1)
+    assert not varlen_wgmma.persistent_fits(tiles, 1, 1, 128 * 2 ** 16)
+    assert varlen_wgmma.persistent_fits(tiles, most, 64, 128 * 2 ** 16 - 128)  # 2^31 - 32768 tasks
+    assert not varlen_wgmma.persistent_fits(tiles, most, 65, 128 * 2 ** 16 - 128)
 
 
 def test_pinned_architecture_keys():

@@ -37,7 +37,8 @@ MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
 }
 WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(128, 2, groups=1), WgmmaTiles(128, 2, producer=True)),
-    128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True)),
+    128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True),
+          WgmmaTiles(128, 2, producer=True, persistent=True), WgmmaTiles(128, 3, producer=True, persistent=True)),
 }
 
 
@@ -315,6 +316,26 @@ def _candidate_cases(tiles, seed, head_dim):
     run_case(tiles, seed + 3, "float16", head_dim, [300, 1000, 3], [2000, 1000, 1500], num_kv_heads=2,
              block_size=16, causal=True, lse=True)
     _holes_case(tiles, head_dim, 16, seed + 4)
+    if getattr(tiles, "persistent", False):
+        _persistent_cases(tiles, head_dim, seed + 5)
+
+
+def _persistent_cases(tiles, head_dim, seed):
+    """What only a persistent launch does: CTAs that take several tasks each (query tiles of
+    mixed lengths, empty sequences, a paged cache), tasks whose rows see no key (written by the
+    producer), and a batch past PERSISTENT_MAX_SEQS (the same shape on a grid of one CTA a tile)."""
+    from cupy_paged.kernels.varlen_wgmma import PERSISTENT_MAX_SEQS
+
+    # 8 + 6 + 1 + 12 + 3 query tiles of 16 heads: 480 tasks, several per CTA on any GPU
+    run_case(tiles, seed, "bfloat16", head_dim, [1000, 0, 700, 1, 1500, 300], [1000, 5, 900, 1, 1500, 333],
+             num_heads=16, num_kv_heads=4, causal=True, lse=True)
+    # under causal alignment the first rows of a 300-row query on 100 keys see none
+    run_case(tiles, seed + 1, "float16", head_dim, [300, 512, 40] * 4, [100, 600, 2000] * 4, num_heads=16,
+             num_kv_heads=2, causal=True, lse=True, block_size=16)
+    run_case(tiles, seed + 2, "bfloat16", head_dim, [129, 256, 0, 700] * 3, [1500, 256, 9, 700] * 3,
+             num_heads=8, num_kv_heads=8, window=(200, 0), softcap=5.0, alibi=True, lse=True, block_size=32)
+    lengths = np.random.default_rng(seed).integers(0, 4, PERSISTENT_MAX_SEQS + 40).tolist()
+    run_case(tiles, seed + 3, "bfloat16", head_dim, lengths, lengths, num_heads=4, num_kv_heads=2, causal=True)
 
 
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)

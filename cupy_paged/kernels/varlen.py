@@ -29,10 +29,10 @@ from .._core.types import HEAD_DIMS, KERNEL_DTYPES, alibi_batch_stride, element_
 from .._core.compiler import KernelKey, get_function
 from .._core.errors import word
 from .._core.streams import handle, is_capturing
-from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, wgmma_available
+from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, persistent_fits, wgmma_available
 from .varlen_wgmma import kernel_key as wgmma_key
 from .varlen_wgmma import KERNEL as WGMMA_KERNEL
-from ._launch import Launcher, cuda_scalar, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
+from ._launch import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
 from . import ragged
 from ._decode_shapes import TILES as DECODE_TILES
 from .ragged import ROWS
@@ -112,8 +112,8 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
 # varlen_fwd / varlen_fwd_wgmma parameters (VARLEN_FWD_PARAMS in varlen_common.cuh): q, k, v, out,
 # lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes; q_row, q_head, k_row, k_head, v_row,
 # v_head; total_q, kv_rows, num_heads, group_size, table_width, block_shift; softmax_scale, softcap;
-# window_left, window_right, max_seqlen_q, alibi_batch_stride; errors.
-_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P"
+# window_left, window_right, max_seqlen_q, alibi_batch_stride; errors; batch.
+_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P" + "i"
 
 
 def default_tiles(head_dim: int, device: int | None = None) -> Tiles | WgmmaTiles:
@@ -134,10 +134,19 @@ class VarlenLaunch:
         self.device = device = p.q.device
         given = tiles is not None  # a named shape runs that kernel, short rows too
         self.tiles = tiles = tiles or default_tiles(head_dim, device)
+        self.batch = p.batch
+        # A persistent shape runs a grid of one CTA per SM over every query tile, for the calls it
+        # takes (persistent_fits); the others run the same shape with one CTA per query tile.
+        self.persistent = isinstance(tiles, WgmmaTiles) and tiles.persistent
+        if self.persistent and not persistent_fits(tiles, p.batch, num_heads, 1):
+            self.tiles = tiles = tiles.one_task_per_cta()
+            self.persistent = False
+        self._sms = device_property(device, "multiProcessorCount") if self.persistent else 0
+        self._per_tile = None  # (launcher, tiles), made when a call's max_seqlen_q needs it
+        self.head_dim = head_dim
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
         self.launch = Launcher(function, _LAYOUT)
         self.total_q = total_q = int(p.q.shape[0])
-        self.batch = p.batch
         self.out_shape = (total_q, num_heads, head_dim)
         self.lse_shape = (num_heads, total_q)
         self.dtype = p.q.dtype
@@ -167,7 +176,7 @@ class VarlenLaunch:
         self.alibi_stride = alibi_batch_stride(p.alibi_slopes)
         self.errors = word(device)
         # The scalars are packed once; a call rewrites the 9 pointers and max_seqlen_q (field 25).
-        self.launch.pack(*([0] * 9), *self.scalars, 0, self.alibi_stride, self.errors)
+        self.launch.pack(*self._packed())
         self._pointer_span = self.launch.span(0, 9)
         self._max_q_span = self.launch.span(9 + len(self.scalars), 1)
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
@@ -181,6 +190,27 @@ class VarlenLaunch:
             device, p.q.dtype, self.out_shape, (q_row, q_head), None, None,
             (kv_rows, p.block_size, p.num_kv_heads), table_width, p.softmax_scale, p.window, p.softcap,
             self.alibi_stride)
+
+    def _packed(self) -> tuple:
+        """Every argument but the pointers and max_seqlen_q (zeros there)."""
+        return (*([0] * 9), *self.scalars, 0, self.alibi_stride, self.errors, self.batch)
+
+    def _grid(self, max_seqlen_q: int) -> tuple:
+        """(launcher, grid, threads, shared memory) of a call with this ``max_seqlen_q``."""
+        tiles = self.tiles
+        query_tiles = (max_seqlen_q + tiles.block_m - 1) // tiles.block_m
+        if not self.persistent:
+            return self.launch, (query_tiles, self.heads, self.batch), tiles.threads, self.smem
+        if persistent_fits(tiles, self.batch, self.heads, max_seqlen_q):
+            return self.launch, (min(self._sms, query_tiles * self.heads * self.batch), 1, 1), tiles.threads, self.smem
+        if self._per_tile is None:
+            per_tile = tiles.one_task_per_cta()
+            function, smem = _launch(self.device, self.dtype, self.head_dim, per_tile)
+            launcher = Launcher(function, _LAYOUT)
+            launcher.pack(*self._packed())
+            self._per_tile = launcher, smem
+        launcher, smem = self._per_tile
+        return launcher, (query_tiles, self.heads, self.batch), tiles.threads, smem
 
     def run(self, kind: str, like, ptrs: tuple, max_seqlen_q: int, out, lse_out, stream: int,
             alloc_stream: int | None = None):
@@ -198,13 +228,12 @@ class VarlenLaunch:
         if short is not None and short.ready(stream):
             short.run((q, k, v, 0, 0, table, alibi), (0, cu_q, cu_k), max_seqlen_q, out_ptr, lse_ptr, stream)
             return out_obj, lse_obj
-        block_m = self.tiles.block_m
-        grid = ((max_seqlen_q + block_m - 1) // block_m, self.heads, self.batch)
+        launcher, grid, threads, smem = self._grid(max_seqlen_q)
         pointer_struct, pointer_at = self._pointer_span
         max_q_struct, max_q_at = self._max_q_span
-        self.launch.launch(grid, self.tiles.threads, self.smem, stream,
-                           (pointer_struct, pointer_at, (q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table, alibi)),
-                           (max_q_struct, max_q_at, (max_seqlen_q,)))
+        launcher.launch(grid, threads, smem, stream,
+                        (pointer_struct, pointer_at, (q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table, alibi)),
+                        (max_q_struct, max_q_at, (max_seqlen_q,)))
         return out_obj, lse_obj
 
 

@@ -20,17 +20,22 @@ ARCH = "sm_90a"
 @dataclasses.dataclass(frozen=True)
 class WgmmaTiles:
     """Tile shape of the wgmma kernel: keys per tile, K/V pipeline stages, warpgroups per CTA
-    (64 query rows each; one warpgroup lets two CTAs share an SM), and whether a producer
-    warpgroup issues the loads (warp specialization, two computing warpgroups only)."""
+    (64 query rows each; one warpgroup lets two CTAs share an SM), whether a producer warpgroup
+    issues the loads (warp specialization, two computing warpgroups only), and whether its CTAs are
+    persistent (a grid of at most one CTA per SM, each working through a list of query tiles, for
+    batches of at most :data:`PERSISTENT_MAX_SEQS` sequences)."""
 
     block_n: int
     stages: int
     groups: int = 2
     producer: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         if self.producer and self.groups != 2:
             raise ValueError("a producer warpgroup serves two computing warpgroups")
+        if self.persistent and not self.producer:
+            raise ValueError("persistent CTAs are warp-specialized (producer=True)")
 
     @property
     def block_m(self) -> int:
@@ -41,7 +46,12 @@ class WgmmaTiles:
         return 128 * (self.groups + self.producer)
 
     def label(self) -> str:
-        return f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("p" if self.producer else "")
+        return (f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("p" if self.producer else "")
+                + ("P" if self.persistent else ""))
+
+    def one_task_per_cta(self) -> "WgmmaTiles":
+        """The same shape on a grid of one CTA per task (batches a persistent launch cannot take)."""
+        return dataclasses.replace(self, persistent=False)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory of the launch.  The one size: :func:`kernel_key` passes it to the
@@ -51,11 +61,26 @@ class WgmmaTiles:
         # 1024 bytes of alignment slack, Q, the K and V stages, then
         tiles = 1024 + row_bytes * self.block_m + 2 * self.stages * row_bytes * self.block_n
         if self.producer:
-            # the producer's barriers (8 bytes each: Q, and four per stage), a hole byte per
-            # producer warp and stage, and per stage and key a "loadable" byte
-            return tiles + 8 * (1 + 4 * self.stages) + 4 * self.stages + self.stages * self.block_n
+            # the producer's barriers (8 bytes each: Q full, Q free when persistent, and four per
+            # stage; persistent, the task of the Q in 16 bytes), a hole byte per producer warp and
+            # stage, per stage and key a "loadable" byte, and (persistent) the most query tiles of
+            # a sequence (an int) and each sequence's (2 bytes)
+            barriers = 8 * (1 + self.persistent + 4 * self.stages) + 16 * self.persistent
+            return (tiles + barriers + 4 * self.stages + self.stages * self.block_n
+                    + (4 + 2 * PERSISTENT_MAX_SEQS) * self.persistent)
         # per stage and key a "loadable" byte and a block id (int)
         return tiles + self.stages * self.block_n + 4 * self.stages * self.block_n
+
+
+# Sequences a persistent launch takes at most (WgTraits::kMaxSeqs in varlen_wgmma.cu); its tasks
+# are numbered in 31 bits and its query tiles per sequence staged in 16 bits.
+PERSISTENT_MAX_SEQS = 512
+
+
+def persistent_fits(tiles: WgmmaTiles, batch: int, heads: int, max_seqlen_q: int) -> bool:
+    """Whether a persistent launch of ``tiles`` takes a call of these sizes."""
+    levels = -(-max_seqlen_q // tiles.block_m)
+    return batch <= PERSISTENT_MAX_SEQS and levels < 2 ** 16 and levels * batch * heads < 2 ** 31
 
 
 # The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
@@ -72,7 +97,7 @@ def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelK
     tiles = tiles or WGMMA_TILES[head_dim]
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
               ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("PRODUCER", int(tiles.producer)),
-              ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
+              ("PERSISTENT", int(tiles.persistent)), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
     return KernelKey(SOURCE, params, arch=ARCH)
 
 

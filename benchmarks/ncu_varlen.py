@@ -1,0 +1,47 @@
+"""One launch of each varlen tile shape on a causal batch, for Nsight Compute: where a shape's
+time goes (memory traffic, L2 hit rate, warp stalls) beside another's on the same data.
+
+    ncu --profile-from-start off --section ... python benchmarks/ncu_varlen.py [--lens 1024x16 4096x8]
+
+Each (batch, shape) pair runs once untimed (module load, warm caches), then once inside
+``cudaProfilerStart`` / ``cudaProfilerStop``, so ncu sees exactly one launch of each.  The shapes are
+the registered one of head dim 128 and the persistent candidate of the GPU tests (NOTES_varlen.md, v10).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_varlen  # noqa: E402
+from cupy_paged.kernels.varlen_wgmma import WGMMA_TILES, WgmmaTiles  # noqa: E402
+
+SHAPES = {"registered": WGMMA_TILES[128], "persistent": WgmmaTiles(128, 2, producer=True, persistent=True)}
+
+
+def main() -> None:
+    import cupy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lens", nargs="+", default=["1024x16", "4096x8"],
+                        help="causal batches as LENGTHxCOUNT (default 1024x16 4096x8)")
+    args = parser.parse_args()
+    for spec in args.lens:
+        length, count = map(int, spec.split("x"))
+        batch = bench_varlen.Batch([length] * count, [length] * count, 128)
+        for name, tiles in SHAPES.items():
+            call = batch.ours(tiles)
+            call()
+            cupy.cuda.Device().synchronize()
+            cupy.cuda.runtime.profilerStart()
+            call()
+            cupy.cuda.Device().synchronize()
+            cupy.cuda.runtime.profilerStop()
+            print(f"profiled {spec} {name} {tiles.label()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
