@@ -41,7 +41,7 @@ template <int D, int GROUPS, int BN, int STAGES, int WITH_PRODUCER, int IS_PERSI
 struct WgTraits {
   static constexpr int kHeadDim = D, kBlockM = 64 * GROUPS, kBlockN = BN, kStages = STAGES;
   static constexpr bool kProducer = WITH_PRODUCER != 0, kPersistent = IS_PERSISTENT != 0;
-  // A persistent CTA stages each sequence's query-tile count (2 bytes) for at most kMaxSeqs.
+  // A persistent CTA stages the prefix sum of each sequence's tasks for at most kMaxSeqs.
   static constexpr int kMaxSeqs = kPersistent ? 512 : 0;  // PERSISTENT_MAX_SEQS in kernels/varlen_wgmma.py
   static constexpr int kGroups = GROUPS, kGroupRows = 64;
   // The threads that load (all, or the producer warpgroup) and all of the CTA's.
@@ -67,12 +67,12 @@ struct WgTraits {
   // per stage: varlen_common.cuh, id_ring).
   // With a producer: the same tiles, then its barriers (8 bytes each: Q full (and, persistent, Q
   // free), and per stage K full, V full, K free, V free; persistent, then the task of the Q in 16
-  // bytes), a hole byte per producer warp and stage, the loadable bytes, then (persistent) the most
-  // query tiles of a sequence (an int) and each sequence's (2 bytes); no id ring.
+  // bytes), a hole byte per producer warp and stage, the loadable bytes, then (persistent) the
+  // prefix sum of the sequences' tasks (kMaxSeqs + 1 ints); no id ring.
   static constexpr int kBarrierBytes = 8 * (1 + IS_PERSISTENT + 4 * STAGES) + 16 * IS_PERSISTENT;
   static constexpr int kSmemBytes =
       kProducer ? 1024 + kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes + 4 * STAGES + STAGES * BN +
-                      (kPersistent ? 4 + 2 * kMaxSeqs : 0)
+                      (kPersistent ? 4 * (kMaxSeqs + 1) : 0)
                 : 1024 + kQBytes + 2 * STAGES * kKVBytes + STAGES * BN + 4 * STAGES * BN;
   static_assert(D == 64 || D == 128 || D == 256, "wgmma N of P V: 64, 128 or 256");
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of Q K^T: 64, 128 or 256");

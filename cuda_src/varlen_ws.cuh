@@ -20,7 +20,7 @@
 // producer, released by its ordinary arrival on the K barrier.
 //
 // With PERSISTENT = 1 the grid has at most one CTA per SM and each CTA works through a list of
-// tasks (TaskCursor): the warpgroups go from one task to the next without meeting, the K/V ring
+// tasks (TaskList): the warpgroups go from one task to the next without meeting, the K/V ring
 // and its barriers run on across tasks (tiles counted from the CTA's first), and the producer
 // loads the next task's Q as soon as both consumers have issued their last Q K^T (a "Q free"
 // barrier), so that the next task's first tiles load while the consumers finish the last P V
@@ -265,13 +265,16 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
 
 
 #if PERSISTENT
-// The tasks of a persistent launch and the order the CTAs take them in: query tiles from the last
-// (under causal masking, the longest-running) to the first; within one, sequences and then heads
-// in order, so the query heads of a kv head run side by side; tiles past a sequence's end left
-// out.  Task c goes to CTA c % G in even rounds (c / G) and to CTA G - 1 - c % G in odd ones, so
-// each CTA's share of long and short tasks evens out.  The producer's warps find the CTA's tasks
-// in order, from the query-tile counts the CTA staged in shared memory (a step looks at 32
-// sequences of one level, one query tile, at once), and hand each to the consumers with its Q.
+// The tasks of a persistent launch and the order the CTAs take them in: sequence by sequence, kv
+// head by kv head (a "column": the query heads of one kv head, all their query tiles), so the
+// tasks running at once read the same keys, which then stay in L2 (the level-by-level order of
+// the first version read each sequence's keys again per query tile: NOTES_varlen.md, v10).  In
+// a column the query tiles alternate long and short (under causal masking: the last, the first,
+// the second last, ...), the query heads of one tile side by side.  Task c goes to CTA c % G in
+// even rounds (c / G) and to CTA G - 1 - c % G in odd ones, so each CTA's share of long and
+// short tasks evens out.  The producer's warps find each task from the tasks per sequence that
+// the CTA staged in shared memory (a prefix sum: a binary search finds the sequence) and hand it
+// to the consumers with its Q.
 // A task of the list, for task_at: its lane offsets for `thread`, which also writes empty rows
 // with the others of `threads` (none when 0).
 struct ListTask {
@@ -285,32 +288,24 @@ struct ListTask {
   __device__ __forceinline__ int threads() const { return thread_count; }
 };
 
-struct TaskCursor {
-  int level, s0, base, round;  // the window of sequences [s0, s0 + 32) at `level`, its first task's
-                               // number; the CTA's tasks found so far
+struct TaskList {
+  const int* prefix;  // tasks of the sequences before s, s = 0 .. batch (in shared memory)
+  int batch, heads, group, round;
 
-  // The CTA's next task: false past its last.
-  __device__ __forceinline__ bool next(const unsigned short* tiles, int batch, int heads, int4& task) {
-    const int lane = threadIdx.x & 31;
+  // The CTA's next task (query tile, head, sequence, 1): false past its last.
+  __device__ __forceinline__ bool next(int4& task) {
     const int c = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
     ++round;
-    while (level >= 0) {
-      const int s = s0 + lane;
-      const unsigned window = __ballot_sync(0xffffffffu, s < batch && tiles[s] > level);
-      const int tasks = __popc(window) * heads;
-      if (c < base + tasks) {
-        const int k = c - base, r = k / heads;
-        task = make_int4(level, k - r * heads, s0 + static_cast<int>(__fns(window, 0, r + 1)), 1);
-        return true;
-      }
-      base += tasks;
-      s0 += 32;
-      if (s0 >= batch) {
-        s0 = 0;
-        --level;
-      }
+    if (c >= prefix[batch]) return false;
+    int lo = 0, hi = batch;  // prefix[lo] <= c < prefix[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (prefix[mid] <= c) lo = mid; else hi = mid;
     }
-    return false;
+    const int tiles = (prefix[lo + 1] - prefix[lo]) / heads, column = tiles * group;
+    const int r = c - prefix[lo], kv = r / column, q = r - kv * column, j = q / group;
+    task = make_int4((j & 1) ? j >> 1 : tiles - 1 - (j >> 1), kv * group + (q - j * group), lo, 1);
+    return true;
   }
 };
 #endif
@@ -327,36 +322,49 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
   unsigned char* holes = smem_raw + (bars.base - raw) + Tr::kBarrierBytes;
   unsigned char* s_loadable = holes + 4 * Tr::kStages;
 #if PERSISTENT
-  // The most query tiles of a sequence, each sequence's (at most the grid's max_seqlen_q covers),
-  // and the task of the Q in shared memory: (query tile, head, sequence, 1), or (..., 0) past the
-  // CTA's last.
-  int& s_levels = *reinterpret_cast<int*>(s_loadable + Tr::kStages * Tr::kBlockN);
-  unsigned short* s_tiles = reinterpret_cast<unsigned short*>(&s_levels + 1);
+  // Each sequence's tasks (its query tiles, at most the grid's max_seqlen_q covers, times the
+  // heads), summed into a prefix, and the task of the Q in shared memory: (query tile, head,
+  // sequence, 1), or (..., 0) past the CTA's last.
+  int* s_prefix = reinterpret_cast<int*>(s_loadable + Tr::kStages * Tr::kBlockN);
   int* s_task = reinterpret_cast<int*>(holes - 16);
   if (threadIdx.x == 0) {
     bars.init();
-    s_levels = 0;
+    s_prefix[0] = 0;
   }
-  __syncthreads();
   const int max_tiles = max_seqlen_q / Tr::kBlockM + (max_seqlen_q % Tr::kBlockM != 0);
-  int most = 0;
   for (int seq = threadIdx.x; seq < batch; seq += Tr::kCtaThreads) {
     // A length that does not fit an int wraps to negative: an empty sequence, as in task_at.
     const int length = static_cast<int>(static_cast<unsigned>(cu_seqlens_q[seq + 1]) -
                                         static_cast<unsigned>(cu_seqlens_q[seq]));
-    const int tiles = length <= 0 ? 0 : min(length / Tr::kBlockM + (length % Tr::kBlockM != 0), max_tiles);
-    s_tiles[seq] = static_cast<unsigned short>(tiles);
-    most = max(most, tiles);
+    s_prefix[seq + 1] =
+        (length <= 0 ? 0 : min(length / Tr::kBlockM + (length % Tr::kBlockM != 0), max_tiles)) * num_heads;
   }
-  if (most > 0) atomicMax(&s_levels, most);
+  __syncthreads();
+  if (threadIdx.x < 32) {  // warp 0 sums: each lane a run of sequences, the runs' sums scanned
+    const int lane = threadIdx.x, per = (batch + 31) / 32;
+    const int first = 1 + lane * per, last = min(first + per, batch + 1);
+    int sum = 0;
+    for (int i = first; i < last; ++i) sum += s_prefix[i];
+    int before = sum;
+#pragma unroll
+    for (int step = 1; step < 32; step <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, before, step);
+      if (lane >= step) before += up;
+    }
+    before -= sum;
+    for (int i = first; i < last; ++i) {
+      before += s_prefix[i];
+      s_prefix[i] = before;
+    }
+  }
   __syncthreads();
   Task t;
   if (__shfl_sync(0xffffffffu, threadIdx.x >> 7, 0) == 0) {  // warpgroup 0 (uniform per warp)
     cp::registers_decrease<kProducerRegisters>();
-    TaskCursor cursor{s_levels - 1, 0, 0, 0};
+    TaskList list{s_prefix, batch, num_heads, group_size, 0};
     int4 task;
     int g = 0, n = 0;
-    while (cursor.next(s_tiles, batch, num_heads, task)) {
+    while (list.next(task)) {
       // A task whose rows see no key has its zeros written here.
       // The thread's index read afresh for each task: what task_at derives from it, kept across
       // the task loop, would outnumber the producer's registers and spill.

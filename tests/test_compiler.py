@@ -171,7 +171,7 @@ def test_smem_bytes_are_checked_against_the_layout():
 
     for key in (decode.kernel_key(BF16, 64), varlen.kernel_key(BF16, 64), varlen_wgmma.kernel_key(BF16, 64),
                 varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True)),
-                varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 3, producer=True, persistent=True))):
+                varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True, persistent=True))):
         wrong = tuple((name, value + 16 if name == "SMEM_BYTES" else value) for name, value in key.params)
         with pytest.raises(RuntimeError, match="smem_bytes differs"):
             nvrtc.compile_offline(_compiler.KernelKey(key.source, wrong, key.arch), key.archs()[0])
@@ -194,7 +194,7 @@ def test_a_producer_shape_is_three_warpgroups_of_which_two_compute():
 def test_a_persistent_shape_is_a_producer_shape_on_a_grid_of_sms():
     """``persistent=True``: a producer shape whose key says ``PERSISTENT=1``; its twin of one CTA per
     query tile is the same shape; it takes a call of at most PERSISTENT_MAX_SEQS sequences whose
-    tasks number in 31 bits."""
+    task numbers, past the last by up to two grids, fit 31 bits."""
     from cupy_paged._core.types import BF16
     from cupy_paged.kernels import varlen_wgmma
 
@@ -208,9 +208,9 @@ def test_a_persistent_shape_is_a_producer_shape_on_a_grid_of_sms():
     most = varlen_wgmma.PERSISTENT_MAX_SEQS
     assert varlen_wgmma.persistent_fits(tiles, most, 32, 128 * 1000)
     assert not varlen_wgmma.persistent_fits(tiles, most + 1, 32, 1)
-    assert not varlen_wgmma.persistent_fits(tiles, 1, 1, 128 * 2 ** 16)
-    assert varlen_wgmma.persistent_fits(tiles, most, 64, 128 * 2 ** 16 - 128)  # 2^31 - 32768 tasks
-    assert not varlen_wgmma.persistent_fits(tiles, most, 65, 128 * 2 ** 16 - 128)
+    assert varlen_wgmma.persistent_fits(tiles, 1, 1, 128 * 2 ** 20)
+    assert varlen_wgmma.persistent_fits(tiles, most, 64, 128 * (2 ** 16 - 3))  # 2^31 - 98304 tasks
+    assert not varlen_wgmma.persistent_fits(tiles, most, 64, 128 * (2 ** 16 - 2))  # 2^31 - 65536
 
 
 def test_pinned_architecture_keys():

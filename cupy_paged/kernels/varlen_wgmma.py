@@ -63,24 +63,24 @@ class WgmmaTiles:
         if self.producer:
             # the producer's barriers (8 bytes each: Q full, Q free when persistent, and four per
             # stage; persistent, the task of the Q in 16 bytes), a hole byte per producer warp and
-            # stage, per stage and key a "loadable" byte, and (persistent) the most query tiles of
-            # a sequence (an int) and each sequence's (2 bytes)
+            # stage, per stage and key a "loadable" byte, and (persistent) the prefix sum of the
+            # sequences' tasks (one int per sequence, and one)
             barriers = 8 * (1 + self.persistent + 4 * self.stages) + 16 * self.persistent
             return (tiles + barriers + 4 * self.stages + self.stages * self.block_n
-                    + (4 + 2 * PERSISTENT_MAX_SEQS) * self.persistent)
+                    + 4 * (PERSISTENT_MAX_SEQS + 1) * self.persistent)
         # per stage and key a "loadable" byte and a block id (int)
         return tiles + self.stages * self.block_n + 4 * self.stages * self.block_n
 
 
 # Sequences a persistent launch takes at most (WgTraits::kMaxSeqs in varlen_wgmma.cu); its tasks
-# are numbered in 31 bits and its query tiles per sequence staged in 16 bits.
+# are numbered in 31 bits.
 PERSISTENT_MAX_SEQS = 512
 
 
 def persistent_fits(tiles: WgmmaTiles, batch: int, heads: int, max_seqlen_q: int) -> bool:
     """Whether a persistent launch of ``tiles`` takes a call of these sizes."""
     levels = -(-max_seqlen_q // tiles.block_m)
-    return batch <= PERSISTENT_MAX_SEQS and levels < 2 ** 16 and levels * batch * heads < 2 ** 31
+    return batch <= PERSISTENT_MAX_SEQS and levels * batch * heads < 2 ** 31 - 2 ** 16  # task numbers + 2 grids
 
 
 # The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
