@@ -367,6 +367,17 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
 // ---------------------------------------------------------------------------- the CTA's task
 
 // The kernel parameters (both kernels take the same; kernels/varlen.py passes them in this order).
+// The wgmma kernel's TRACE specialization takes one more, its trace buffer (varlen_ws.cuh).
+#ifndef TRACE
+#define TRACE 0
+#endif
+#if TRACE
+#define VARLEN_TRACE_PARAM , unsigned long long* __restrict__ trace
+#define VARLEN_TRACE_ARG , trace
+#else
+#define VARLEN_TRACE_PARAM
+#define VARLEN_TRACE_ARG
+#endif
 #define VARLEN_FWD_PARAMS                                                                          \
   const varlen::T *__restrict__ q, const varlen::T *__restrict__ k, const varlen::T *__restrict__ v, \
       varlen::T *__restrict__ out,  /* [total_q, H, D] */                                            \
@@ -382,11 +393,13 @@ __device__ __forceinline__ void store_empty_rows(T* out, long long out_row, floa
       int max_seqlen_q,                       /* rows the grid covers (only checked against) */      \
       int alibi_batch_stride,                 /* 0 for [H] slopes, H for [B, H] */                   \
       int *errors,                            /* the device error word (common.cuh), or null */ \
-      int batch                               /* sequences (cu_seqlens hold batch + 1) */
+      int batch                               /* sequences (cu_seqlens hold batch + 1) */  \
+      VARLEN_TRACE_PARAM
 #define VARLEN_FWD_ARGS                                                                            \
   q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, q_row, q_head, k_row,   \
       k_head, v_row, v_head, total_q, kv_rows, num_heads, group_size, table_width, block_shift,     \
-      softmax_scale, softcap, window_left, window_right, max_seqlen_q, alibi_batch_stride, errors, batch
+      softmax_scale, softcap, window_left, window_right, max_seqlen_q, alibi_batch_stride, errors, batch     \
+      VARLEN_TRACE_ARG
 
 // The index values of this CTA's sequence that the host cannot check without a copy, checked
 // and reported to the error word (cp::report_error) once per sequence, by warp 0 of the CTA of

@@ -28,6 +28,17 @@
 
 namespace varlen {
 
+// The TRACE specialization's row per CTA (kernels/varlen_wgmma.py TRACE_COLUMNS, global ns unless
+// said): 0 entry, 1 SM, 2 its task known (0: no task), 3 Q's copies issued, 4 every copy issued, 5 Q landed
+// (consumer warpgroup 0), 6 its first S, 7 its last tile's softmax done, 8 its last P V done, 9
+// its output stored, 10 warpgroup 1's output stored, 11 the task's key tiles.
+#if TRACE
+__shared__ unsigned long long* s_trace_row;
+#define WS_STAMP(column, value) (s_trace_row[column] = (value))
+#else
+#define WS_STAMP(column, value) ((void)0)
+#endif
+
 constexpr int kProducerRegisters = 112, kConsumerRegisters = 192;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
 constexpr int kConsumerThreads = 256;
@@ -120,6 +131,7 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
   }
   load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
   cp::cp_async_mbar_arrive(bars.q_full());
+  if (TRACE && threadIdx.x == 0) WS_STAMP(3, cp::global_ns());
   KvSource src = t.src;
   int ids[kIds], next_ids[kIds];
   bool next_ahead = ids_ahead(src, t.tile_first * Tr::kBlockN);
@@ -158,6 +170,7 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
       load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
     cp::cp_async_mbar_arrive(bars.v_full(stage));
   }
+  if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());
 }
 
 // One consumer warpgroup (`group` 0 or 1, its threads numbered `ct` = 0 .. 255 across both): task
@@ -210,6 +223,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   };
 
   cp::mbar_wait(bars.q_full(), static_cast<u32>(n & 1));
+  if (TRACE && ct == 0) WS_STAMP(5, cp::global_ns());
   if (group == 1) cp::named_arrive(kTurnBarrier, kConsumerThreads);  // warpgroup 0 goes first
   // Tile 0: S only.
   cp::mbar_wait(bars.k_full(g0 % Tr::kStages), round_parity(g0));
@@ -221,6 +235,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   cp::named_arrive(other_turn, kConsumerThreads);
   cp::wgmma_wait<0>();
   fence_operands(s[0]);
+  if (TRACE && ct == 0) WS_STAMP(6, cp::global_ns());
   softmax_tile(0);
   for (int it = 1; it < t.num_tiles; ++it) {
     const int g = g0 + it, stage = g % Tr::kStages, prev = (g - 1) % Tr::kStages;
@@ -242,6 +257,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     cp::mbar_arrive(bars.v_free(prev));
     softmax_tile(it);
   }
+  if (TRACE && ct == 0) WS_STAMP(7, cp::global_ns());
   // Q is read no more: the producer may load the next task's.
   if (Tr::kPersistent) cp::mbar_arrive(bars.q_free());
   // The last tile's P V, in turn.  Warpgroup 1 gives no turn after it: warpgroup 0 takes none.
@@ -258,9 +274,11 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   cp::wgmma_wait<0>();
   fence_operands(st.o[0]);
   if (Tr::kPersistent) cp::mbar_arrive(bars.v_free(last));  // the next task's tiles reuse the slot
+  if (TRACE && ct == 0) WS_STAMP(8, cp::global_ns());
 
   if (row0 < length_q)
     store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, t.scale_log2, lane);
+  if (TRACE && (ct & 127) == 0) WS_STAMP(ct == 0 ? 9 : 10, cp::global_ns());
 }
 
 
@@ -401,12 +419,23 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
                            max_seqlen_q, errors, s);
 #else
   if (threadIdx.x == 0) bars.init();
+#if TRACE
+  if (threadIdx.x == 0) {
+    s_trace_row = trace + 16ull * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    WS_STAMP(0, cp::global_ns());
+    WS_STAMP(1, cp::sm_id());
+  }
+#endif
   __syncthreads();
 
   Task t;
   if (make_task(t, VARLEN_FWD_ARGS)) {  // the CTA's work; then its one exit (check_sequence says why)
     if (__shfl_sync(0xffffffffu, threadIdx.x >> 7, 0) == 0) {  // warpgroup 0 (uniform per warp)
       cp::registers_decrease<kProducerRegisters>();
+      if (TRACE && threadIdx.x == 0) {
+        WS_STAMP(2, cp::global_ns());
+        WS_STAMP(11, t.num_tiles);
+      }
       produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, 0, 0);
       cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits
     } else {

@@ -119,7 +119,8 @@ def _candidate_keys():
 
     return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True),
                                                         decode.kernel_key(BF16, 128, trace=True, ragged=True)]
-            + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES))
+            + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES)
+            + [varlen_wgmma.kernel_key(BF16, 128, trace=True)])
 
 
 @pytest.mark.parametrize("key,arch", [pytest.param(key, arch, id=f"{kind}-{key}-{arch}")

@@ -25,7 +25,8 @@ def parameters(source: str, kernel: str, macros: frozenset = frozenset()) -> lis
     text = load_source(source)
     if kernel in ("varlen_fwd", "varlen_fwd_wgmma"):
         match = re.search(r"#define VARLEN_FWD_PARAMS(.*?)\n#define", text, re.S)
-        body = match.group(1)
+        # the TRACE specialization's trace buffer, last (VARLEN_TRACE_PARAM, varlen_common.cuh)
+        body = match.group(1).replace("VARLEN_TRACE_PARAM", ", unsigned long long* trace" if "TRACE" in macros else "")
     else:
         match = re.search(rf"{kernel}\((.*?)\)\s*{{", text, re.S)
         body = match.group(1)
@@ -67,10 +68,12 @@ def _decode_layout(layout: str) -> str:
     (decode.SOURCE, "combine_splits", frozenset(), decode._COMBINE_LAYOUT),
     (varlen.SOURCE, "varlen_fwd", frozenset(), varlen._LAYOUT),
     (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset(), varlen._LAYOUT),
+    (varlen_wgmma.SOURCE, "varlen_fwd_wgmma", frozenset({"TRACE"}), varlen._LAYOUT + "P"),
     (kv_write.SOURCE, "write_kv_cache", frozenset(), kv_write._LAYOUT),
     (decode.SOURCE, "paged_decode", frozenset({"RAGGED"}), _decode_layout(ragged._RAGGED_LAYOUT)),
     (decode.SOURCE, "paged_decode", frozenset({"RAGGED", "TRACE"}), _decode_layout(ragged._RAGGED_LAYOUT + "P")),
-], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma", "write_kv_cache",
+], ids=["paged_decode", "paged_decode-TRACE", "combine_splits", "varlen_fwd", "varlen_fwd_wgmma",
+        "varlen_fwd_wgmma-TRACE", "write_kv_cache",
         "paged_decode-RAGGED", "paged_decode-RAGGED-TRACE"])
 def test_layout_matches_the_kernel_signature(source, kernel, macros, layout):
     expected = [code_of(p) for p in parameters(source, kernel, macros)]

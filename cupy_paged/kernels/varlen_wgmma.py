@@ -91,14 +91,24 @@ WGMMA_TILES = {
 }
 
 
-def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None) -> KernelKey:
+# The TRACE specialization's row per CTA (varlen_ws.cuh; global ns unless said): a producer shape
+# with one CTA per query tile takes the trace buffer (16 int64 per CTA) as its last argument.
+TRACE_COLUMNS = ("entry", "sm", "task_known", "q_issued", "all_issued", "q_landed", "first_s",
+                 "last_softmax", "last_pv", "stored", "stored_group1", "tiles")
+TRACE_ROW = 16
+
+
+def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None, trace: bool = False) -> KernelKey:
     """The wgmma specialization (sm_90a) for ``dtype``, ``head_dim`` and ``tiles`` (default
-    ``WGMMA_TILES[head_dim]``)."""
+    ``WGMMA_TILES[head_dim]``); ``trace``: its TRACE specialization (a producer shape, one CTA per
+    query tile), for ``benchmarks/trace_varlen.py``."""
     tiles = tiles or WGMMA_TILES[head_dim]
+    if trace and (not tiles.producer or tiles.persistent):
+        raise ValueError("the trace is of a producer shape with one CTA per query tile")
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
               ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("PRODUCER", int(tiles.producer)),
               ("PERSISTENT", int(tiles.persistent)), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
-    return KernelKey(SOURCE, params, arch=ARCH)
+    return KernelKey(SOURCE, params + ((("TRACE", 1),) if trace else ()), arch=ARCH)
 
 
 def all_keys():
