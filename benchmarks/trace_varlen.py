@@ -39,13 +39,16 @@ RESULTS = HERE / "results" / "trace_varlen.json"
 COLUMNS = {name: i for i, name in enumerate(varlen_wgmma.TRACE_COLUMNS)}
 
 
-def traced_launch(batch):
-    """The registered D = 128 launch of ``batch`` (causal), its kernel swapped for the TRACE one;
+SHAPES = {"registered": varlen_wgmma.WGMMA_TILES[128],
+          "staged store": varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True)}
+
+
+def traced_launch(batch, tiles):
+    """The D = 128 launch of ``batch`` (causal) on ``tiles``, its kernel swapped for the TRACE one;
     returns (call, trace buffer)."""
     import cupy
     from cupy_paged.api.varlen import prepare_varlen
 
-    tiles = varlen_wgmma.WGMMA_TILES[128]
     p = prepare_varlen(batch.q, batch.k, batch.v, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k,
                        None, True, (-1, -1), 0.0, None, None, False, batch.out, False)
     launch = varlen_ops.VarlenLaunch(p, tiles)
@@ -88,6 +91,27 @@ def summarise(rows: np.ndarray) -> dict:
                 beside_tiles=median(total - tiles * per_tile), sm_gap=median(gaps) if gaps else float("nan"))
 
 
+def trace_case(batch, tiles) -> dict:
+    """The untraced launch's CUDA-event median, whether the traced one writes the same output, and
+    the trace's summary."""
+    import cupy
+
+    plain = batch.ours(tiles)
+    plain_ms = bench_varlen.time_ms(plain, 10)
+    call, trace = traced_launch(batch, tiles)
+    call()
+    cupy.cuda.Device().synchronize()
+    traced_out = batch.out.copy()
+    plain()
+    cupy.cuda.Device().synchronize()
+    same = bool((traced_out == batch.out).all())
+    trace.fill(0)
+    call()
+    cupy.cuda.Device().synchronize()
+    rows = cupy.asnumpy(trace).reshape(-1, varlen_wgmma.TRACE_ROW)
+    return dict(untraced_ms=round(plain_ms, 4), same_output=same, **summarise(rows))
+
+
 def main() -> None:
     import cupy
 
@@ -99,22 +123,9 @@ def main() -> None:
     for spec in args.lens:
         length, count = map(int, spec.split("x"))
         batch = bench_varlen.Batch([length] * count, [length] * count, 128)
-        plain = batch.ours(varlen_wgmma.WGMMA_TILES[128])
-        plain_ms = bench_varlen.time_ms(plain, 10)
-        call, trace = traced_launch(batch)
-        call()
-        cupy.cuda.Device().synchronize()
-        traced_out = batch.out.copy()
-        plain()
-        cupy.cuda.Device().synchronize()
-        same = bool((traced_out == batch.out).all())
-        trace.fill(0)
-        call()
-        cupy.cuda.Device().synchronize()
-        rows = cupy.asnumpy(trace).reshape(-1, varlen_wgmma.TRACE_ROW)
-        summary = summarise(rows)
-        cases.append(dict(name=f"causal_{spec}", untraced_ms=round(plain_ms, 4), same_output=same, **summary))
-        print(spec, cases[-1], flush=True)
+        for shape, tiles in SHAPES.items():
+            cases.append(dict(name=f"causal_{spec} {shape}", **trace_case(batch, tiles)))
+            print(spec, cases[-1], flush=True)
     RESULTS.write_text(json.dumps(dict(date=str(datetime.date.today()), device=cupy.cuda.runtime.getDeviceProperties(0)
                                        ["name"].decode(), cases=cases), indent=2) + "\n")
     keys = [k for k in cases[0] if k != "name"]

@@ -39,6 +39,10 @@ __shared__ unsigned long long* s_trace_row;
 #define WS_STAMP(column, value) ((void)0)
 #endif
 
+#ifndef STAGED_STORE
+#define STAGED_STORE 0
+#endif
+
 constexpr int kProducerRegisters = 112, kConsumerRegisters = 192;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
 constexpr int kConsumerThreads = 256;
@@ -173,12 +177,47 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
   if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());
 }
 
+// STAGED_STORE: a consumer warpgroup's output rows through shared memory, then to global memory
+// 16 bytes a thread, each row written by 16 (D = 128) consecutive threads.  The warpgroup's
+// half of the Q tile holds them (same swizzled layout, conflict-free both ways): its own last
+// Q K^T has completed, and the other warpgroup reads only its own half.  `q_tile`: the Q tile.
+// One CTA per query tile only (a persistent CTA's next Q may be loading there).  The LSE as in
+// store_output.
+__device__ __forceinline__ void store_output_staged(WarpState& st, unsigned char* q_tile, T* out, long long out_row,
+                                                    float* lse, long long lse_base, int q_start, int m0, int ct,
+                                                    int length_q, int total_q, float scale_log2) {
+  const int lane = ct & 31, warp = ct >> 5, group = warp >> 2, gt = ct & 127;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = cp::quad_sum(st.row_sum[0][half]);
+    const int r = warp * Tr::kWarpRows + (lane >> 2) + half * 8;  // row in the tile
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt)
+      *reinterpret_cast<u32*>(q_tile + Tr::QTile::offset(r, dt) + (lane & 3) * 4) =
+          cp::from_float2(st.o[0][dt][2 * half] * inv, st.o[0][dt][2 * half + 1] * inv, T());
+    const long long row = (long long)q_start + m0 + r;
+    if (lse != nullptr && (lane & 3) == 0 && m0 + r < length_q && row >= 0 && row < total_q)
+      lse[lse_base + row] = sum > 0.f ? (st.row_max[0][half] * scale_log2 + log2f(sum)) * kLn2 : -inf();
+  }
+  cp::named_sync(kTurnBarrier + 2 + group, 128);  // the warpgroup's rows are in shared memory
+  constexpr int kRowsPerPass = 128 / Tr::kChunks;
+#pragma unroll
+  for (int pass = 0; pass < Tr::kGroupRows / kRowsPerPass; ++pass) {
+    const int r = group * Tr::kGroupRows + pass * kRowsPerPass + gt / Tr::kChunks, c = gt % Tr::kChunks;
+    const long long row = (long long)q_start + m0 + r;
+    if (m0 + r < length_q && row >= 0 && row < total_q)
+      reinterpret_cast<uint4*>(out + row * out_row)[c] =
+          *reinterpret_cast<const uint4*>(q_tile + Tr::QTile::offset(r, c));
+  }
+}
+
 // One consumer warpgroup (`group` 0 or 1, its threads numbered `ct` = 0 .. 255 across both): task
 // number `n` of the CTA, whose first tile is the CTA's tile g0.
 __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barriers bars, const unsigned char* holes,
                                         const unsigned char* s_loadable, int ct, float* lse, int total_q,
                                         float softmax_scale, float softcap, int window_left, int window_right,
-                                        int g0, int n) {
+                                        int g0, int n, unsigned char* q_tile = nullptr) {
   const int m0 = t.m0, length_q = t.length_q, offset = t.offset;
   // The warp and warpgroup as warp-uniform values (a shuffle from lane 0), so that the compiler
   // sees the products issued on uniform paths.
@@ -276,7 +315,10 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   if (Tr::kPersistent) cp::mbar_arrive(bars.v_free(last));  // the next task's tiles reuse the slot
   if (TRACE && ct == 0) WS_STAMP(8, cp::global_ns());
 
-  if (row0 < length_q)
+  if (STAGED_STORE && !Tr::kPersistent)
+    store_output_staged(st, q_tile, t.out_head, t.out_row, lse, t.lse_base, t.q_start, m0, ct, length_q, total_q,
+                        t.scale_log2);
+  else if (row0 < length_q)
     store_output(st, t.out_head, t.out_row, lse, t.lse_base, t.q_start, row0, length_q, total_q, t.scale_log2, lane);
   if (TRACE && (ct & 127) == 0) WS_STAMP(ct == 0 ? 9 : 10, cp::global_ns());
 }
@@ -441,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
     } else {
       cp::registers_increase<kConsumerRegisters>();
       consume(t, s_q, s_kv, bars, holes, s_loadable, threadIdx.x - 128, lse, total_q, softmax_scale, softcap,
-              window_left, window_right, 0, 0);
+              window_left, window_right, 0, 0, smem_raw + (s_q - raw));
     }
   }
   check_inputs(VARLEN_FWD_ARGS);

@@ -120,7 +120,9 @@ def _candidate_keys():
     return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True),
                                                         decode.kernel_key(BF16, 128, trace=True, ragged=True)]
             + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES)
-            + [varlen_wgmma.kernel_key(BF16, 128, trace=True)])
+            + [varlen_wgmma.kernel_key(BF16, 128, trace=True),
+               varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True),
+                                       trace=True)])
 
 
 @pytest.mark.parametrize("key,arch", [pytest.param(key, arch, id=f"{kind}-{key}-{arch}")

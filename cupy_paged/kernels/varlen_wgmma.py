@@ -30,12 +30,15 @@ class WgmmaTiles:
     groups: int = 2
     producer: bool = False
     persistent: bool = False
+    staged_store: bool = False  # the output through shared memory (a producer shape, one CTA per tile)
 
     def __post_init__(self):
         if self.producer and self.groups != 2:
             raise ValueError("a producer warpgroup serves two computing warpgroups")
         if self.persistent and not self.producer:
             raise ValueError("persistent CTAs are warp-specialized (producer=True)")
+        if self.staged_store and (not self.producer or self.persistent):
+            raise ValueError("the staged output store is a producer shape's with one CTA per query tile")
 
     @property
     def block_m(self) -> int:
@@ -47,7 +50,7 @@ class WgmmaTiles:
 
     def label(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("p" if self.producer else "")
-                + ("P" if self.persistent else ""))
+                + ("P" if self.persistent else "") + ("o" if self.staged_store else ""))
 
     def one_task_per_cta(self) -> "WgmmaTiles":
         """The same shape on a grid of one CTA per task (batches a persistent launch cannot take)."""
@@ -108,7 +111,8 @@ def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None, trace: boo
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("WARPGROUPS", tiles.groups),
               ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("PRODUCER", int(tiles.producer)),
               ("PERSISTENT", int(tiles.persistent)), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
-    return KernelKey(SOURCE, params + ((("TRACE", 1),) if trace else ()), arch=ARCH)
+    return KernelKey(SOURCE, params + ((("STAGED_STORE", 1),) if tiles.staged_store else ())
+                     + ((("TRACE", 1),) if trace else ()), arch=ARCH)
 
 
 def all_keys():
