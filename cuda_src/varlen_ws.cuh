@@ -435,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
       g += t.num_tiles;
       ++n;
     }
-    // No more tasks: Q "loaded" with the task (0, 0, 0, 0).
+    // No more tasks: Q "loaded" with a task whose last number is 0.
     if (n > 0) cp::mbar_wait(bars.q_free(), static_cast<u32>((n - 1) & 1));
     if (threadIdx.x == 0) {
       s_task[3] = 0;
