@@ -97,6 +97,19 @@ def time_ms(fn, reps: int, warmup: int = 3) -> float:
     return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in events]))
 
 
+def interleaved_ms(fns: dict, reps: int, rounds: int = 3) -> dict:
+    """``{name: ms}``: each call of ``fns`` timed in ``rounds`` rounds that take the calls in turn
+    (forward, then backward, ...), ``reps // rounds`` calls a round (at least 3), and the median
+    of each call's round medians: a drift of the GPU's clocks or temperature over the run then
+    falls on every call alike, where timing one call after another puts it on the later ones."""
+    times: dict = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(time_ms(fns[name], max(3, reps // rounds)))
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
 # --------------------------------------------------------------------------- inputs
 
 def random_bf16(rng, shape):
@@ -235,8 +248,9 @@ def prefill_case(name, lens, head_dim, reps, cases):
 def sweep_case(name, lens, head_dim, reps, lens_k=None, block_size=None):
     """The registered kernel and every WGMMA_SWEEP shape of ``head_dim`` on one batch (causal;
     keys ``lens_k``, default ``lens``; through a shuffled block table of ``block_size`` when
-    given): TFLOP/s, registers and local memory of the shape as built on this machine, and the
-    largest difference of its output from the registered kernel's."""
+    given): TFLOP/s (all timed in turn: interleaved_ms), registers and local memory of the shape
+    as built on this machine, and the largest difference of its output from the registered
+    kernel's."""
     import cupy
 
     lens_k = lens_k or lens
@@ -246,7 +260,7 @@ def sweep_case(name, lens, head_dim, reps, lens_k=None, block_size=None):
     registered = batch.ours(paged=paged)
     registered()
     reference = batch.out.astype(np.float32)
-    row = dict(name=name, registered=round(work / time_ms(registered, reps) / 1e9, 1), variants={})
+    calls, variants = {"(registered)": registered}, {}
     for tiles in WGMMA_SWEEP.get(head_dim, ()):
         label = tiles.label()
         fn = batch.ours(tiles, paged)
@@ -254,8 +268,12 @@ def sweep_case(name, lens, head_dim, reps, lens_k=None, block_size=None):
         fn()
         diff = float(cupy.abs(batch.out.astype(np.float32) - reference).max())
         kernel = get_function(*varlen_ops.specialization(BF16, head_dim, tiles), tiles.smem_bytes(head_dim))
-        row["variants"][label] = dict(tflops=round(work / time_ms(fn, reps) / 1e9, 1), maxdiff=diff,
-                                      registers=kernel.num_regs, local_bytes=kernel.local_size_bytes)
+        calls[label] = fn
+        variants[label] = dict(maxdiff=diff, registers=kernel.num_regs, local_bytes=kernel.local_size_bytes)
+    ms = interleaved_ms(calls, reps)
+    row = dict(name=name, registered=round(work / ms.pop("(registered)") / 1e9, 1), variants={})
+    for label, info in variants.items():
+        row["variants"][label] = dict(tflops=round(work / ms[label] / 1e9, 1), **info)
         print(f"  sweep {name:24} {label:22} {row['variants'][label]}", flush=True)
     return row
 

@@ -15,3 +15,20 @@ def test_benchmark_script_imports_without_running(name, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     module = importlib.import_module(name)
     assert module.__doc__, f"benchmarks/{name}.py says nothing of what it measures"
+
+
+def test_interleaved_timing_takes_the_calls_in_turn(monkeypatch):
+    """bench_varlen.interleaved_ms: rounds alternate the calls' order (a drift over the run falls on
+    every call alike) and each call's figure is the median of its round medians."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench_varlen = importlib.import_module("bench_varlen")
+    order, drift = [], iter(range(100))
+
+    def fake_time_ms(fn, reps, warmup=3):
+        order.append((fn, reps))
+        return 10.0 * fn() + next(drift)  # the clock drifts up by 1 a timing
+
+    monkeypatch.setattr(bench_varlen, "time_ms", fake_time_ms)
+    result = bench_varlen.interleaved_ms({"a": lambda: 1, "b": lambda: 2}, reps=12, rounds=3)
+    assert [fn() for fn, _ in order] == [1, 2, 2, 1, 1, 2] and {reps for _, reps in order} == {4}
+    assert result == {"a": 10.0 + 3, "b": 20.0 + 2}  # a: 0, 3, 4 -> 3; b: 1, 2, 5 -> 2
