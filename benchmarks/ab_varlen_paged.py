@@ -34,10 +34,18 @@ from cupy_paged.kernels._launch import Launcher  # noqa: E402
 from bench_varlen import Batch  # noqa: E402
 
 
-# The argument list before the error word (4e5d103 and earlier).
-OLD_LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "ii"
-OLD_ABI = {"4e5d103"}
+# The argument lists of earlier revisions: before the error word (4e5d103 and earlier), and with
+# it but before the trailing batch size (the eighteenth session); a revision's is read from its
+# varlen_common.cuh (abi_of).
+LAYOUTS = {"old": "9P" + "qqiqiq" + "iiiiii" + "ff" + "ii", "errors": varlen_ops._LAYOUT[:-1],
+           "batch": varlen_ops._LAYOUT}
 EXPORTS = ROOT / ".ab"
+
+
+def abi_of(source: pathlib.Path) -> str:
+    """Which argument list the varlen kernels of ``source`` (a cuda_src folder) take."""
+    text = (source / "varlen_common.cuh").read_text()
+    return "batch" if "int batch" in text else "errors" if "int *errors" in text else "old"
 
 
 def export(revisions) -> None:
@@ -73,11 +81,12 @@ def build(source: pathlib.Path):
     return function, smem, tiles
 
 
-def arguments(p, new_abi: bool):
+def arguments(p, abi: str):
     launch = varlen_ops.VarlenLaunch(p)
     table = 0 if p.block_table is None else p.block_table.ptr
     ptrs = [p.q.ptr, p.k.ptr, p.v.ptr, p.out.ptr, 0, p.cu_seqlens_q.ptr, p.cu_seqlens_k.ptr, table, 0]
-    tail = [p.max_seqlen_q, 0, word(p.q.device)] if new_abi else []
+    tail = {"old": [], "errors": [p.max_seqlen_q, 0, word(p.q.device)],
+            "batch": [p.max_seqlen_q, 0, word(p.q.device), p.batch]}[abi]
     return ptrs + list(launch.scalars) + tail
 
 
@@ -113,10 +122,10 @@ def main() -> None:
     rows = []
     for variant, source in variants().items():
         function, smem, tiles = build(source)
-        new_abi = variant not in OLD_ABI
-        launcher = Launcher(function, varlen_ops._LAYOUT if new_abi else OLD_LAYOUT)
+        abi = abi_of(source)
+        launcher = Launcher(function, LAYOUTS[abi])
         for (name, label), p in problems.items():
-            args = arguments(p, new_abi)
+            args = arguments(p, abi)
             grid = (-(-p.max_seqlen_q // tiles.block_m), p.num_heads, p.batch)
             stream = cupy.cuda.get_current_stream().ptr
             rows.append((variant, name, label, time_us(lambda: launcher(grid, tiles.threads, smem, stream, *args)),

@@ -1,6 +1,7 @@
 // varlen_fwd_wgmma: the varlen forward pass of varlen.cu on Hopper's warpgroup tensor-core
 // instructions (wgmma, sm_90a only).  Same semantics, arguments, grid and task per CTA (see
-// varlen_common.cuh); only the matrix products and the shared-memory layout differ.
+// varlen_common.cuh; a PERSISTENT specialization has a grid of SMs and a list of tasks per CTA);
+// only the matrix products and the shared-memory layout differ.
 //
 // One CTA of WARPGROUPS warpgroups (1 or 2) computes 64 x WARPGROUPS query rows; warpgroup g owns
 // rows 64 g .. 64 g + 63, its warp w % 4 the 16 rows 16 (w % 4) .. + 15 of those, exactly the rows a
@@ -23,7 +24,9 @@
 // Compile-time parameters: SCALAR_T, HEAD_DIM (64, 128, 256), WARPGROUPS (1 or 2), BLOCK_N (keys
 // per tile), NUM_STAGES (K/V pipeline depth), PRODUCER (0 or 1), PERSISTENT (0 or 1: with a
 // producer, a grid of at most one CTA per SM, each working through a list of tasks), SMEM_BYTES
-// (the host's dynamic shared memory for the shape, checked by WgTraits).  Compiled for sm_90a
+// (the host's dynamic shared memory for the shape, checked by WgTraits); optional, with a
+// producer: STAGED_STORE (1: the output through shared memory) and TRACE (1: a trace buffer
+// argument, a row of stamps per CTA; one CTA per query tile only), both in varlen_ws.cuh.  Compiled for sm_90a
 // only (kernels/varlen.py picks this kernel on compute capability 9.0 and falls back to varlen.cu
 // elsewhere).  Without a producer, a warpgroup runs the steps of a tile in order, each waited for.
 #include "common.cuh"

@@ -1,5 +1,6 @@
 // The warp-specialized wgmma kernel (varlen_wgmma.cu with PRODUCER = 1; included there, after the
-// helpers it shares with the kernel without a producer).  Same task per CTA, same results.
+// helpers it shares with the kernel without a producer).  Same task per CTA (one CTA per query
+// tile; PERSISTENT = 1: a list of them), same results.
 //
 // A CTA is three warpgroups.  Warpgroup 0, the producer, gives registers back (setmaxnreg) and
 // issues every copy: Q once, then per key tile its K into a K slot and its V into a V slot, each
@@ -22,9 +23,9 @@
 // With PERSISTENT = 1 the grid has at most one CTA per SM and each CTA works through a list of
 // tasks (TaskList): the warpgroups go from one task to the next without meeting, the K/V ring
 // and its barriers run on across tasks (tiles counted from the CTA's first), and the producer
-// loads the next task's Q as soon as both consumers have issued their last Q K^T (a "Q free"
-// barrier), so that the next task's first tiles load while the consumers finish the last P V
-// and store the output of the one before.
+// loads the next task's Q as soon as both consumers have finished their last Q K^T and its
+// softmax (a "Q free" barrier), so that the next task's first tiles load while the consumers
+// finish the last P V and store the output of the one before.
 
 namespace varlen {
 
@@ -33,6 +34,7 @@ namespace varlen {
 // (consumer warpgroup 0), 6 its first S, 7 its last tile's softmax done, 8 its last P V done, 9
 // its output stored, 10 warpgroup 1's output stored, 11 the task's key tiles.
 #if TRACE
+static_assert(!Tr::kPersistent, "the trace is of one CTA per query tile");
 __shared__ unsigned long long* s_trace_row;
 #define WS_STAMP(column, value) (s_trace_row[column] = (value))
 #else

@@ -336,6 +336,21 @@ def _persistent_cases(tiles, head_dim, seed):
              num_heads=8, num_kv_heads=8, window=(200, 0), softcap=5.0, alibi=True, lse=True, block_size=32)
     lengths = np.random.default_rng(seed).integers(0, 4, PERSISTENT_MAX_SEQS + 40).tolist()
     run_case(tiles, seed + 3, "bfloat16", head_dim, lengths, lengths, num_heads=4, num_kv_heads=2, causal=True)
+    assert not _launch_of(tiles, head_dim, lengths).persistent  # that batch ran on the per-tile grid
+    assert _launch_of(tiles, head_dim, lengths[:PERSISTENT_MAX_SEQS]).persistent
+
+
+def _launch_of(tiles, head_dim, lengths):
+    """The VarlenLaunch of a causal call on ``tiles`` over these lengths (4 heads, 2 kv heads)."""
+    import cupy
+
+    cu, max_len = cu_seqlens_from_lengths(lengths)
+    total = int(cu[-1])
+    q = cupy.asarray(np.zeros((total, 4, head_dim), DTYPES["bfloat16"]))
+    kv = cupy.asarray(np.zeros((total, 2, head_dim), DTYPES["bfloat16"]))
+    p = prepare_varlen(q, kv, kv, cupy.asarray(cu), cupy.asarray(cu), max_len, max_len, None, True, (-1, -1), 0.0,
+                       None, None, False, None, False)
+    return varlen_ops.VarlenLaunch(p, tiles)
 
 
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)

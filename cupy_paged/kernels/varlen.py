@@ -142,7 +142,7 @@ class VarlenLaunch:
             self.tiles = tiles = tiles.one_task_per_cta()
             self.persistent = False
         self._sms = device_property(device, "multiProcessorCount") if self.persistent else 0
-        self._per_tile = None  # (launcher, tiles), made when a call's max_seqlen_q needs it
+        self._per_tile = None  # (launcher, shared memory), made when a call's max_seqlen_q needs it
         self.head_dim = head_dim
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
         self.launch = Launcher(function, _LAYOUT)
