@@ -329,10 +329,13 @@ __device__ __forceinline__ void pack_p(const float (&p)[Tr::kMTiles][Tr::kNTiles
     for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) cp::pack_a(a[mt][kk], p[mt][2 * kk], p[mt][2 * kk + 1], T());
 }
 
-// O / rowsum -> out, natural-log LSE -> lse.  A row that saw no key writes zeros and -inf.
-__device__ __forceinline__ void store_output(WarpState& st, T* out, long long out_row, float* lse,
-                                             long long lse_base, int q_start, int row0, int length_q,
-                                             int total_q, float scale_log2, int lane) {
+// O / rowsum of this thread's rows of the sequence, a pair of elements at a time, to
+// put(i, row, dt, pair) (i: the row in the sequence, row: in q; dt: the n8 column group), and the
+// natural-log LSE -> lse.  A row that saw no key gives zeros and -inf; rows past the sequence or
+// outside q give nothing.
+template <class Put>
+__device__ __forceinline__ void finish_rows(WarpState& st, float* lse, long long lse_base, int q_start, int row0,
+                                            int length_q, int total_q, float scale_log2, int lane, Put put) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
@@ -342,13 +345,22 @@ __device__ __forceinline__ void store_output(WarpState& st, T* out, long long ou
       const long long row = (long long)q_start + i;
       if (i >= length_q || row < 0 || row >= total_q) continue;
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      u32* dst = reinterpret_cast<u32*>(out + row * out_row) + (lane & 3);
 #pragma unroll
       for (int dt = 0; dt < Tr::kDTiles; ++dt)
-        dst[dt * 4] = cp::from_float2(st.o[mt][dt][2 * half] * inv, st.o[mt][dt][2 * half + 1] * inv, T());
+        put(i, row, dt, cp::from_float2(st.o[mt][dt][2 * half] * inv, st.o[mt][dt][2 * half + 1] * inv, T()));
       if (lse != nullptr && (lane & 3) == 0)
         lse[lse_base + row] = sum > 0.f ? (st.row_max[mt][half] * scale_log2 + log2f(sum)) * kLn2 : -inf();
     }
+}
+
+// O / rowsum -> out, natural-log LSE -> lse.  A row that saw no key writes zeros and -inf.
+__device__ __forceinline__ void store_output(WarpState& st, T* out, long long out_row, float* lse,
+                                             long long lse_base, int q_start, int row0, int length_q,
+                                             int total_q, float scale_log2, int lane) {
+  finish_rows(st, lse, lse_base, q_start, row0, length_q, total_q, scale_log2, lane,
+              [&](int, long long row, int dt, u32 pair) {
+                (reinterpret_cast<u32*>(out + row * out_row) + (lane & 3))[dt * 4] = pair;
+              });
 }
 
 // Rows [first, last) of a tile that sees no key at all: zeros and LSE -inf.

@@ -184,24 +184,15 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
 // half of the Q tile holds them (same swizzled layout, conflict-free both ways): its own last
 // Q K^T has completed, and the other warpgroup reads only its own half.  `q_tile`: the Q tile.
 // One CTA per query tile only (a persistent CTA's next Q may be loading there).  The LSE as in
-// store_output.
+// store_output (finish_rows: the rows that store_output writes are the ones stored here).
 __device__ __forceinline__ void store_output_staged(WarpState& st, unsigned char* q_tile, T* out, long long out_row,
                                                     float* lse, long long lse_base, int q_start, int m0, int ct,
                                                     int length_q, int total_q, float scale_log2) {
   const int lane = ct & 31, warp = ct >> 5, group = warp >> 2, gt = ct & 127;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float sum = cp::quad_sum(st.row_sum[0][half]);
-    const int r = warp * Tr::kWarpRows + (lane >> 2) + half * 8;  // row in the tile
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-    for (int dt = 0; dt < Tr::kDTiles; ++dt)
-      *reinterpret_cast<u32*>(q_tile + Tr::QTile::offset(r, dt) + (lane & 3) * 4) =
-          cp::from_float2(st.o[0][dt][2 * half] * inv, st.o[0][dt][2 * half + 1] * inv, T());
-    const long long row = (long long)q_start + m0 + r;
-    if (lse != nullptr && (lane & 3) == 0 && m0 + r < length_q && row >= 0 && row < total_q)
-      lse[lse_base + row] = sum > 0.f ? (st.row_max[0][half] * scale_log2 + log2f(sum)) * kLn2 : -inf();
-  }
+  finish_rows(st, lse, lse_base, q_start, m0 + warp * Tr::kWarpRows, length_q, total_q, scale_log2, lane,
+              [&](int i, long long, int dt, u32 pair) {
+                *reinterpret_cast<u32*>(q_tile + Tr::QTile::offset(i - m0, dt) + (lane & 3) * 4) = pair;
+              });
   cp::named_sync(kTurnBarrier + 2 + group, 128);  // the warpgroup's rows are in shared memory
   constexpr int kRowsPerPass = 128 / Tr::kChunks;
 #pragma unroll
