@@ -107,9 +107,9 @@ def test_balanced_decode_matches_reference(balance, mix, case_id, dtype, head_di
 
 
 def test_auto_rule():
-    """Without LSE, a full wave of sequences whose table can hold long ones takes the balanced launch;
-    a table of 128 keys, a small batch (the decode kernel splits it itself), an LSE or a forced split
-    count keep the decode kernel."""
+    """Without LSE, one or two full waves of sequences whose table can hold long ones take the
+    balanced launch; a table of 128 keys, a small batch (the decode kernel splits it itself), more
+    than two waves, an LSE or a forced split count keep the decode kernel."""
     import cupy
 
     from cupy_paged.api.decode import prepare_decode
@@ -123,7 +123,8 @@ def test_auto_rule():
         return prepare_decode(**arrays, **options)
 
     assert balances(problem(64, 4096))
-    assert balances(problem(256, 2048))
+    assert balances(problem(128, 2048))  # two waves of the decode kernel's small CTAs
+    assert not balances(problem(256, 2048))  # four: the decode kernel
     assert not balances(problem(64, 128))
     assert not balances(problem(4, 32768))
     assert not balances(problem(64, 4096, return_softmax_lse=True))

@@ -2,7 +2,7 @@
 
 One launch of ``paged_decode`` appends the new tokens (if any) and computes attention; with
 ``num_splits > 1`` a second launch, ``combine_splits``, merges the per-split partial outputs.
-:func:`launch_for` picks, for ``num_splits=0`` over a paged cache with a full grid (see
+:func:`launch_for` picks, for ``num_splits=0`` over a paged cache with a grid of one or two waves (see
 :func:`balances`), :class:`BalancedDecodeLaunch` instead: the ragged kernel on a work list that the
 GPU builds from ``cache_seqlens`` (one launch, ``kernels/ragged.py``), so that one long sequence
 does not run on one CTA per kv head while the rest of the batch has finished.
@@ -280,9 +280,12 @@ def balances(p: DecodeProblem) -> bool:
     It can when the cache is paged, ``cache_seqlens`` an array, no rotary, no LSE asked for,
     ``num_splits=0``, the new tokens (if any) are the query tokens and q, k, v read as packed tokens.
     By default (``ragged.BALANCE`` None) it does when the decode kernel's own choice would not split
-    the grid (a full wave of CTAs or more), so that one long sequence would run on one CTA per kv
-    head while the rest finish, and a sequence can be long enough to split (more than 1.5 ranges of
-    the rule's shortest).  Never for a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys or more
+    the grid (a full wave of CTAs or more) and runs it in at most ``ragged.BALANCE_MAX_WAVES`` waves,
+    so that one long sequence would run on one CTA per kv head while the rest finish, and a sequence
+    can be long enough to split (more than 1.5 ranges of the rule's shortest).  A grid of more waves
+    keeps the decode kernel: the GPU starts each CTA as a slot frees, so a long sequence's CTAs
+    overlap the later waves' and the balanced launch's build costs more than it saves
+    (NOTES_calls.md, nineteenth session).  Never for a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys or more
     (the device list counts keys in 32 bits).  The lengths themselves are on the device: batches of
     equal lengths take it too (the list then splits nothing)."""
     from . import ragged
@@ -302,7 +305,12 @@ def balances(p: DecodeProblem) -> bool:
     if ragged.BALANCE:
         return True
     shortest = ragged.MIN_SPLIT_TILES * ragged.tile_keys(int(p.q.shape[3]))
-    return 2 * (max_blocks << shift) > 3 * shortest and _problem_shape(p, None).splits == 1
+    if 2 * (max_blocks << shift) <= 3 * shortest:
+        return False
+    shape = _problem_shape(p, None)
+    ctas = p.batch * p.num_kv_heads * shape.row_groups
+    wave = slots(p.q.device, p.q.dtype, int(p.q.shape[3]), shape.tiles)
+    return shape.splits == 1 and ctas <= ragged.BALANCE_MAX_WAVES * wave
 
 
 class BalancedDecodeLaunch(DecodeLaunch):

@@ -52,6 +52,9 @@ MAX_LIST_KEYS = 1 << 30
 # it when its launch is made (a memoised call keeps that choice: clear api._call.MEMO after a
 # change); flash_attn_varlen_func at every call.
 BALANCE = None
+# flash_attn_with_kvcache's default balances a grid of at most this many waves of the decode
+# kernel's CTAs (kernels.decode.balances).
+BALANCE_MAX_WAVES = 2
 
 
 def tile_keys(head_dim: int) -> int:
