@@ -59,11 +59,19 @@ struct TilePasses {
   static constexpr int kRowsPerPass = Tr::kThreads / Tr::kChunks;
 };
 
+// The copy loops of Q and K/V, unrolled in full except in a lean producer (varlen_ws.cuh, WS_LEAN_PRODUCER:
+// its registers go to the consumers), where four passes at a time keep its addresses in registers.
+#if defined(WS_LEAN_PRODUCER) && WS_LEAN_PRODUCER
+#define LOAD_PASSES_UNROLL _Pragma("unroll 4")
+#else
+#define LOAD_PASSES_UNROLL _Pragma("unroll")
+#endif
+
 // Q tile -> shared memory (rows past the sequence or outside q are zero-filled).
 __device__ __forceinline__ void load_q_tile(u32 s_q, const T* q, long long q_row, long long first_row,
                                             int rows, int total_q) {
   using P = TilePasses<Tr::kBlockM>;
-#pragma unroll
+LOAD_PASSES_UNROLL
   for (int pass = 0; pass < P::kCount; ++pass) {
     const int r = P::row(pass), c = P::chunk(pass);
     const long long row = first_row + r;
@@ -159,7 +167,7 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
       if (stage_next) stage_ids(s_next_ids, src, n0 - Tr::kAhead * Tr::kBlockN);
       return hole;
     }
-#pragma unroll
+LOAD_PASSES_UNROLL
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass), j = n0 + r;
       const int column = layout.column(j);
@@ -184,7 +192,7 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
     // some thread met a hole in this tile, and a full tile has none.
     const T* kp = src.k + ((long long)(src.first_row + n0) * src.k_row + src.k_lane);
     const T* vp = src.v + ((long long)(src.first_row + n0) * src.v_row + src.v_lane);
-#pragma unroll
+LOAD_PASSES_UNROLL
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass);
       if (kParts & kLoadK) cp::cp_async_16(s_k + Tr::KVTile::offset(r, c), kp, true);
@@ -195,7 +203,7 @@ __device__ __forceinline__ int load_kv_tile(u32 s_k, u32 s_v, unsigned char* s_l
   } else {
     const long long k_tile = (long long)(src.first_row + n0) * src.k_row;
     const long long v_tile = (long long)(src.first_row + n0) * src.v_row;
-#pragma unroll
+LOAD_PASSES_UNROLL
     for (int pass = 0; pass < P::kCount; ++pass) {
       const int r = P::row(pass), c = P::chunk(pass);
       const bool ok = n0 + r < src.loadable;

@@ -25,8 +25,9 @@
 // per tile), NUM_STAGES (K/V pipeline depth), PRODUCER (0 or 1), PERSISTENT (0 or 1: with a
 // producer, a grid of at most one CTA per SM, each working through a list of tasks), SMEM_BYTES
 // (the host's dynamic shared memory for the shape, checked by WgTraits); optional, with a
-// producer: STAGED_STORE (1: the output through shared memory) and TRACE (1: a trace buffer
-// argument, a row of stamps per CTA; one CTA per query tile only), both in varlen_ws.cuh.  Compiled for sm_90a
+// producer: STAGED_STORE (1: the output through shared memory), PV_OVERLAP (1: a warpgroup's
+// softmax of tile t while its P V of tile t - 1 runs) and TRACE (1: a trace buffer argument, a row
+// of stamps per CTA; one CTA per query tile only), all in varlen_ws.cuh.  Compiled for sm_90a
 // only (kernels/varlen.py picks this kernel on compute capability 9.0 and falls back to varlen.cu
 // elsewhere).  Without a producer, a warpgroup runs the steps of a tile in order, each waited for.
 #include "common.cuh"
@@ -93,6 +94,11 @@ static_assert(Tr::kSmemBytes == SMEM_BYTES, "WgmmaTiles.smem_bytes differs from 
 
 }  // namespace varlen
 
+// A lean producer (fewer registers: its pass loops partly rolled) where the consumers need more:
+// the overlap of softmax and P V at D >= 128 (varlen_ws.cuh).
+#if PRODUCER && defined(PV_OVERLAP) && PV_OVERLAP && HEAD_DIM >= 128
+#define WS_LEAN_PRODUCER 1
+#endif
 #include "varlen_common.cuh"
 
 namespace varlen {

@@ -44,8 +44,18 @@ __shared__ unsigned long long* s_trace_row;
 #ifndef STAGED_STORE
 #define STAGED_STORE 0
 #endif
+#ifndef PV_OVERLAP
+#define PV_OVERLAP 0
+#endif
+#if defined(WS_LEAN_PRODUCER) && WS_LEAN_PRODUCER
+constexpr bool WS_LEAN = true;
+#else
+constexpr bool WS_LEAN = false;
+#endif
 
-constexpr int kProducerRegisters = 112, kConsumerRegisters = 192;
+// A lean producer gives the consumers 24 more registers each: P stays live through the softmax
+// when it runs under P V (PV_OVERLAP), which at D = 128 needs 216 a thread to spill nothing.
+constexpr int kProducerRegisters = WS_LEAN ? 80 : 112, kConsumerRegisters = WS_LEAN ? 216 : 192;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
 constexpr int kConsumerThreads = 256;
 constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer warpgroup 0 / 1
@@ -154,9 +164,11 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
     const bool ahead = next_ahead;
 #pragma unroll
     for (int q = 0; q < kIds; ++q) ids[q] = next_ids[q];
-    // The next tile's block ids, loaded now and used after this tile's copies.
+    // The next tile's block ids, loaded now and used after this tile's copies (a lean producer
+    // loads them after the copies: one set of ids in registers at a time, and the wait for the
+    // next free slot still covers the loads).
     next_ahead = it + 1 < t.num_tiles && ids_ahead(src, n0 - Tr::kBlockN);
-    if (next_ahead) fetch_ids(next_ids, src, n0 - Tr::kBlockN);
+    if (!WS_LEAN && next_ahead) fetch_ids(next_ids, src, n0 - Tr::kBlockN);
     cp::mbar_wait(bars.k_free(stage), free_parity);
     const int hole = ahead ? load_full_paged<kLoadK>(s_k, loadable, src, n0, ids)
                            : load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
@@ -175,6 +187,7 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
     else
       load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
     cp::cp_async_mbar_arrive(bars.v_full(stage));
+    if (WS_LEAN && next_ahead) fetch_ids(next_ids, src, n0 - Tr::kBlockN);
   }
   if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());
 }
@@ -278,6 +291,38 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     fence_operands(st.o[0]);
     fence_operands(p[0]);
     cp::wgmma_fence();
+#if PV_OVERLAP
+    // S first, in its own group, then P V: once S is done its softmax runs while P V still does.
+    // P V reads P from registers and accumulates into O: neither is touched until it is waited for.
+    qk_products(s[0], desc_q, desc_k + stage_step(stage));  // S = Q K(t)^T
+    cp::wgmma_commit();
+    pv_products(st.o[0], p[0], desc_v + stage_step(prev));  // O += P(t-1) V(t-1)
+    cp::wgmma_commit();
+    cp::named_arrive(other_turn, kConsumerThreads);
+    cp::wgmma_wait<1>();  // groups complete in order: S is done
+    fence_operands(s[0]);
+    RowFactors alphas;
+    const int n0 = (t.tile_first - it) * Tr::kBlockN;
+    const bool seen = sees(n0);
+    if (seen)
+      scores_to_p(s, st, alphas, t, n0, *reinterpret_cast<const unsigned*>(holes + 4 * stage) != 0u,
+                  s_loadable + stage * Tr::kBlockN, row0, row_last, lane, softmax_scale, softcap, window_left,
+                  window_right);  // P = softmax(S), in S's registers
+    cp::mbar_arrive(bars.k_free(stage));  // its hole and loadable bytes are read
+    cp::wgmma_wait<0>();
+    fence_operands(st.o[0]);
+    fence_operands(p[0]);
+    cp::mbar_arrive(bars.v_free(prev));
+    if (seen) {
+      rescale_o(st, alphas);
+      pack_p(s, p);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[0][kk][e] = 0u;
+    }
+#else
     pv_products(st.o[0], p[0], desc_v + stage_step(prev));  // O += P(t-1) V(t-1)
     qk_products(s[0], desc_q, desc_k + stage_step(stage));  // S = Q K(t)^T
     cp::wgmma_commit();
@@ -288,6 +333,7 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     fence_operands(s[0]);
     cp::mbar_arrive(bars.v_free(prev));
     softmax_tile(it);
+#endif
   }
   if (TRACE && ct == 0) WS_STAMP(7, cp::global_ns());
   // Q is read no more: the producer may load the next task's.

@@ -31,6 +31,7 @@ class WgmmaTiles:
     producer: bool = False
     persistent: bool = False
     staged_store: bool = False  # the output through shared memory (a producer shape, one CTA per tile)
+    pv_overlap: bool = False  # a producer shape's softmax of tile t under P V of tile t - 1
 
     def __post_init__(self):
         if self.producer and self.groups != 2:
@@ -39,6 +40,8 @@ class WgmmaTiles:
             raise ValueError("persistent CTAs are warp-specialized (producer=True)")
         if self.staged_store and (not self.producer or self.persistent):
             raise ValueError("the staged output store is a producer shape's with one CTA per query tile")
+        if self.pv_overlap and not self.producer:
+            raise ValueError("the overlap of softmax and P V is a producer shape's")
 
     @property
     def block_m(self) -> int:
@@ -50,7 +53,8 @@ class WgmmaTiles:
 
     def label(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("p" if self.producer else "")
-                + ("P" if self.persistent else "") + ("o" if self.staged_store else ""))
+                + ("P" if self.persistent else "") + ("o" if self.staged_store else "")
+                + ("x" if self.pv_overlap else ""))
 
     def one_task_per_cta(self) -> "WgmmaTiles":
         """The same shape on a grid of one CTA per task (batches a persistent launch cannot take)."""
@@ -88,8 +92,9 @@ def persistent_fits(tiles: WgmmaTiles, batch: int, heads: int, max_seqlen_q: int
 
 # The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
 WGMMA_TILES = {
-    64: WgmmaTiles(128, 2, producer=True),  # 83 KB: a producer warpgroup, two computing ones
-    128: WgmmaTiles(128, 2, producer=True, staged_store=True),  # 165 KB: the same, output staged (v11)
+    64: WgmmaTiles(128, 2, producer=True, pv_overlap=True),  # 83 KB: a producer warpgroup, two computing
+    # 165 KB: the same, the output staged, the softmax under P V and a lean producer (v12)
+    128: WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
     256: WgmmaTiles(64, 2),            # 198 KB
 }
 
@@ -112,6 +117,7 @@ def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None, trace: boo
               ("BLOCK_N", tiles.block_n), ("NUM_STAGES", tiles.stages), ("PRODUCER", int(tiles.producer)),
               ("PERSISTENT", int(tiles.persistent)), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
     return KernelKey(SOURCE, params + ((("STAGED_STORE", 1),) if tiles.staged_store else ())
+                     + ((("PV_OVERLAP", 1),) if tiles.pv_overlap else ())
                      + ((("TRACE", 1),) if trace else ()), arch=ARCH)
 
 
