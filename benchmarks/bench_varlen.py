@@ -59,8 +59,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # kernel (each also checked by tests/test_varlen_gpu.py's WGMMA_CANDIDATES, the earlier default of
 # D=64, two warpgroups, among them); earlier sweeps, with their outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
-    64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True)),
-    128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True)),
+    64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
+    128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)),
 }
 
 

@@ -40,7 +40,8 @@ COLUMNS = {name: i for i, name in enumerate(varlen_wgmma.TRACE_COLUMNS)}
 
 
 SHAPES = {"registered": varlen_wgmma.WGMMA_TILES[128],
-          "v11 (softmax after P V)": varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True)}
+          "v12 candidate (softmax under P V)": varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True,
+                                                                       pv_overlap=True)}
 
 
 def traced_launch(batch, tiles):

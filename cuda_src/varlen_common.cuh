@@ -59,10 +59,14 @@ struct TilePasses {
   static constexpr int kRowsPerPass = Tr::kThreads / Tr::kChunks;
 };
 
-// The copy loops of Q and K/V, unrolled in full except in a lean producer (varlen_ws.cuh, WS_LEAN_PRODUCER:
-// its registers go to the consumers), where four passes at a time keep its addresses in registers.
-#if defined(WS_LEAN_PRODUCER) && WS_LEAN_PRODUCER
-#define LOAD_PASSES_UNROLL _Pragma("unroll 4")
+// The copy loops of Q and K/V, unrolled in full except in a lean producer (varlen_ws.cuh,
+// WS_LEAN_PRODUCER: its registers go to the consumers), where they stay loops: unrolled, their
+// addresses would not fit its 72 registers.
+#ifndef WS_LEAN_PRODUCER
+#define WS_LEAN_PRODUCER 0
+#endif
+#if WS_LEAN_PRODUCER
+#define LOAD_PASSES_UNROLL _Pragma("unroll 1")
 #else
 #define LOAD_PASSES_UNROLL _Pragma("unroll")
 #endif

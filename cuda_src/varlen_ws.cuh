@@ -47,16 +47,19 @@ __shared__ unsigned long long* s_trace_row;
 #ifndef PV_OVERLAP
 #define PV_OVERLAP 0
 #endif
-#if defined(WS_LEAN_PRODUCER) && WS_LEAN_PRODUCER
-constexpr bool WS_LEAN = true;
-#else
-constexpr bool WS_LEAN = false;
-#endif
+constexpr bool WS_LEAN = WS_LEAN_PRODUCER != 0;  // varlen_wgmma.cu: PV_OVERLAP at D >= 128
 
 // A lean producer gives the consumers 24 more registers each: P stays live through the softmax
 // when it runs under P V (PV_OVERLAP), which at D = 128 needs 216 a thread to spill nothing.
-constexpr int kProducerRegisters = WS_LEAN ? 80 : 112, kConsumerRegisters = WS_LEAN ? 216 : 192;
-static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "the SM's register file");
+constexpr int kProducerRegisters = WS_LEAN ? 72 : 112, kConsumerRegisters = WS_LEAN ? 216 : 192;
+// setmaxnreg only moves registers inside the CTA's launch allocation: kCtaThreads threads of the
+// count ptxas gives the kernel under __launch_bounds__(kCtaThreads, 1), the most that fits 64 Ki
+// registers in multiples of 8 (168 for 384 threads; tests/test_compiler.py checks that every
+// producer key gets it).  A consumer warp's increase past what the producer released waits
+// forever: the first GPU run of the lean producer hung so (80 + 216 needed 65,536 of 64,512).
+constexpr int kLaunchRegisters = 65536 / Tr::kCtaThreads / 8 * 8;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= Tr::kCtaThreads * kLaunchRegisters,
+              "the CTA's launch allocation of registers");
 constexpr int kConsumerThreads = 256;
 constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer warpgroup 0 / 1
 

@@ -137,6 +137,13 @@ def test_every_specialization_compiles(key, arch):
     assert report.arch == arch and report.kernels, f"{key}: no kernel in the cubin"
     for kernel in report.kernels:
         assert kernel.spill_stores == kernel.spill_loads == 0, f"{kernel.kernel} spills on {arch}"
+    params = dict(key.params)
+    if key.source == "varlen_wgmma.cu" and params.get("PRODUCER") == 1:
+        # varlen_ws.cuh's setmaxnreg split of the registers assumes the launch allocation of
+        # kLaunchRegisters a thread (the most 384 threads can have): fewer, and its consumer
+        # warps would wait forever for registers the producer never released.
+        (kernel,) = report.kernels
+        assert kernel.registers == 65536 // 384 // 8 * 8, f"{key}: {kernel.registers} registers at launch"
 
 
 def _benchmark(name: str):

@@ -36,11 +36,12 @@ MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
     128: (Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 2)),
 }
 WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
-    64: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True),
-         WgmmaTiles(128, 2, producer=True, staged_store=True)),
+    64: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, staged_store=True),
+         WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
     128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True),
           WgmmaTiles(128, 2, producer=True, persistent=True), WgmmaTiles(128, 2, producer=True),
-          WgmmaTiles(128, 2, producer=True, staged_store=True), WgmmaTiles(128, 3, producer=True, staged_store=True)),
+          WgmmaTiles(128, 3, producer=True, staged_store=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)),
 }
 
 

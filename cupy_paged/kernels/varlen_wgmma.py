@@ -92,9 +92,8 @@ def persistent_fits(tiles: WgmmaTiles, batch: int, heads: int, max_seqlen_q: int
 
 # The registered shape of each head dim: the fastest of those NOTES_varlen.md compares on the H200.
 WGMMA_TILES = {
-    64: WgmmaTiles(128, 2, producer=True, pv_overlap=True),  # 83 KB: a producer warpgroup, two computing
-    # 165 KB: the same, the output staged, the softmax under P V and a lean producer (v12)
-    128: WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
+    64: WgmmaTiles(128, 2, producer=True),  # 83 KB: a producer warpgroup, two computing ones
+    128: WgmmaTiles(128, 2, producer=True, staged_store=True),  # 165 KB: the same, output staged (v11)
     256: WgmmaTiles(64, 2),            # 198 KB
 }
 
