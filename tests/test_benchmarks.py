@@ -3,7 +3,6 @@ definitions only, and the package modules it names still exist (a script that na
 package no longer has fails here, in CI, rather than in a device call)."""
 import importlib
 import pathlib
-import sys
 
 import pytest
 
