@@ -56,8 +56,9 @@ from cupy_paged.kernels.varlen_wgmma import WgmmaTiles  # noqa: E402
 H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # --sweep times these wgmma tile shapes (head dim -> shapes) on the same data as the registered
-# kernel (each also checked by tests/test_varlen_gpu.py's WGMMA_CANDIDATES, the earlier default of
-# D=64, two warpgroups, among them); earlier sweeps, with their outcomes, are in NOTES_varlen.md.
+# kernel (each also checked by tests/test_varlen_gpu.py's WGMMA_CANDIDATES): the defaults before
+# v11 (one-warpgroup CTAs at D=64, v9 at D=128) and the v12 candidate; earlier sweeps, with their
+# outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
     128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)),

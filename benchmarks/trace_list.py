@@ -51,8 +51,9 @@ CASES = {
     "256x2048": [2048] * 256,
     "lognormal64": lognormal_contexts(),
     "1x32k+63x512": [32768] + [512] * 63,
-    # more than two waves of the decode kernel's CTAs (issue 11's 256 x 2048 beside ragged batches
-    # of its size): where the hardware's scheduling of many waves might balance well enough
+    # ragged batches of 256 sequences (four waves of the decode kernel's CTAs, as issue 11's
+    # 256 x 2048), where the hardware's scheduling of many waves might balance well enough, and of
+    # 128 (two waves: the control, still balanced by default)
     "lognormal128@4k": [int(n) for n in np.clip(np.random.default_rng(11).lognormal(6.5, 1.0, 128), 16, 4096)],
     "lognormal256@2k": [int(n) for n in np.clip(np.random.default_rng(12).lognormal(6.5, 1.0, 256), 16, 2048)],
     "1x2048+255x128": [2048] + [128] * 255,

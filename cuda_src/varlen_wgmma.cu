@@ -94,7 +94,7 @@ static_assert(Tr::kSmemBytes == SMEM_BYTES, "WgmmaTiles.smem_bytes differs from 
 
 }  // namespace varlen
 
-// A lean producer (fewer registers: its pass loops partly rolled) where the consumers need more:
+// A lean producer (fewer registers: its copy loops rolled) where the consumers need more:
 // the overlap of softmax and P V at D >= 128 (varlen_ws.cuh).
 #if PRODUCER && defined(PV_OVERLAP) && PV_OVERLAP && HEAD_DIM >= 128
 #define WS_LEAN_PRODUCER 1

@@ -11,7 +11,9 @@
 //   [ O += P(t-1) V(t-1);  S = Q K(t)^T ]   both issued at once, then waited for
 //   softmax(S) -> P(t), O rescaled
 // and the two warpgroups take turns for the bracketed products (two named barriers): while one
-// warpgroup's matrix products run on the tensor cores, the other computes its softmax.  A K slot
+// warpgroup's matrix products run on the tensor cores, the other computes its softmax.  With
+// PV_OVERLAP (a candidate) S = Q K(t)^T is issued first and waited for alone, and the softmax runs
+// while O += P(t-1) V(t-1) still does; O is rescaled and P(t) packed after that wait.  A K slot
 // is free again once both warpgroups have computed their softmax of it (the loadable bytes of the
 // tile are read there), a V slot once both have waited for its P V.
 //
@@ -60,6 +62,10 @@ constexpr int kProducerRegisters = WS_LEAN ? 72 : 112, kConsumerRegisters = WS_L
 constexpr int kLaunchRegisters = 65536 / Tr::kCtaThreads / 8 * 8;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= Tr::kCtaThreads * kLaunchRegisters,
               "the CTA's launch allocation of registers");
+static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0 && 24 <= kProducerRegisters &&
+                  kProducerRegisters <= kLaunchRegisters && kLaunchRegisters <= kConsumerRegisters &&
+                  kConsumerRegisters <= 256,
+              "setmaxnreg: multiples of 8 in 24 .. 256, the producer's decreased, the consumers' increased");
 constexpr int kConsumerThreads = 256;
 constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: the turn of consumer warpgroup 0 / 1
 
@@ -167,9 +173,10 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
     const bool ahead = next_ahead;
 #pragma unroll
     for (int q = 0; q < kIds; ++q) ids[q] = next_ids[q];
-    // The next tile's block ids, loaded now and used after this tile's copies (a lean producer
-    // loads them after the copies: one set of ids in registers at a time, and the wait for the
-    // next free slot still covers the loads).
+    // The next tile's block ids, loaded now and used after this tile's copies.  A lean producer
+    // loads them after the copies instead (one set of ids in registers at a time): the wait for
+    // the next free slot covers them when the producer is ahead, not in the ramp, whose slots are
+    // free at once, nor where the producer is what the consumers wait for.
     next_ahead = it + 1 < t.num_tiles && ids_ahead(src, n0 - Tr::kBlockN);
     if (!WS_LEAN && next_ahead) fetch_ids(next_ids, src, n0 - Tr::kBlockN);
     cp::mbar_wait(bars.k_free(stage), free_parity);

@@ -113,7 +113,8 @@ def test_auto_rule():
     import cupy
 
     from cupy_paged.api.decode import prepare_decode
-    from cupy_paged.kernels.decode import balances
+    from cupy_paged.kernels import ragged
+    from cupy_paged.kernels.decode import SMALL_TILES, balances, slots
 
     def problem(batch, capacity, **options):  # shapes only: the rule reads no values
         arrays = dict(q=cupy.empty((batch, 1, 32, 128), BF16), k_cache=cupy.empty((8, 16, 8, 128), BF16),
@@ -123,8 +124,12 @@ def test_auto_rule():
         return prepare_decode(**arrays, **options)
 
     assert balances(problem(64, 4096))
-    assert balances(problem(128, 2048))  # two waves of the decode kernel's small CTAs
-    assert not balances(problem(256, 2048))  # four: the decode kernel
+    # ragged.BALANCE_MAX_WAVES waves of the decode kernel's small CTAs (one per sequence and kv head
+    # here) take it; one sequence more does not (the wave read off this GPU)
+    wave = slots(cupy.cuda.runtime.getDevice(), BF16, 128, SMALL_TILES[128])
+    most = ragged.BALANCE_MAX_WAVES * wave // 8
+    assert balances(problem(most, 2048))
+    assert not balances(problem(most + 1, 2048))
     assert not balances(problem(64, 128))
     assert not balances(problem(4, 32768))
     assert not balances(problem(64, 4096, return_softmax_lse=True))

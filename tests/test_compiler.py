@@ -104,6 +104,20 @@ def test_compile_error_is_reported():
         nvrtc.compile_offline(broken, "sm_90")
 
 
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (it imports cupy, which the offline builds need anyway)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _candidate_keys():
     """The kernel keys that reach the GPU only through the tests and the benchmarks: the tile shapes
     the GPU tests check beside the registered ones (``CANDIDATES`` of test_decode_gpu.py,
@@ -120,9 +134,8 @@ def _candidate_keys():
     return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True),
                                                         decode.kernel_key(BF16, 128, trace=True, ragged=True)]
             + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES)
-            + [varlen_wgmma.kernel_key(BF16, 128, trace=True),
-               varlen_wgmma.kernel_key(BF16, 128, varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True),
-                                       trace=True)])
+            + [varlen_wgmma.kernel_key(BF16, 128, tiles, trace=True)  # what trace_varlen.py launches
+               for tiles in _benchmark("trace_varlen").SHAPES.values()])
 
 
 @pytest.mark.parametrize("key,arch", [pytest.param(key, arch, id=f"{kind}-{key}-{arch}")
@@ -144,20 +157,6 @@ def test_every_specialization_compiles(key, arch):
         # warps would wait forever for registers the producer never released.
         (kernel,) = report.kernels
         assert kernel.registers == 65536 // 384 // 8 * 8, f"{key}: {kernel.registers} registers at launch"
-
-
-def _benchmark(name: str):
-    """benchmarks/<name>.py as a module (it imports cupy, which the offline builds need anyway)."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_benchmark_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_benchmark_sweeps_are_tested_shapes():

@@ -55,7 +55,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary_interleaved : bool, True: GPT-J pairs ``(2i, 2i + 1)``; False: GPT-NeoX pairs
         ``(i, i + rotary_dim / 2)``
     num_splits : int, split-KV parts per sequence; 0 lets a heuristic choose (a paged batch of a full
-        wave or more: each sequence's keys shared out by length on the device; 1: never split)
+        wave or two: each sequence's keys shared out by length on the device; 1: never split)
     return_softmax_lse : bool, also return the LSE ``[batch_size, num_heads, seqlen_q]`` (float32)
     out : array like ``q``, optional, keyword only; written in place and returned
     lse_out : float32 array ``[batch_size, num_heads, seqlen_q]``, optional, keyword only

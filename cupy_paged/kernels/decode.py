@@ -284,8 +284,10 @@ def balances(p: DecodeProblem) -> bool:
     so that one long sequence would run on one CTA per kv head while the rest finish, and a sequence
     can be long enough to split (more than 1.5 ranges of the rule's shortest).  A grid of more waves
     keeps the decode kernel: the GPU starts each CTA as a slot frees, so a long sequence's CTAs
-    overlap the later waves' and the balanced launch's build costs more than it saves
-    (NOTES_calls.md, nineteenth session).  Never for a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys or more
+    overlap the later waves', and measured on the H200 the balanced launch's build cost more than it
+    saved, except where a long sequence comes last among short ones (its CTAs then start after
+    all others: 1.29x the list's time with one 2,048-key sequence after 255 of 128; NOTES_calls.md,
+    nineteenth session).  Never for a table whose rows hold ``ragged.MAX_LIST_KEYS`` keys or more
     (the device list counts keys in 32 bits).  The lengths themselves are on the device: batches of
     equal lengths take it too (the list then splits nothing)."""
     from . import ragged

@@ -53,7 +53,8 @@ MAX_LIST_KEYS = 1 << 30
 # change); flash_attn_varlen_func at every call.
 BALANCE = None
 # flash_attn_with_kvcache's default balances a grid of at most this many waves of the decode
-# kernel's CTAs (kernels.decode.balances).
+# kernel's CTAs (kernels.decode.balances; read when a launch is made, kept by a memoised call as
+# BALANCE is).
 BALANCE_MAX_WAVES = 2
 
 

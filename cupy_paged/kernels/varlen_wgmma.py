@@ -40,8 +40,9 @@ class WgmmaTiles:
             raise ValueError("persistent CTAs are warp-specialized (producer=True)")
         if self.staged_store and (not self.producer or self.persistent):
             raise ValueError("the staged output store is a producer shape's with one CTA per query tile")
-        if self.pv_overlap and not self.producer:
-            raise ValueError("the overlap of softmax and P V is a producer shape's")
+        if self.pv_overlap and (not self.producer or self.persistent):
+            raise ValueError("the overlap of softmax and P V is a producer shape's with one CTA per query tile"
+                             " (untested with persistent CTAs)")
 
     @property
     def block_m(self) -> int:
