@@ -259,13 +259,19 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
   float s[1][Tr::kNTiles][4];
   // The products are issued on every path alike (a wgmma under a branch is serialized by the
   // compiler): a tile this warpgroup does not see has its S computed and dropped, and a P of zeros.
-  auto softmax_tile = [&](int it) {
+  // Tile it's softmax in two halves: P = softmax(S) in S's registers with each row's factor for O
+  // (false for a tile this warpgroup does not see), then, once O and P may be touched, O rescaled
+  // and P packed (zeros for a tile not seen).
+  auto scores_tile = [&](int it, RowFactors& alphas) {
     const int stage = (g0 + it) % Tr::kStages, n0 = (t.tile_first - it) * Tr::kBlockN;
-    if (sees(n0)) {
-      const bool hole = *reinterpret_cast<const unsigned*>(holes + 4 * stage) != 0u;
-      RowFactors alphas;
-      scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
-                  softmax_scale, softcap, window_left, window_right);  // P = softmax(S)
+    if (!sees(n0)) return false;
+    const bool hole = *reinterpret_cast<const unsigned*>(holes + 4 * stage) != 0u;
+    scores_to_p(s, st, alphas, t, n0, hole, s_loadable + stage * Tr::kBlockN, row0, row_last, lane,
+                softmax_scale, softcap, window_left, window_right);
+    return true;
+  };
+  auto finish_tile = [&](bool seen, const RowFactors& alphas) {
+    if (seen) {
       rescale_o(st, alphas);
       pack_p(s, p);
     } else {
@@ -274,7 +280,11 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
 #pragma unroll
         for (int e = 0; e < 4; ++e) p[0][kk][e] = 0u;
     }
-    cp::mbar_arrive(bars.k_free(stage));  // its hole and loadable bytes are read
+  };
+  auto softmax_tile = [&](int it) {
+    RowFactors alphas;
+    finish_tile(scores_tile(it, alphas), alphas);
+    cp::mbar_arrive(bars.k_free((g0 + it) % Tr::kStages));  // its hole and loadable bytes are read
   };
 
   cp::mbar_wait(bars.q_full(), static_cast<u32>(n & 1));
@@ -312,26 +322,13 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
     cp::wgmma_wait<1>();  // groups complete in order: S is done
     fence_operands(s[0]);
     RowFactors alphas;
-    const int n0 = (t.tile_first - it) * Tr::kBlockN;
-    const bool seen = sees(n0);
-    if (seen)
-      scores_to_p(s, st, alphas, t, n0, *reinterpret_cast<const unsigned*>(holes + 4 * stage) != 0u,
-                  s_loadable + stage * Tr::kBlockN, row0, row_last, lane, softmax_scale, softcap, window_left,
-                  window_right);  // P = softmax(S), in S's registers
+    const bool seen = scores_tile(it, alphas);
     cp::mbar_arrive(bars.k_free(stage));  // its hole and loadable bytes are read
     cp::wgmma_wait<0>();
     fence_operands(st.o[0]);
     fence_operands(p[0]);
     cp::mbar_arrive(bars.v_free(prev));
-    if (seen) {
-      rescale_o(st, alphas);
-      pack_p(s, p);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[0][kk][e] = 0u;
-    }
+    finish_tile(seen, alphas);
 #else
     pv_products(st.o[0], p[0], desc_v + stage_step(prev));  // O += P(t-1) V(t-1)
     qk_products(s[0], desc_q, desc_k + stage_step(stage));  // S = Q K(t)^T
