@@ -15,7 +15,9 @@ Configurations (``--configs``, keys in brackets):
   asynchronously (the engine's GPU default); ``ours graphs sync`` [ours-graphs-sync] steps one
   at a time (``async_scheduling=False``), to show what the overlap gains, and ``ours graphs
   ragged-launch`` [ours-graphs-ragged] runs the decode graphs' attention on the ragged launch
-  instead of the decode kernel (``graph_attention="ragged"``).
+  instead of the decode kernel (``graph_attention="ragged"``); ``ours graphs rotary-split``
+  [ours-graphs-rotary-split] rotates a decode step's q and k in the separate ``rotary_split``
+  kernel instead of inside the decode kernel (``LlamaModel.rotary_in_attention = False``).
 * ``hf sdpa graphs`` / ``hf sdpa no-graphs`` [hf-sdpa-graphs, hf-sdpa]: ``generate_batch`` with
   ``attn_implementation="paged|sdpa"``.
 * ``hf cupy_paged graphs`` / ``hf cupy_paged no-graphs`` [hf-cupy_paged-graphs, hf-cupy_paged]:
@@ -121,12 +123,15 @@ class Spec:
     prior_tok_s: float = 1000.0  # the issue's figure at 64 requests (H200), for the first prediction
     sync: bool = False  # ours: one step at a time (async_scheduling=False), for the overlap's gain
     graph_attention: str = "decode"  # ours: the decode graphs' attention (Engine(graph_attention=))
+    rotary_in_attention: bool = True  # ours: decode steps rotate inside the decode kernel (False: rotary_split)
 
 
 SPECS = {s.key: s for s in (
     Spec("ours-graphs", "ours graphs", "ours", True, prior_tok_s=13500),
     Spec("ours-graphs-sync", "ours graphs sync", "ours", True, prior_tok_s=31300, sync=True),
     Spec("ours-graphs-ragged", "ours graphs ragged-launch", "ours", True, prior_tok_s=46000, graph_attention="ragged"),
+    Spec("ours-graphs-rotary-split", "ours graphs rotary-split", "ours", True, prior_tok_s=55000,
+         rotary_in_attention=False),
     Spec("ours", "ours no-graphs", "ours", False, prior_tok_s=3000),
     Spec("hf-cupy_paged-graphs", "hf cupy_paged graphs", "hf", True, "paged|flash_attention_2", 8200),
     Spec("hf-sdpa-graphs", "hf sdpa graphs", "hf", True, "paged|sdpa", 1860),
@@ -368,6 +373,18 @@ class StepLog:
 
 def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     """Serve ``prompts`` with ``llama.Engine`` after its warm-up; every request at once."""
+    from llama import Engine, GenerationRequest
+
+    args = bench.args
+    model = bench.ours
+    model.rotary_in_attention = spec.rotary_in_attention and model.fused is not None
+    try:
+        return _serve(bench, spec, n, prompts)
+    finally:
+        model.rotary_in_attention = model.fused is not None
+
+
+def _serve(bench, spec: Spec, n: int, prompts: list) -> Run:
     from llama import Engine, GenerationRequest
 
     args = bench.args

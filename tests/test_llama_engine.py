@@ -718,3 +718,53 @@ def test_fused_forward_equals_the_array_expressions():
             tokens = [int(t) for t in cupy.asnumpy(cupy.argmax(cupy.asarray(got), axis=-1))]
             engine.scheduler.update(plan, tokens)
     cupy_paged.check_errors()
+
+
+@pytest.mark.gpu
+def test_decode_rotary_in_the_attention_launch_equals_rotary_split():
+    """A decode step with q and the new k rotated inside ``flash_attn_with_kvcache`` (the fused
+    path's default) against the same step through ``rotary_split`` and ``StepPlan.attention``:
+    the cache gets the same key bits, the logits agree within bfloat16 rounding, and the step
+    launches no ``rotary_split``."""
+    import cupy
+    import cupy_paged
+
+    model, engine, _ = _gpu_engines(graph_sizes=[8])
+    assert model.rotary_in_attention
+    for r in request_mix(count=5, vocab=1000, new_tokens=8):
+        engine.add_request(r)
+    with engine.stream:
+        plan = engine.scheduler.schedule()
+        for _ in range(20):  # the prompts' chunks, until a step decodes every request
+            if plan.path == "decode":
+                break
+            logits = model.forward(plan, engine.cache)
+            engine.scheduler.update(plan, [int(t) for t in cupy.asnumpy(cupy.argmax(logits, axis=-1))])
+            plan = engine.scheduler.schedule()
+        assert plan.path == "decode" and plan.batch_size >= 2
+        slots = cupy.asarray(plan.slot_mapping)
+        split_calls = []
+        rotary_split = model.fused.rotary_split
+        model.fused.rotary_split = lambda *a: split_calls.append(1) or rotary_split(*a)
+        try:
+            got = model.forward(plan, engine.cache).get()
+            got_keys = [cupy.asnumpy(engine.cache.layer(i)[0].reshape(-1, model.config.kv_size)[slots])
+                        for i in range(model.config.num_hidden_layers)]
+            assert not split_calls
+            model.rotary_in_attention = False
+            want = model.forward(plan, engine.cache).get()  # writes the step's K/V again
+            assert len(split_calls) == model.config.num_hidden_layers
+        finally:
+            model.rotary_in_attention = True
+            model.fused.rotary_split = rotary_split
+        want_keys = [cupy.asnumpy(engine.cache.layer(i)[0].reshape(-1, model.config.kv_size)[slots])
+                     for i in range(model.config.num_hidden_layers)]
+    cupy_paged.check_errors()
+    assert np.isfinite(got).all() and got.shape == want.shape
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    # Layer 0's new keys come from the same product either way: the same bits.  Later layers'
+    # inputs went through two attention kernels (with and without the rotation code).
+    np.testing.assert_array_equal(got_keys[0].view(np.uint16), want_keys[0].view(np.uint16))
+    for layer, (a, b) in enumerate(zip(got_keys, want_keys)):
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), layer

@@ -93,8 +93,10 @@ extern "C" __global__ void rotary_split(const scalar_t* __restrict__ qkv, const 
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
         const float c = cos_row[i], s = sin_row[i];
-        store(dst + i, x1 * c - x2 * s);
-        store(dst + i + half, x2 * c + x1 * s);
+        // Each product and sum rounded on its own, as the decode kernel's fused rotary does
+        // (cuda_src/rotary.cuh): a decode step rotates there, the other steps here, bit for bit alike.
+        store(dst + i, __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+        store(dst + i + half, __fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c)));
     }
 }
 

@@ -138,8 +138,19 @@ class LlamaModel:
         self.all_reduce = None
         # bfloat16 / float16 on the GPU: the steps between the products as one kernel each.
         self.fused = None
+        # The fused path's decode steps rotate q and the new k inside the decode kernel
+        # (``flash_attn_with_kvcache``'s rotary_cos/rotary_sin, which are of q's dtype), the other
+        # steps in ``rotary_split``: both read the tables rounded to the weights' dtype, so a token
+        # gets the same rotation whichever step computes it (Hugging Face's Llama also casts its
+        # cos/sin to the activations' dtype).
+        self.rotary_tables_q = None
         if fused.supported(xp, self.dtype):
             self.fused = fused.FusedOps(self.dtype, config.rms_norm_eps)
+            cos_q, sin_q = self.cos.astype(self.dtype), self.sin.astype(self.dtype)
+            self.cos, self.sin = cos_q.astype(self.acc), sin_q.astype(self.acc)
+            self.rotary_tables_q = (cos_q, sin_q)
+        # Decode steps on the fused path: rotary inside the attention launch (False: rotary_split).
+        self.rotary_in_attention = self.fused is not None
 
     @property
     def max_positions(self) -> int:
@@ -225,9 +236,28 @@ class LlamaModel:
         logits = self.matmul(self.rms_norm(x, self.norm).astype(self.dtype), self.lm_head)
         return logits.astype(self.acc)
 
+    def _decode_attention(self, qkv, plan, k_cache, v_cache):
+        """A decode step's attention of one layer from the ``qkv [T, (heads + 2 kv_heads) D]``
+        product: one ``flash_attn_with_kvcache`` launch that rotates q and the new k at each
+        sequence's position (``plan.cache_seqlens``, the tokens before it), appends k and v
+        through ``plan.block_table`` and attends; q, k and v are views of ``qkv`` (no split
+        kernel, no copy).  Returns ``[T, heads, D]``."""
+        import cupy_paged
+
+        c, tokens = self.config, qkv.shape[0]
+        q = qkv[:, :c.q_size].reshape(tokens, 1, c.num_attention_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(tokens, 1, c.num_key_value_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size:].reshape(tokens, 1, c.num_key_value_heads, c.head_dim)
+        cos, sin = self.rotary_tables_q
+        out = cupy_paged.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, plan.cache_seqlens,
+                                                 block_table=plan.block_table, causal=True,
+                                                 rotary_interleaved=False)
+        return out.reshape(tokens, c.num_attention_heads, c.head_dim)
+
     def _forward_fused(self, plan, cache, timer, all_rows: bool):
         """:meth:`forward` through the fused kernels: per layer the four products, the attention
-        launch, one rotary-and-split kernel, SwiGLU, and two residual-add-and-RMSNorm kernels (the
+        launch, one rotary-and-split kernel (none on a decode step with ``rotary_in_attention``:
+        the decode kernel rotates), SwiGLU, and two residual-add-and-RMSNorm kernels (the
         second normalises for the next layer, or for the LM head after the last)."""
         c, xp, f = self.config, self.xp, self.fused
         ids = xp.asarray(plan.input_ids, dtype=np.int32)
@@ -235,11 +265,17 @@ class LlamaModel:
         x, h = f.add_rms_norm(f.embed(self.embed, ids), None, self.layers[0].input_norm)
         tokens = x.shape[0]
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        rotary_decode = self.rotary_in_attention and plan.path == "decode"
         for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
-            q, k, v = f.rotary_split(self.matmul(h, layer.qkv), positions, self.cos, self.sin,
-                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-            with timer.span("attention"):
-                attended = plan.attention(q, k, v, *cache.layer(index))
+            qkv = self.matmul(h, layer.qkv)
+            if rotary_decode:
+                with timer.span("attention"):
+                    attended = self._decode_attention(qkv, plan, *cache.layer(index))
+            else:
+                q, k, v = f.rotary_split(qkv, positions, self.cos, self.sin, c.num_attention_heads,
+                                         c.num_key_value_heads, c.head_dim)
+                with timer.span("attention"):
+                    attended = plan.attention(q, k, v, *cache.layer(index))
             x, h = f.add_rms_norm(x, self.matmul(attended.reshape(tokens, c.q_size), layer.out), layer.post_norm,
                                   out=x)
             hidden = f.swiglu(self.matmul(h, layer.gate_up))
