@@ -722,43 +722,47 @@ def test_fused_forward_equals_the_array_expressions():
 
 @pytest.mark.gpu
 def test_decode_rotary_in_the_attention_launch_equals_rotary_split():
-    """A decode step with q and the new k rotated inside ``flash_attn_with_kvcache`` (the fused
-    path's default) against the same step through ``rotary_split`` and ``StepPlan.attention``:
-    the cache gets the same key bits, the logits agree within bfloat16 rounding, and the step
-    launches no ``rotary_split``."""
+    """A decode step (the decode graphs' padded plan, path "decode") with q and the new k rotated
+    inside ``flash_attn_with_kvcache`` (the fused path's default) against the same step through
+    ``rotary_split`` and ``StepPlan.attention``: layer 0's new keys get the same bits, the logits
+    and later layers' keys agree within bfloat16 rounding, and the step launches no
+    ``rotary_split``."""
     import cupy
     import cupy_paged
 
-    model, engine, _ = _gpu_engines(graph_sizes=[8])
+    model, _, _ = _gpu_engines(graph_sizes=[8])
     assert model.rotary_in_attention
-    for r in request_mix(count=5, vocab=1000, new_tokens=8):
-        engine.add_request(r)
-    with engine.stream:
-        plan = engine.scheduler.schedule()
-        for _ in range(20):  # the prompts' chunks, until a step decodes every request
-            if plan.path == "decode":
-                break
-            logits = model.forward(plan, engine.cache)
-            engine.scheduler.update(plan, [int(t) for t in cupy.asnumpy(cupy.argmax(logits, axis=-1))])
-            plan = engine.scheduler.schedule()
-        assert plan.path == "decode" and plan.batch_size >= 2
+    engine = Engine(model, block_size=16, num_blocks=64, cuda_graphs=True, graph_sizes=[8], async_scheduling=False)
+    for r in request_mix(count=3, vocab=1000, new_tokens=2):
+        engine.add_request(GenerationRequest(r.request_id, r.prompt, 3))
+    engine.step()  # the prompts; the next step decodes all three
+    plan = engine.scheduler.schedule()  # built by the graphs: padded to 8 rows
+    assert plan.path == "decode" and plan.graph_rows == 3
+    layers = model.config.num_hidden_layers
+    split_calls = []
+    rotary_split = model.fused.rotary_split
+
+    def counted(*args):
+        split_calls.append(1)
+        return rotary_split(*args)
+
+    def new_keys():
         slots = cupy.asarray(plan.slot_mapping)
-        split_calls = []
-        rotary_split = model.fused.rotary_split
-        model.fused.rotary_split = lambda *a: split_calls.append(1) or rotary_split(*a)
+        return [cupy.asnumpy(engine.cache.layer(i)[0].reshape(-1, model.config.kv_size)[slots]) for i in range(layers)]
+
+    with engine.stream:
+        model.fused.rotary_split = counted
         try:
-            got = model.forward(plan, engine.cache).get()
-            got_keys = [cupy.asnumpy(engine.cache.layer(i)[0].reshape(-1, model.config.kv_size)[slots])
-                        for i in range(model.config.num_hidden_layers)]
+            got = model.forward(plan, engine.cache)[:3].get()
+            got_keys = new_keys()
             assert not split_calls
             model.rotary_in_attention = False
-            want = model.forward(plan, engine.cache).get()  # writes the step's K/V again
-            assert len(split_calls) == model.config.num_hidden_layers
+            want = model.forward(plan, engine.cache)[:3].get()  # writes the step's K/V again
+            want_keys = new_keys()
+            assert len(split_calls) == layers
         finally:
             model.rotary_in_attention = True
             model.fused.rotary_split = rotary_split
-        want_keys = [cupy.asnumpy(engine.cache.layer(i)[0].reshape(-1, model.config.kv_size)[slots])
-                     for i in range(model.config.num_hidden_layers)]
     cupy_paged.check_errors()
     assert np.isfinite(got).all() and got.shape == want.shape
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
