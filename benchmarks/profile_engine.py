@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--graph-attention", choices=("decode", "ragged"), default="decode", help="with --ncu")
     p.add_argument("--force-splits", type=int, default=0,
                    help="an experiment: the decode kernel's split count where the heuristic chooses (0: the heuristic)")
+    p.add_argument("--rotary-split", action="store_true",
+                   help="decode steps rotate in rotary_split, not inside the decode kernel (LlamaModel.rotary_in_attention)")
     args = p.parse_args(argv)
     if args.force_splits:
         from cupy_paged.kernels import decode as _decode
@@ -196,6 +198,7 @@ def main(argv=None) -> int:
     from llama.weights import BF16
 
     model = LlamaModel(GPU_DEFAULT, random_weights(GPU_DEFAULT, 0, np.float32), cupy, BF16)
+    model.rotary_in_attention = model.rotary_in_attention and not args.rotary_split
     if args.ncu:
         print(json.dumps(ncu_step(args, model)))
         return 0
