@@ -17,7 +17,10 @@ Configurations (``--configs``, keys in brackets):
   ragged-launch`` [ours-graphs-ragged] runs the decode graphs' attention on the ragged launch
   instead of the decode kernel (``graph_attention="ragged"``); ``ours graphs rotary-split``
   [ours-graphs-rotary-split] rotates a decode step's q and k in the separate ``rotary_split``
-  kernel instead of inside the decode kernel (``LlamaModel.rotary_in_attention = False``).
+  kernel instead of inside the decode kernel (``LlamaModel.rotary_in_attention = False``);
+  ``ours graphs untuned`` [ours-graphs-untuned] captures the decode graphs with cuBLAS's default
+  kernel for every product (``Engine(tune_products=False)``) instead of the fastest of cuBLASLt's
+  candidates timed per batch size.
 * ``hf sdpa graphs`` / ``hf sdpa no-graphs`` [hf-sdpa-graphs, hf-sdpa]: ``generate_batch`` with
   ``attn_implementation="paged|sdpa"``.
 * ``hf cupy_paged graphs`` / ``hf cupy_paged no-graphs`` [hf-cupy_paged-graphs, hf-cupy_paged]:
@@ -124,6 +127,7 @@ class Spec:
     sync: bool = False  # ours: one step at a time (async_scheduling=False), for the overlap's gain
     graph_attention: str = "decode"  # ours: the decode graphs' attention (Engine(graph_attention=))
     rotary_in_attention: bool = True  # ours: decode steps rotate inside the decode kernel (False: rotary_split)
+    tune_products: bool = True  # ours: the decode graphs' products on the fastest timed cuBLAS kernel
 
 
 SPECS = {s.key: s for s in (
@@ -132,6 +136,7 @@ SPECS = {s.key: s for s in (
     Spec("ours-graphs-ragged", "ours graphs ragged-launch", "ours", True, prior_tok_s=46000, graph_attention="ragged"),
     Spec("ours-graphs-rotary-split", "ours graphs rotary-split", "ours", True, prior_tok_s=55000,
          rotary_in_attention=False),
+    Spec("ours-graphs-untuned", "ours graphs untuned", "ours", True, prior_tok_s=53000, tune_products=False),
     Spec("ours", "ours no-graphs", "ours", False, prior_tok_s=3000),
     Spec("hf-cupy_paged-graphs", "hf cupy_paged graphs", "hf", True, "paged|flash_attention_2", 8200),
     Spec("hf-sdpa-graphs", "hf sdpa graphs", "hf", True, "paged|sdpa", 1860),
@@ -378,8 +383,10 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     args = bench.args
     model = bench.ours
     model.rotary_in_attention = spec.rotary_in_attention and model.fused is not None
+    untuned = model.gemm.defaults() if model.gemm is not None and not spec.tune_products else contextlib.nullcontext()
     try:
-        return _serve(bench, spec, n, prompts)
+        with untuned:  # the products tuned by an earlier configuration are set aside for this one
+            return _serve(bench, spec, n, prompts)
     finally:
         model.rotary_in_attention = model.fused is not None
 
@@ -393,7 +400,7 @@ def _serve(bench, spec: Spec, n: int, prompts: list) -> Run:
     engine = Engine(bench.ours, num_blocks=blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=n, max_model_len=longest, cuda_graphs=spec.graphs, seed=args.seed,
                     async_scheduling=False if spec.sync else None,
-                    graph_attention=spec.graph_attention)
+                    graph_attention=spec.graph_attention, tune_products=spec.tune_products)
     start = time.perf_counter()
     engine.warm_up()
     # As HF's warm-up call: the whole workload's shapes once (other prompts of the same lengths, so
@@ -770,6 +777,9 @@ class Bench:
                    elapsed_s=round(time.perf_counter() - self.start, 1))
         if args.device == "cpu":
             out["cpu_check"] = self.cpu_check()
+        tuned = getattr(self.ours, "tuned_products", {}) if self.ours is not None else {}
+        out["tuned_products"] = {f"M={rows} {name}": report for (rows, name), report in sorted(tuned.items())
+                                 if "gemmex_us" in report}
         return out
 
 
@@ -853,6 +863,21 @@ def print_tables(report: dict) -> None:
         if d and d.get("count"):
             print(f"| {c['name']} | {d['count']} | {d['mean_ms']:.3f} | {_fmt(d.get('floor_ms_at_mean'), 3)} "
                   f"| {_fmt(d.get('over_floor'), 2)} | {d['mean_batch']:.1f} | {d['mean_context']:.0f} |")
+    tuned = report.get("tuned_products") or {}
+    if tuned:  # per decode-graph batch size: a step's products (8 layers of four, the LM head) timed
+        layers = report["model"].get("layers", 1)
+        steps: dict = {}
+        for name, r in tuned.items():
+            rows, product = name.split()
+            weight = 1 if product == "lm_head" else layers
+            acc = steps.setdefault(rows, [0.0, 0.0, []])
+            acc[0] += weight * r["gemmex_us"]
+            acc[1] += weight * r["chosen_us"]
+            acc[2].append(f"{product} {r['gemmex_us']:.2f}->{r['chosen_us']:.2f} ({r['chosen']})")
+        print("\n| decode batch | a step's products, cuBLAS default us | tuned us | each (default -> tuned, kernel) |")
+        print("| --- | ---: | ---: | --- |")
+        for rows, (default, chosen, each) in sorted(steps.items(), key=lambda item: int(item[0][2:])):
+            print(f"| {rows} | {default:.1f} | {chosen:.1f} | {'; '.join(each)} |")
     for s in report["skipped"]:
         print(f"skipped: {s['name']} ({s['reason']})")
     for name, error in report["failed"].items():

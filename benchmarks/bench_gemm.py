@@ -8,7 +8,9 @@ each product of the default model (hidden 2048, 16/4 heads of 128, intermediate 
 32000, bf16) at M = 64 and 256, kernel time only: 20 or more products captured in a CUDA graph,
 the weights rotating over enough copies to pass the 50 MB L2 (whole passes), the median of graph
 replays between CUDA events (the LM head with float32 output, as the engine writes its logits;
-torch's with bf16).  Three ways: ``Gemm(a, w)`` with ``w [K, N]`` (the engine today), ``Gemm(a, w,
+torch's with bf16).  Four ways: ``Gemm(a, w)`` with ``w [K, N]`` (cuBLAS's default kernel), the same
+after ``Gemm.tune`` timed cuBLASLt's candidates for the shape (what the engine's decode graphs
+capture), ``Gemm(a, w,
 b_rows_out=True)`` with ``w [N, K]``, and torch's ``F.linear`` on the same ``[N, K]`` weights (a
 peer, skipped without torch).  Writes ``results/gemm.json`` (cases: name, metric, value = the
 engine's layout, floor = weight bytes / 4.44 TB/s, peers).
@@ -45,12 +47,18 @@ def products_per_graph(copies: int) -> int:
     return copies * -(-PER_GRAPH // copies)
 
 
-def ours(a, weights, rows_out: bool, reps: int, out_dtype=None) -> float:
-    """The engine's ``Gemm`` over ``weights`` (each ``[K, N]``, or ``[N, K]`` with ``rows_out``)."""
+def ours(a, weights, rows_out: bool, reps: int, out_dtype=None, tuned: bool = False):
+    """The engine's ``Gemm`` over ``weights`` (each ``[K, N]``, or ``[N, K]`` with ``rows_out``);
+    with ``tuned``, after ``Gemm.tune`` chose the shape's kernel: (us, the tune's report)."""
     import cupy
     from llama.cublas import Gemm
 
     gemm, stream = Gemm(), cupy.cuda.Stream(non_blocking=True)
+    report = None
+    if tuned:
+        m, k = a.shape
+        n = weights[0].shape[0 if rows_out else 1]
+        report = gemm.tune(m, n, k, a.dtype, out_dtype, rows_out)
     per_graph, state = products_per_graph(len(weights)), {"i": 0}
 
     def product():
@@ -63,7 +71,8 @@ def ours(a, weights, rows_out: bool, reps: int, out_dtype=None) -> float:
             product()
         stream.synchronize()
     graph = captured(product, per_graph, stream)
-    return graph_us(lambda: graph.launch(stream=cupy.cuda.get_current_stream()), reps, per_graph)
+    us = graph_us(lambda: graph.launch(stream=cupy.cuda.get_current_stream()), reps, per_graph)
+    return (us, report) if tuned else us
 
 
 def torch_linear(a, weights, reps: int) -> float | None:
@@ -102,7 +111,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cupy.random.seed(0)
     cases = []
-    print(f"{'product':8} {'M':>4} {'MB':>6} {'floor us':>8} {'[K,N] us':>9} {'[N,K] us':>9} {'F.linear':>9}")
+    print(f"{'product':8} {'M':>4} {'MB':>6} {'floor us':>8} {'[K,N] us':>9} {'tuned us':>9} {'[N,K] us':>9} "
+          f"{'F.linear':>9}  tuned kernel")
     for name, k, n in PRODUCTS:
         nbytes = k * n * 2
         copies = max(2, math.ceil(L2_PASS / nbytes))
@@ -113,14 +123,15 @@ def main(argv=None) -> int:
             floor = nbytes / READ_CEILING * 1e6
             logits = np.float32 if name == "lm_head" else None  # the engine's LM head writes float32
             today, rows_out = ours(a, kn, False, args.reps, logits), ours(a, nk, True, args.reps, logits)
+            tuned, report = ours(a, kn, False, args.reps, logits, tuned=True)
             peer = torch_linear(a, nk, args.reps)  # bf16 output throughout
-            peers = {"ours, [N, K] weights": round(rows_out, 2)}
+            peers = {"ours, [N, K] weights": round(rows_out, 2), "ours tuned (Gemm.tune), [K, N] weights": round(tuned, 2)}
             if peer is not None:
                 peers["torch F.linear, [N, K] weights"] = round(peer, 2)
             cases.append({"name": f"{name} M={m} K={k} N={n}", "metric": "us per product", "value": round(today, 2),
-                          "floor": round(floor, 2), "peers": peers})
-            print(f"{name:8} {m:4} {nbytes / 1e6:6.1f} {floor:8.2f} {today:9.2f} {rows_out:9.2f} "
-                  f"{'-' if peer is None else f'{peer:9.2f}':>9}", flush=True)
+                          "floor": round(floor, 2), "peers": peers, "tune": report})
+            print(f"{name:8} {m:4} {nbytes / 1e6:6.1f} {floor:8.2f} {today:9.2f} {tuned:9.2f} {rows_out:9.2f} "
+                  f"{'-' if peer is None else f'{peer:9.2f}':>9}  {report}", flush=True)
         del kn, nk
         cupy.get_default_memory_pool().free_all_blocks()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -476,6 +476,10 @@ def _gpu_engines(graph_sizes, graph_attention="decode"):
     model = tiny_model(BF16, LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64,
                                              "vocab_size": 1000, "intermediate_size": 512}), xp=cupy)
     kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
+    # Both engines share the model's cuBLAS choices: tuned here for the graphs' sizes before
+    # either runs (the graphed engine would tune them at its first capture, after the eager run).
+    for size in graph_sizes:
+        model.tune_products(size)
     # The reference steps one at a time; the graphed engine schedules ahead (the GPU default).
     return model, Engine(model, async_scheduling=False, **kwargs), Engine(
         model, cuda_graphs=True, graph_sizes=graph_sizes, graph_attention=graph_attention, **kwargs)
@@ -510,6 +514,52 @@ def test_cublas_gemm_matches_numpy_and_can_be_captured(dtype, rows_out):
     tol = 1e-5 if dtype == np.float32 else 1e-2
     assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
     np.testing.assert_array_equal(captured.get().view(np.uint8), eager.get().view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_out", [False, True], ids=["b-k-n", "b-n-k"])
+@pytest.mark.parametrize("dtype,out_dtype", [(BF16, None), (BF16, np.float32), (np.dtype(np.float16), None),
+                                             (np.dtype(np.float32), None)], ids=str)
+def test_every_cublaslt_candidate_matches_numpy_and_can_be_captured(dtype, out_dtype, rows_out):
+    """Each of cuBLASLt's heuristic kernels for a skinny product (``Gemm.candidates``, what
+    ``Gemm.tune`` chooses among), eager and captured, against float64 NumPy; the captured
+    product's bits equal the eager one's; after ``tune`` the product still matches."""
+    import cupy
+    from llama.cublas import Gemm
+
+    m, k, n = 24, 320, 448
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in ((m, k), (k, n)))
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    if rows_out:
+        b = np.ascontiguousarray(b.T)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    gemm, stream = Gemm(), cupy.cuda.Stream(non_blocking=True)
+    plans = gemm.candidates(m, n, k, dtype, out_dtype, rows_out)
+    assert plans, "cuBLASLt offered no kernel"
+
+    def check():
+        with stream:
+            da, db = cupy.asarray(a), cupy.asarray(b)
+            eager = gemm(da, db, out_dtype, b_rows_out=rows_out)
+            stream.begin_capture()
+            try:
+                captured = gemm(da, db, out_dtype, b_rows_out=rows_out)
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream=stream)
+            stream.synchronize()
+        assert eager.dtype == np.dtype(dtype if out_dtype is None else out_dtype)
+        got = eager.get().astype(np.float64)
+        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+        np.testing.assert_array_equal(captured.get().view(np.uint8), eager.get().view(np.uint8))
+
+    for plan in plans:
+        gemm.use(m, n, k, dtype, out_dtype, rows_out, plan)
+        check()
+    report = gemm.tune(m, n, k, dtype, out_dtype, rows_out)
+    assert report["chosen"] == "gemmex" or report["chosen"].startswith("lt")
+    check()
 
 
 @pytest.mark.gpu

@@ -129,12 +129,17 @@ class DecodeGraphs:
         Batch sizes to capture (default :func:`default_sizes`).
     ragged : bool
         Attention through the ragged launch instead of the decode kernel (:class:`DecodePadding`).
+    tune_products : bool
+        Before capturing a size, time cuBLAS's candidate kernels for that size's products and
+        capture the fastest (``LlamaModel.tune_products``).
     """
 
-    def __init__(self, model, cache, stream, max_batch: int, sizes=None, ragged: bool = False):
+    def __init__(self, model, cache, stream, max_batch: int, sizes=None, ragged: bool = False,
+                 tune_products: bool = True):
         import cupy
 
         self.model, self.cache, self.stream = model, cache, stream
+        self.tune_products = tune_products
         heads = model.config.num_attention_heads if ragged else None
         self.padding = DecodePadding(cache, sizes or default_sizes(max_batch), heads)
         self.pool = cupy.cuda.MemoryPool()
@@ -186,6 +191,8 @@ class DecodeGraphs:
 
         from .sampling import row_argmax
 
+        if self.tune_products:
+            self.model.tune_products(plan.batch_size)
         with cupy.cuda.using_allocator(self.pool.malloc):
             row_argmax(self.model.forward(plan, self.cache, NoTimer(), all_rows=True))
             self.stream.synchronize()

@@ -141,6 +141,10 @@ class Engine:
         was the faster) or the ragged launch over a work list of fixed capacity.
     graph_sizes : list of int, optional
         The padded decode batch sizes to capture (default ``llama.cuda_graphs.default_sizes``).
+    tune_products : bool
+        Before capturing a decode graph, time cuBLAS's candidate kernels for its products at that
+        batch size and capture the fastest (``LlamaModel.tune_products``; each shape is timed
+        once a process).
     seed : int
         Seeds the generators of requests that give no seed of their own.
     async_scheduling : bool, optional
@@ -152,7 +156,7 @@ class Engine:
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
                  cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None, async_scheduling=None,
-                 graph_attention="decode"):
+                 graph_attention="decode", tune_products=True):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
         self.group = group if group is not None and group.world_size > 1 else None
@@ -192,7 +196,7 @@ class Engine:
                 if graph_attention not in ("decode", "ragged"):
                     raise ValueError(f"graph_attention must be 'decode' or 'ragged'; got {graph_attention!r}")
                 self.graphs = DecodeGraphs(model, self.cache, self.stream, max_num_seqs, graph_sizes,
-                                           ragged=graph_attention == "ragged")
+                                           ragged=graph_attention == "ragged", tune_products=tune_products)
         elif cuda_graphs:
             raise ValueError("cuda_graphs needs a model on CuPy arrays")
         if self.graphs is not None:  # decode steps are built once, padded into the graphs' buffers

@@ -105,12 +105,15 @@ class LlamaModel:
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in'; got {weight_layout!r}")
         self.weight_layout = weight_layout
         rows_out = weight_layout == "out_in"
+        self.gemm = None  # the GPU's llama.cublas.Gemm (tune_products chooses its kernels)
         if xp is np:
             self.matmul = (lambda a, w: np.matmul(a, w.T)) if rows_out else np.matmul
         else:
             from .cublas import Gemm
 
-            self.matmul = functools.partial(Gemm(), b_rows_out=True) if rows_out else Gemm()
+            self.gemm = Gemm()
+            self.matmul = functools.partial(self.gemm, b_rows_out=True) if rows_out else self.gemm
+        self.tuned_products: dict = {}  # (rows, product) -> llama.cublas.Gemm.tune's report
 
         def matrix(*names):  # HF [out, in] matrices -> one [in, sum(out)] (or [sum(out), in]) device matrix
             joined = np.concatenate([weights[n] for n in names], axis=0)
@@ -151,6 +154,24 @@ class LlamaModel:
             self.rotary_tables_q = (cos_q, sin_q)
         # Decode steps on the fused path: rotary inside the attention launch (False: rotary_split).
         self.rotary_in_attention = self.fused is not None
+
+    def tune_products(self, rows: int) -> dict:
+        """Time the candidate cuBLAS kernels of each of a step's products at ``rows`` tokens
+        (qkv, out, gate_up, down, the LM head) and use the fastest for that shape from now on
+        (``llama.cublas.Gemm.tune``; the CUDA graphs of decode steps tune their batch sizes before
+        capturing).  Outside any capture.  Returns ``{product: report}``; nothing on the CPU."""
+        if self.gemm is None:
+            return {}
+        rows_out, layer = self.weight_layout == "out_in", self.layers[0]
+        reports = {}
+        for name, weight, out_dtype in (("qkv", layer.qkv, None), ("out", layer.out, None),
+                                        ("gate_up", layer.gate_up, None), ("down", layer.down, None),
+                                        ("lm_head", self.lm_head, np.float32 if self.fused is not None else None)):
+            n, k = weight.shape if rows_out else weight.shape[::-1]
+            reports[name] = self.gemm.tune(rows, n, k, self.dtype, out_dtype, rows_out)
+            if "gemmex_us" in reports[name] or (rows, name) not in self.tuned_products:  # keep the timings
+                self.tuned_products[(rows, name)] = reports[name]
+        return reports
 
     @property
     def max_positions(self) -> int:
