@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-chunk", type=int, help="most tokens of one prompt in a step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    p.add_argument("--tune-products", action="store_true",
+                   help="with --cuda-graphs: time cuBLAS's candidate kernels per graph size, capture the fastest")
     p.add_argument("--sync", action="store_true",
                    help="one step at a time: no decode step scheduled ahead of the previous step's tokens (GPU)")
     p.add_argument("--shape", help="random weights of this shape instead of the default model: "
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
                     max_prefill_chunk=args.max_prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                     max_model_len=args.max_prompt + args.max_new_tokens, cuda_graphs=args.cuda_graphs,
                     async_scheduling=False if args.sync else None,
-                    ragged=not args.no_ragged, seed=args.seed, group=group)
+                    ragged=not args.no_ragged, seed=args.seed, group=group, tune_products=args.tune_products)
     if group is not None and group.rank > 0:
         engine.follow()
         return 0

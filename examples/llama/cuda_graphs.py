@@ -131,11 +131,12 @@ class DecodeGraphs:
         Attention through the ragged launch instead of the decode kernel (:class:`DecodePadding`).
     tune_products : bool
         Before capturing a size, time cuBLAS's candidate kernels for that size's products and
-        capture the fastest (``LlamaModel.tune_products``).
+        capture the fastest (``LlamaModel.tune_products``); off: the model's products as they are
+        (cuBLAS's default kernels, or what was tuned before).
     """
 
     def __init__(self, model, cache, stream, max_batch: int, sizes=None, ragged: bool = False,
-                 tune_products: bool = True):
+                 tune_products: bool = False):
         import cupy
 
         self.model, self.cache, self.stream = model, cache, stream

@@ -144,7 +144,10 @@ class Engine:
     tune_products : bool
         Before capturing a decode graph, time cuBLAS's candidate kernels for its products at that
         batch size and capture the fastest (``LlamaModel.tune_products``; each shape is timed
-        once a process).
+        once a process).  Off by default: the choice follows a timing, so it can differ from
+        one process to the next (and with it the products' rounding), and on the H200 it saved
+        about 1% of a decode step at 64 requests and nothing at 256 (benchmarks/NOTES_e2e.md,
+        section 14), for 3-4 s more of warm-up.
     seed : int
         Seeds the generators of requests that give no seed of their own.
     async_scheduling : bool, optional
@@ -156,7 +159,7 @@ class Engine:
     def __init__(self, model, *, num_blocks=None, memory_fraction=None, block_size=16, max_batch_tokens=2048,
                  max_num_seqs=64, max_prefill_chunk=None, max_model_len=None, enable_prefix_caching=True,
                  cuda_graphs=False, graph_sizes=None, seed=0, ragged=True, group=None, async_scheduling=None,
-                 graph_attention="decode", tune_products=True):
+                 graph_attention="decode", tune_products=False):
         c = model.config
         self.model, self.gpu, self.seed = model, model.xp is not np, seed
         self.group = group if group is not None and group.world_size > 1 else None
