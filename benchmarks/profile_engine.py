@@ -14,6 +14,10 @@ the engine's GPU default (64 requests, prompts 128-1024, 256 new tokens), greedy
 been replayed, then profile one step (its one graph replay) between ``cudaProfilerStart`` and
 ``cudaProfilerStop`` and exit; run it under Nsight Compute with ``--profile-from-start off``
 (``device_run.sh``'s ``ncu_graph`` step), which reports each kernel node of the replay.
+
+``--pieces``: serve the same mix to the same point, then time (graph replays, CUDA events) the last
+decode step's graph, that step captured without its attention (each layer's attention output a
+fixed array), and its eight attention launches alone, and exit (``--out`` gets the figures).
 """
 from __future__ import annotations
 
@@ -151,6 +155,100 @@ def ncu_step(args, model) -> dict:
                 graph_attention=args.graph_attention)
 
 
+def _replay_us(launch, stream, reps: int) -> float:
+    """Median device microseconds of one ``launch()`` (a graph replay on ``stream``), each sample
+    queued behind one more replay so that no launch latency falls inside it."""
+    import cupy
+
+    samples = []
+    for _ in range(reps + 3):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        launch()
+        start.record(stream)
+        launch()
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+    return float(np.median(samples[3:]))
+
+
+def pieces_step(args, model) -> dict:
+    """Serve the mix (synchronous steps) until every request runs and ``args.ncu_after`` graphs
+    were replayed; then, over the last decode step's padded plan, replay and time apart: the
+    step's own graph; the same step captured with each layer's attention replaced by a fixed
+    output (everything but the attention); the eight attention launches alone (on a fixed qkv
+    product; they append at the same slots the step did)."""
+    import cupy
+    from llama.sampling import row_argmax
+    from llama.timing import NoTimer
+
+    from llama import Engine
+
+    blocks = max(8192, args.requests * -(-(1024 + args.max_new_tokens) // 16))
+    engine = Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
+                    cuda_graphs=True, async_scheduling=False)
+    engine.warm_up()
+    graphs, seen = engine.graphs, {}
+    replay = graphs.replay
+
+    def recording(plan):
+        seen["plan"] = plan
+        return replay(plan)
+
+    graphs.replay = recording
+    for request in _requests(args, model.config.vocab_size):
+        engine.add_request(request)
+    while engine.has_unfinished():
+        stats = engine.scheduler.stats()
+        prefilling = any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
+        if stats.num_waiting == 0 and not prefilling and graphs.replays >= args.ncu_after and "plan" in seen:
+            break
+        engine.step()
+    else:
+        raise RuntimeError("the run ended before the measured step")
+    plan, stream, c = seen["plan"], engine.stream, model.config
+    contexts = [r.num_tokens for r in engine.scheduler.running]
+    size = plan.batch_size
+    full = graphs.graphs[size][0]
+    out = {"batch": size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
+           "max_context": int(max(contexts))}
+    with stream:
+        stream.synchronize()
+        out["step graph us"] = _replay_us(lambda: full.launch(stream), stream, args.reps)
+        fixed = cupy.zeros((size, c.num_attention_heads, c.head_dim), model.dtype)
+        qkv = cupy.zeros((size, c.q_size + 2 * c.kv_size), model.dtype)
+
+        def capture(body):
+            with cupy.cuda.using_allocator(graphs.pool.malloc):
+                body()
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    body()
+                finally:
+                    graph = stream.end_capture()
+            return graph
+
+        decode_attention = model._decode_attention
+        model._decode_attention = lambda *a, **k: fixed
+        try:
+            keep = []
+            no_attention = capture(lambda: keep.append(row_argmax(model.forward(plan, engine.cache, NoTimer(),
+                                                                                  all_rows=True))))
+        finally:
+            model._decode_attention = decode_attention
+        out["step without attention us"] = _replay_us(lambda: no_attention.launch(stream), stream, args.reps)
+
+        def attention_only():
+            for i in range(c.num_hidden_layers):
+                keep.append(model._decode_attention(qkv, plan, *engine.cache.layer(i)))
+
+        attention = capture(attention_only)
+        out["attention alone us (all layers)"] = _replay_us(lambda: attention.launch(stream), stream, args.reps)
+    out["attention in the step us (difference)"] = out["step graph us"] - out["step without attention us"]
+    return out
+
+
 def served_run(args, model, graph_attention: str = "decode", profile: bool = True):
     """Serve the default mix greedily with decode graphs (the graphs' attention on
     ``graph_attention``), under cProfile when ``profile``; the device time of a graph replay is the
@@ -183,6 +281,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results" / "profile_engine.json")
     p.add_argument("--ncu", action="store_true", help="profile one decode step's graph replay, then exit")
     p.add_argument("--ncu-after", type=int, default=32, help="graph replays before the profiled step")
+    p.add_argument("--pieces", action="store_true",
+                   help="time a decode step's graph, the step without attention and the attention alone, then exit")
     p.add_argument("--graph-attention", choices=("decode", "ragged"), default="decode", help="with --ncu")
     p.add_argument("--force-splits", type=int, default=0,
                    help="an experiment: the decode kernel's split count where the heuristic chooses (0: the heuristic)")
@@ -201,6 +301,13 @@ def main(argv=None) -> int:
     model.rotary_in_attention = model.rotary_in_attention and not args.rotary_split
     if args.ncu:
         print(json.dumps(ncu_step(args, model)))
+        return 0
+    if args.pieces:
+        result = pieces_step(args, model)
+        for name, value in result.items():
+            print(f"  {name:<40} {value:10.1f}" if isinstance(value, float) else f"  {name:<40} {value}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     stages, fused = stage_times(model, args.batch, args.inner, args.reps)
     layer_us = sum(v for k, v in stages.items() if k not in ("embed", "lm_head gemm + cast", "argmax"))
