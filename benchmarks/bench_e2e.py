@@ -378,9 +378,6 @@ class StepLog:
 
 def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     """Serve ``prompts`` with ``llama.Engine`` after its warm-up; every request at once."""
-    from llama import Engine, GenerationRequest
-
-    args = bench.args
     model = bench.ours
     model.rotary_in_attention = spec.rotary_in_attention and model.fused is not None
     untuned = model.gemm.defaults() if model.gemm is not None and not spec.tune_products else contextlib.nullcontext()

@@ -31,18 +31,9 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-SOURCE = r"""
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = lane < (blockDim.x >> 5) ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
+# The engine's fused-kernel helpers (headers, conversions, block_sum), then the experiment's kernel.
+_FUSED = (ROOT / "examples" / "llama" / "fused.cu").read_text()  # llama.fused.SOURCE
+SOURCE = _FUSED[:_FUSED.index('extern "C"')] + r"""
 // MODE 0: no PDL instructions; 1: wait first; 2: trigger the next launch, then wait.
 extern "C" __global__ void rows(const float* __restrict__ in, float* __restrict__ out, int hidden) {
 #if MODE == 2
@@ -83,7 +74,11 @@ class RowKernel:
     def __init__(self, mode: int, rows: int, hidden: int):
         import cupy
 
-        self.function = cupy.RawModule(code=SOURCE, options=(f"-DMODE={mode}", "-std=c++17")).get_function("rows")
+        from llama.fused import options as fused_options
+        from llama.weights import BF16
+
+        options = fused_options(BF16) + (f"-DMODE={mode}",)
+        self.function = cupy.RawModule(code=SOURCE, options=options).get_function("rows")
         self.rows, self.hidden, self.pdl = rows, hidden, mode > 0
         self.lib = ctypes.CDLL("libcuda.so.1")
         self.lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -102,27 +97,16 @@ class RowKernel:
 
 
 def time_graph(body, stream, reps: int) -> float:
-    """Median microseconds of one replay of the graph ``body()`` captures on ``stream``."""
-    import cupy
+    """Median microseconds of one replay of the graph ``body()`` captures on ``stream``
+    (``bench_decode.captured`` and ``graph_us``)."""
+    from bench_decode import captured, graph_us
 
     with stream:
         body()  # eager first: nothing loads inside the capture
         stream.synchronize()
-        stream.begin_capture()
-        try:
-            body()
-        finally:
-            graph = stream.end_capture()
-        samples = []
-        for _ in range(reps + 3):
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            graph.launch(stream)
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(samples[3:]))
+    graph = captured(body, 1, stream)
+    with stream:
+        return graph_us(lambda: graph.launch(stream), reps, 1)
 
 
 def main(argv=None) -> int:

@@ -115,12 +115,27 @@ def _requests(args, vocab_size: int) -> list:
                               args.max_new_tokens) for i in range(args.requests)]
 
 
-def _engine(args, model, graph_attention: str):
+def _engine(args, model, graph_attention: str = "decode", async_scheduling=None):
     from llama import Engine
 
     blocks = max(8192, args.requests * -(-(1024 + args.max_new_tokens) // 16))
     return Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
-                  cuda_graphs=True, graph_attention=graph_attention)
+                  cuda_graphs=True, graph_attention=graph_attention, async_scheduling=async_scheduling)
+
+
+def _serve_until_steady(args, model, engine) -> list:
+    """Warm ``engine`` up and serve the mix until every request runs (none waiting or
+    prefilling) and ``args.ncu_after`` decode graphs were replayed; the running contexts."""
+    engine.warm_up()
+    for request in _requests(args, model.config.vocab_size):
+        engine.add_request(request)
+    while engine.has_unfinished():
+        stats = engine.scheduler.stats()
+        prefilling = any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
+        if stats.num_waiting == 0 and not prefilling and engine.graphs.replays >= args.ncu_after:
+            return [r.num_tokens for r in engine.scheduler.running]
+        engine.step()
+    raise RuntimeError("the run ended before the measured step")
 
 
 def ncu_step(args, model) -> dict:
@@ -129,19 +144,8 @@ def ncu_step(args, model) -> dict:
     import cupy
 
     engine = _engine(args, model, args.graph_attention)
-    engine.warm_up()
-    for request in _requests(args, model.config.vocab_size):
-        engine.add_request(request)
+    contexts = _serve_until_steady(args, model, engine)
     graphs = engine.graphs
-    while engine.has_unfinished():
-        stats = engine.scheduler.stats()
-        prefilling = any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
-        if stats.num_waiting == 0 and not prefilling and graphs.replays >= args.ncu_after:
-            break
-        engine.step()
-    else:
-        raise RuntimeError("the run ended before the profiled step")
-    contexts = [r.num_tokens for r in engine.scheduler.running]
     replays = graphs.replays
     engine.stream.synchronize()
     cupy.cuda.profiler.start()
@@ -155,39 +159,18 @@ def ncu_step(args, model) -> dict:
                 graph_attention=args.graph_attention)
 
 
-def _replay_us(launch, stream, reps: int) -> float:
-    """Median device microseconds of one ``launch()`` (a graph replay on ``stream``), each sample
-    queued behind one more replay so that no launch latency falls inside it."""
-    import cupy
-
-    samples = []
-    for _ in range(reps + 3):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        launch()
-        start.record(stream)
-        launch()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(samples[3:]))
-
-
 def pieces_step(args, model) -> dict:
     """Serve the mix (synchronous steps) until every request runs and ``args.ncu_after`` graphs
-    were replayed; then, over the last decode step's padded plan, replay and time apart: the
-    step's own graph; the same step captured with each layer's attention replaced by a fixed
-    output (everything but the attention); the eight attention launches alone (on a fixed qkv
-    product; they append at the same slots the step did)."""
+    were replayed; then, over the last decode step's padded plan, replay and time apart
+    (``bench_decode.graph_us``): the step's own graph; the same step captured with each layer's
+    attention replaced by a fixed output (everything but the attention); the eight attention
+    launches alone (on a fixed qkv product; they append at the same slots the step did)."""
     import cupy
+    from bench_decode import graph_us
     from llama.sampling import row_argmax
     from llama.timing import NoTimer
 
-    from llama import Engine
-
-    blocks = max(8192, args.requests * -(-(1024 + args.max_new_tokens) // 16))
-    engine = Engine(model, num_blocks=blocks, max_num_seqs=args.batch, max_model_len=1024 + args.max_new_tokens,
-                    cuda_graphs=True, async_scheduling=False)
-    engine.warm_up()
+    engine = _engine(args, model, async_scheduling=False)
     graphs, seen = engine.graphs, {}
     replay = graphs.replay
 
@@ -196,55 +179,43 @@ def pieces_step(args, model) -> dict:
         return replay(plan)
 
     graphs.replay = recording
-    for request in _requests(args, model.config.vocab_size):
-        engine.add_request(request)
-    while engine.has_unfinished():
-        stats = engine.scheduler.stats()
-        prefilling = any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
-        if stats.num_waiting == 0 and not prefilling and graphs.replays >= args.ncu_after and "plan" in seen:
-            break
-        engine.step()
-    else:
-        raise RuntimeError("the run ended before the measured step")
+    contexts = _serve_until_steady(args, model, engine)
     plan, stream, c = seen["plan"], engine.stream, model.config
-    contexts = [r.num_tokens for r in engine.scheduler.running]
     size = plan.batch_size
-    full = graphs.graphs[size][0]
     out = {"batch": size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
            "max_context": int(max(contexts))}
+    keep = []  # what the captured graphs write, alive while they replay
+
+    def capture(body):
+        with cupy.cuda.using_allocator(graphs.pool.malloc):
+            body()
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                body()
+            finally:
+                graph = stream.end_capture()
+        return graph
+
+    def attention_only():
+        for i in range(c.num_hidden_layers):
+            keep.append(model._decode_attention(qkv, plan, *engine.cache.layer(i)))
+
     with stream:
         stream.synchronize()
-        out["step graph us"] = _replay_us(lambda: full.launch(stream), stream, args.reps)
         fixed = cupy.zeros((size, c.num_attention_heads, c.head_dim), model.dtype)
         qkv = cupy.zeros((size, c.q_size + 2 * c.kv_size), model.dtype)
-
-        def capture(body):
-            with cupy.cuda.using_allocator(graphs.pool.malloc):
-                body()
-                stream.synchronize()
-                stream.begin_capture()
-                try:
-                    body()
-                finally:
-                    graph = stream.end_capture()
-            return graph
-
         decode_attention = model._decode_attention
         model._decode_attention = lambda *a, **k: fixed
         try:
-            keep = []
             no_attention = capture(lambda: keep.append(row_argmax(model.forward(plan, engine.cache, NoTimer(),
                                                                                   all_rows=True))))
         finally:
             model._decode_attention = decode_attention
-        out["step without attention us"] = _replay_us(lambda: no_attention.launch(stream), stream, args.reps)
-
-        def attention_only():
-            for i in range(c.num_hidden_layers):
-                keep.append(model._decode_attention(qkv, plan, *engine.cache.layer(i)))
-
         attention = capture(attention_only)
-        out["attention alone us (all layers)"] = _replay_us(lambda: attention.launch(stream), stream, args.reps)
+        for name, graph in (("step graph us", graphs.graphs[size][0]), ("step without attention us", no_attention),
+                            ("attention alone us (all layers)", attention)):
+            out[name] = graph_us(lambda g=graph: g.launch(stream), args.reps, 1)
     out["attention in the step us (difference)"] = out["step graph us"] - out["step without attention us"]
     return out
 

@@ -69,32 +69,31 @@ class _LtHeuristic(ctypes.Structure):
                 ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
+def _load(stem: str):
+    """``lib{stem}`` as already loaded in this process (CuPy loads libcublas, which loads
+    libcublasLt), else the one cuda-pathfinder finds."""
+    for name in (f"lib{stem}.so.13", f"lib{stem}.so.12"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:
+            continue
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    return ctypes.CDLL(load_nvidia_dynamic_lib(stem).abs_path)
+
+
 def _library():
     """The libcublas CuPy has loaded (after it made its own handle), else the one cuda-pathfinder finds."""
     import cupy
 
     cupy.cuda.device.get_cublas_handle()  # makes CuPy load its cuBLAS first
-    for name in ("libcublas.so.13", "libcublas.so.12"):
-        try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-        except OSError:
-            continue
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-
-    return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    return _load("cublas")
 
 
 def _lt_library():
-    """libcublasLt (libcublas loads it), else the one cuda-pathfinder finds."""
+    """libcublasLt (libcublas loads it)."""
     _library()
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12"):
-        try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-        except OSError:
-            continue
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-
-    return ctypes.CDLL(load_nvidia_dynamic_lib("cublasLt").abs_path)
+    return _load("cublasLt")
 
 
 class _Lt:
