@@ -26,7 +26,7 @@ shuffled table): decode 64 x 128 and 64 x 4096 at 32 query / 8 kv heads, and 64 
 (the example engine's decode step shape: 256 CTAs, one wave).
 
     python benchmarks/exp_cold_code.py [--reps 30] [--out benchmarks/results/cold_code.json]
-    python benchmarks/exp_cold_code.py --ncu-target    # a few default 64 x 128 calls and cuDNN's, for ncu
+    python benchmarks/exp_cold_code.py --ncu-target "decode 64x128"   # three of each call of a case, for ncu
 """
 from __future__ import annotations
 
@@ -184,14 +184,15 @@ def run_case(preps: Preps, pairs: dict, reps: int) -> list:
     return rows
 
 
-def ncu_target() -> int:
-    """A few default 64 x 128 calls (CuPy) and cuDNN's, for ``ncu -k regex:'paged_decode|cudnn'``."""
+def ncu_target(case: str) -> int:
+    """Three of each call of ``case`` (a key of ``CASES``), for ``ncu -k regex:'paged_decode|cudnn'``."""
     import cupy
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    s = decode_set(64, 128, 32, 8, 1)
+    s = decode_set(*CASES[case], 1)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        for call, _ in calls_of(s).values():
+        for name, (call, _) in calls_of(s).items():
+            print(name, flush=True)
             for _ in range(3):
                 call()
     cupy.cuda.get_current_stream().synchronize()
@@ -201,11 +202,11 @@ def ncu_target() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--ncu-target", action="store_true")
+    parser.add_argument("--ncu-target", metavar="CASE", default=None, help="only make the calls of CASE, for ncu")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if args.ncu_target:
-        return ncu_target()
+        return ncu_target(args.ncu_target)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     preps = Preps()
