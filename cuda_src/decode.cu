@@ -1146,7 +1146,8 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
 // short rows over a paged cache (cu_seqlens_q / cu_seqlens_k on the GPU).  The CTA of ticket 0 (the
 // first to start) builds it while the other CTAs wait for it (wait_for_list); the rule is the step plan's
 // (runtime/_work.py): the row groups' keys shared out over kListWaves waves of CTA slots per kv
-// head (at least kListMinTiles tiles a range), a sequence split only past 1.5 ranges, the range
+// head (at least kListMinTiles tiles a range), a sequence split only past 1.5 ranges and only in a
+// batch whose longest sequence holds more than 1.5 times one wave's share of the keys, the range
 // doubled while the list would not fit the host's capacities.  Items go by their keys, most
 // first, in kListBuckets classes (the order within a class is the atomics'; results do not depend
 // on it: each row is written by one item, or merged by merge_if_last in split order).  Rows past the list are zeroed (padding:
@@ -1295,18 +1296,24 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
   __shared__ int slot_cursor;
   const ListArgs a = stage_lengths(given, stage);
   LIST_STAMP(a, 1);
-  long long sums[2] = {0, 0};  // keys times row groups, row groups
+  long long sums[3] = {0, 0, 0};  // keys times row groups, row groups, the most keys of a sequence with rows
   #pragma unroll 1
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     const ListSeq s = list_sequence(a, b, errors, true);
     sums[0] += (long long)s.row_groups * s.keys;
     sums[1] += s.row_groups;
+    if (s.row_groups) sums[2] = max(sums[2], (long long)s.keys);
   }
-  list_reduce(sums, scratch, false);
+  list_reduce(sums, scratch, true);
   LIST_STAMP(a, 2);
   const long long per_range = max(kListWaves * slots_per_head, 1);
   int chunk = (int)min(max((long long)kListMinTiles * kTileKeys, (sums[0] + per_range - 1) / per_range),
                        (long long)kListMaxChunk);
+  // A batch whose longest sequence holds at most 1.5 times the keys one wave of slots would give
+  // each (the keys over slots_per_head) splits nothing: its unsplit items already fill about one wave
+  // level, and splitting them would only add a wave and the merges.
+  const long long one_wave = (sums[0] + max(slots_per_head, 1) - 1) / max(slots_per_head, 1);
+  if (2 * sums[2] <= 3 * one_wave) chunk = kListMaxChunk;
   long long items = 0;
   int longest = 0;
   #pragma unroll 1

@@ -196,10 +196,12 @@ def test_a_sequence_split_the_most_times_merges_right(balance):
     assert len(long_items) == MAX_SPLITS and (long_items[:, 3] == MAX_SPLITS).all()
 
 
-@pytest.mark.parametrize("seed,batch", [(0, 48), (1, 48), (2, 300)])
-def test_device_list_splits_as_the_host_rule(balance, seed, batch):
+@pytest.mark.parametrize("seed,batch,level", [(0, 48, False), (1, 48, False), (2, 300, False), (3, 64, True)])
+def test_device_list_splits_as_the_host_rule(balance, seed, batch, level):
     """Each sequence's split count in the list the device writes equals the host rule's
-    (runtime/_work.py plan_work) for the same lengths, slots and capacities: one rule, two builders."""
+    (runtime/_work.py plan_work) for the same lengths, slots and capacities: one rule, two builders.
+    ``level``: 64 sequences of 576 to 640 keys at 16/4 heads (about one wave of slots, level enough
+    that the rule splits none; the two-wave range alone would split each in two)."""
     import cupy
 
     from cupy_paged.kernels.ragged import slots_per_head, tile_keys
@@ -208,6 +210,8 @@ def test_device_list_splits_as_the_host_rule(balance, seed, batch):
     balance(True)
     rng = np.random.default_rng(seed)
     seqlens = rng.lognormal(6.5, 1.3, batch).clip(0, 20_000).astype(int).tolist()
+    if level:
+        seqlens = rng.integers(576, 640, batch).tolist()
     case = make_case(rng, F16, 128, 16, 4, 16, seqlens, 1, 1)
     check_decode(case, causal=True)
     launch = launch_of_last_call().balanced
@@ -218,6 +222,7 @@ def test_device_list_splits_as_the_host_rule(balance, seed, batch):
     items = device_list(launch)
     device = {int(b): int(n) for b, n in zip(items[:, 0], items[:, 3])}
     assert device == {b: int(n) for b, n in enumerate(splits)}
+    assert not level or set(device.values()) == {1}
 
 
 # Varlen short rows: query lengths 0 to 4 with 4 query heads per kv head (at most 16 rows); the last

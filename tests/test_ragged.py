@@ -111,6 +111,32 @@ def test_long_contexts_split_and_short_rows_do_not():
     assert len({(b, rg) for b, rg, _, n, *_ in work.tolist() if n > 1}) == 1  # one split row group
 
 
+@pytest.mark.parametrize("per_head", [33, 66])
+def test_a_level_batch_of_about_one_wave_splits_nothing(per_head):
+    """The rule splits no sequence of a batch whose longest sequence holds at most 1.5 times one
+    wave's share of the keys: 64 one-token rows of 577 keys on 66 slots a kv head (the example
+    engine's decode step at 16/4 heads) or 33 (32/8), and lengths 400-800.  Under the two-wave range
+    alone (577 keys against ranges of 320) each would split in two.  One sequence past 1.5 shares
+    still splits, into ranges of the two-wave size."""
+    from cupy_paged.runtime._work import MIN_SPLIT_TILES, WAVES, plan_work
+
+    tile = 64
+    query = np.ones(64, np.int64)
+    rng = np.random.default_rng(per_head)
+    for cached in (np.full(64, 576, np.int64), rng.integers(400, 800, 64).astype(np.int64)):
+        _, splits, items, slots = plan_work(query, cached, 4, tile, per_head, 1 << 40, 1 << 40)
+        assert (splits == 1).all() and items == 64 and slots == 0
+    cached = np.full(64, 576, np.int64)
+    one_wave = -(-int((cached + 1).sum()) // per_head)
+    cached[7] = 2 * one_wave
+    _, splits, items, slots = plan_work(query, cached, 4, tile, per_head, 1 << 40, 1 << 40)
+    total = int((cached + 1).sum())
+    chunk = -(-max(MIN_SPLIT_TILES * tile, -(-total // (WAVES * per_head))) // tile) * tile
+    assert splits[7] == -(-(int(cached[7]) + 1) // chunk) > 1
+    assert all(splits[b] == (1 if 2 * (int(cached[b]) + 1) <= 3 * chunk else -(-(int(cached[b]) + 1) // chunk))
+               for b in range(64))
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("group,seqlen_q", [(4, 1), (8, 1), (4, 4), (8, 4), (1, 2)])
 def test_device_list_capacities_hold_every_list_of_the_rule(seed, group, seqlen_q):

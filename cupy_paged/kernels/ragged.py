@@ -36,7 +36,8 @@ _LIST_ARGS = 11  # the device list's arguments (all zeros: a host list)
 
 # The balance rule, shared by the plan's host list (runtime/_work.py) and the device list (decode.cu's
 # build_list, kList* constants): the keys of a step shared out over WAVES waves of CTA slots per kv head, a
-# range at least MIN_SPLIT_TILES tiles, at most MAX_SPLITS splits a sequence.
+# range at least MIN_SPLIT_TILES tiles, at most MAX_SPLITS splits a sequence; nothing splits in a step whose
+# longest sequence holds at most 1.5 times one wave's share of the keys (about level, about one wave).
 ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
 SYNC_INTS = 8      # the device list's hand-over (2 ints used), ahead of its items in the work-list buffer

@@ -8,7 +8,9 @@ decode's whole GQA group shares one read of its K/V.
 
 Balancing: every item should read about the same bytes.  The keys of all row groups together,
 shared out over two waves of CTA slots per kv head, give the range an item covers (at least four
-tiles); a sequence with more than 1.5 such ranges is split into ranges of that size, its partial
+tiles); a sequence with more than 1.5 such ranges is split into ranges of that size, unless no
+sequence holds more than 1.5 times the keys one wave of slots would give each (a batch about level
+enough to run unsplit in one wave, where splits only add a wave and the merges); its partial
 rows merged by LSE by the split CTA that finishes last (``decode.cu`` ``merge_if_last``).  Items go
 longest first, so the long ones start early and the short ones fill in behind them.
 """
@@ -45,11 +47,17 @@ def _splits(query_lens, cached, row_groups, tile_keys, slots_per_head, max_items
     batch = query_lens.shape[0]
     total = 0
     base_items = 0
+    longest = 0
     for b in range(batch):
         total += row_groups[b] * (cached[b] + query_lens[b])
         base_items += row_groups[b]
-    chunk = max(MIN_SPLIT_TILES * tile_keys, -(-total // max(WAVES * slots_per_head, 1)))
+        if row_groups[b]:
+            longest = max(longest, cached[b] + query_lens[b])
     splits = np.ones(batch, np.int64)
+    # Level enough for one wave (the longest at most 1.5 times one wave's share): nothing splits.
+    if 2 * longest <= 3 * -(-total // max(slots_per_head, 1)):
+        return splits
+    chunk = max(MIN_SPLIT_TILES * tile_keys, -(-total // max(WAVES * slots_per_head, 1)))
     while True:
         chunk = -(-chunk // tile_keys) * tile_keys
         items = slots = 0
