@@ -15,7 +15,11 @@ Cases: decode 64 x 128 (bf16, 32/8 heads, D = 128, block 16, shuffled table) -- 
 tensors and with CuPy arrays (default arguments) and cuDNN SDPA on contiguous copies -- the
 512-token chunk after a 32k prefix, ours paged and ours on contiguous K/V (torch tensors), and
 decode 64 x 4096, where the default call balances on the device (the ragged ``paged_decode``,
-whose first CTA lists the work), beside ``num_splits=1`` (the decode kernel) and cuDNN.  Each call's kernels are
+whose first CTA lists the work), beside ``num_splits=1`` (the decode kernel) and cuDNN; and
+``bench_mixed``'s mixed step (a 512-token chunk after 1,536 cached plus 255 decodes at 2,048)
+through ``StepPlan.attention`` on its path and on the ragged launch, and as two public calls
+(``--mixed-only``: that case alone).  Every CUDA API call inside a call's range is listed too
+(``apis``: median start and duration).  Each call's kernels are
 also listed by name (median duration) with ``gaps``: the kernels' span less their durations.
 
     python benchmarks/trace_call.py [--reps 30] [--out benchmarks/results/trace_call.json]
@@ -106,9 +110,24 @@ def split(events: list, names) -> dict:
         p["launches"].append(len(inside))
         for k in launched:
             p.setdefault(f"kernel {k['name'][:40]}", []).append(k["dur"])
-    # Medians, and how many of the calls' ranges the trace matched to a launch and a kernel.
-    return {name: {**{part: round(float(np.median(v)), 2) for part, v in p.items()}, "samples": len(p["host"])}
-            for name, p in parts.items()}
+        # Every CUDA API call inside the range, in order: its offset from the range's start and duration.
+        calls = sorted((a for a in events if a.get("ph") == "X" and a.get("cat") in ("cuda_runtime", "cuda_driver")
+                        and start <= a["ts"] <= end), key=lambda a: a["ts"])
+        p.setdefault("api sequence", []).append([(a["name"], a["ts"] - start, a["dur"]) for a in calls])
+    # Medians, and how many of the calls' ranges the trace matched to a launch and a kernel; the API
+    # sequence as median offsets and durations over the samples that made the most common sequence.
+    out = {}
+    for name, p in parts.items():
+        sequences = p.pop("api sequence", [])
+        row = {**{part: round(float(np.median(v)), 2) for part, v in p.items()}, "samples": len(p["host"])}
+        if sequences:
+            names = [tuple(n for n, _, _ in q) for q in sequences]
+            common = max(set(names), key=names.count)
+            same = [q for q, n in zip(sequences, names) if n == common]
+            row["apis"] = [(api, round(float(np.median([q[i][1] for q in same])), 2),
+                            round(float(np.median([q[i][2] for q in same])), 2)) for i, api in enumerate(common)]
+        out[name] = row
+    return out
 
 
 def balanced_calls() -> dict:
@@ -119,10 +138,23 @@ def balanced_calls() -> dict:
              (bench_calls.OURS_KERNEL, calls[bench_calls.OURS_KERNEL]), (bench_calls.CUDNN, peers[bench_calls.CUDNN]))}
 
 
+def mixed_calls(case: str = "step chunk512@1536 + 255 decodes@2048") -> dict:
+    """The mixed step of ``bench_mixed`` through ``StepPlan.attention`` on its path (split) and on the
+    ragged launch, and the split path as two public calls, torch tensors."""
+    import bench_mixed
+
+    cached, new = bench_mixed.CASES[case]
+    step = bench_mixed.Step(cached, new, seed=len(case))
+    return {"mixed step ours (plan's path)": step.ours(step.plan()),
+            "mixed step ours ragged": step.ours(step.plan("ragged")),
+            "mixed step split (public calls)": step.split()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=str(HERE / "results" / "trace_call.json"))
+    parser.add_argument("--mixed-only", action="store_true", help="only the mixed step (bench_mixed's first case)")
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -130,7 +162,7 @@ def main(argv=None) -> int:
               "versions": bench_calls.versions(), "reps": args.reps, "calls": {}}
     bench_calls.warm_clocks()
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        for make in (decode_calls, chunk_calls, balanced_calls):
+        for make in (mixed_calls,) if args.mixed_only else (decode_calls, chunk_calls, balanced_calls, mixed_calls):
             calls = make()
             report["calls"].update(split(traced(calls, args.reps), calls))
             del calls
@@ -142,6 +174,10 @@ def main(argv=None) -> int:
         each = ", ".join(f"{k[7:]} {v:.2f}" for k, v in p.items() if k.startswith("kernel "))
         print(f"| {name} | {p['launch api']:.2f} | {p['first kernel']:.2f} | {p['kernels']:.2f} | {p['gaps']:.2f} "
               f"| {p['host']:.2f} | {p['launches']:g} | {p['samples']} of {args.reps} | {each} |")
+    for name, p in report["calls"].items():
+        print(f"\n{name}: CUDA API calls inside the call (start us from the call's start, duration us)")
+        for api, at, dur in p.get("apis", []):
+            print(f"  {at:9.2f} {dur:8.2f}  {api}")
     return 0
 
 
