@@ -59,11 +59,14 @@ def test_trace_split_matches_launches_and_kernels_to_their_call(benchmarks):
     ]
     parts = trace_call.split(events, ["ours", "peer"])
     assert parts["ours"] == {"launch api": 20.0, "first kernel": 30.0, "kernels": 16.0, "gaps": 0.0, "host": 50.0,
-                             "launches": 1.0, "kernel paged_decode": 16.0, "samples": 1}
+                             "launches": 1.0, "kernel paged_decode": 16.0, "samples": 1,
+                             "apis": [("cuLaunchKernel", 20.0, 7.0)]}
     assert parts["peer"]["launch api"] == 10.0 and parts["peer"]["first kernel"] == 22.0
     assert parts["peer"]["kernels"] == 246.0 - 222.0 and parts["peer"]["launches"] == 2.0
     assert parts["peer"]["gaps"] == 246.0 - 222.0 - 14.0 - 6.0  # between the two kernels
     assert parts["peer"]["kernel cudnn_kernel"] == 14.0 and parts["peer"]["kernel cudnn_second"] == 6.0
+    # Every CUDA API call inside the range, in order, as (name, start from the range's start, duration).
+    assert parts["peer"]["apis"] == [("cudaLaunchKernel", 10.0, 5.0), ("cudaLaunchKernel", 30.0, 5.0)]
     assert trace_call.split(events, ["missing"]) == {}
 
 
