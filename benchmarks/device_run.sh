@@ -11,7 +11,7 @@
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
-#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS),
+#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH, TRACE_CALL_ARGS), cold_host (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS),
 #   lse_check (T_BENCH), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
 #   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS),
 #   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
@@ -105,8 +105,11 @@ for step in $steps; do
         run_step lse_check lse_check "${T_BENCH:-150}" python3 benchmarks/lse_order_check.py 400 nosync "$mode"
       done ;;
     trace_call)  # where inside one eager call the kernel starts (torch.profiler), decode 64x128 and the 32k chunk
-      run_step trace_call trace_call "${T_BENCH:-150}" python3 benchmarks/trace_call.py
+      run_step trace_call trace_call "${T_BENCH:-150}" python3 benchmarks/trace_call.py ${TRACE_CALL_ARGS:-}
       cp benchmarks/results/trace_call.json "$OUT/" 2>/dev/null ;;
+    cold_host)  # a fixed piece of Python right after waiting for the GPU, two ways (benchmarks/exp_cold_host.py)
+      run_step cold_host cold_host "${T_BENCH:-150}" python3 benchmarks/exp_cold_host.py
+      cp benchmarks/results/cold_host.json "$OUT/" 2>/dev/null ;;
     profile_host)  # a public call's host microseconds by part, and one layer through the plan with and without out=
       run_step profile_host profile_host "${T_PROFILE_HOST:-150}" python3 benchmarks/profile_host.py ;;
     profile_engine)  # where a decode step of the engine goes (stage device times, host profile)
@@ -152,7 +155,7 @@ for step in $steps; do
         --launch-count "${#cases[@]}" "${sections[@]}" python3 benchmarks/profile_paged.py "${cases[@]}" ;;
     kcache)  # the compiled kernels, back to the caller (carry .kcache with CUPY_CACHE_DIR=$PWD/.kcache)
       tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null ;;
-    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call trace_list lse_check profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call cold_host trace_list lse_check profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
 for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done

@@ -48,6 +48,7 @@ RESULTS = HERE / "results" / "trace_list.json"
 
 CASES = {
     "64x4096": [4096] * 64,
+    "32x2048": [2048] * 32,  # level, one wave: nothing splits
     "256x2048": [2048] * 256,
     "lognormal64": lognormal_contexts(),
     "1x32k+63x512": [32768] + [512] * 63,
