@@ -250,12 +250,12 @@ class Call:
 
     @property
     def dtype(self) -> np.dtype:
-        return self.args["q" if "q" in self.args else "k"].dtype
+        return self.args[next(name for name in ("q", "k", "out_a") if name in self.args)].dtype
 
     @property
     def like(self) -> str:
         """The argument whose kind and device the result takes."""
-        return "q" if "q" in self.args else "k_cache"
+        return next(name for name in ("q", "k_cache", "out_a") if name in self.args)
 
     def next_values(self, rng, step: int) -> dict:
         """New values for the next graph replay: every float input it does not write, redrawn;
@@ -322,12 +322,24 @@ def write_call(rng) -> Call:
     return Call(cupy_paged.write_kv_cache, args, writes=("k_cache", "v_cache"))
 
 
+def merge_call(rng) -> Call:
+    """Two partial attentions of 37 tokens (varlen layout, bfloat16) merged by their LSEs; on every
+    fifth token side b saw no key (LSE -inf), so side a alone gives the result there."""
+    lse_b = 3 * rng.standard_normal((HEADS, 37)).astype(np.float32)
+    lse_b[:, ::5] = -np.inf
+    lse_a = 3 * rng.standard_normal((HEADS, 37)).astype(np.float32)
+    args = dict(out_a=randn(rng, (37, HEADS, DIM), BF16), lse_a=lse_a, out_b=randn(rng, (37, HEADS, DIM), BF16),
+                lse_b=lse_b)
+    return Call(cupy_paged.merge_attention_states, args)
+
+
 CALLS = {
     "varlen": varlen_call,
     "varlen_paged": functools.partial(varlen_call, paged=True),
     "decode": decode_call,
     "func": func_call,
     "write_kv_cache": write_call,
+    "merge": merge_call,
 }
 ATTENTION = ["varlen", "varlen_paged", "decode", "func"]
 # The busy-stream tests also run flash_attn_func with its LSE (a transposed copy after the launch).
@@ -416,7 +428,7 @@ def test_mixed_kinds_are_memoised_and_right(name, first, request, monkeypatch):
         if call.fn is not cupy_paged.write_kv_cache:
             assert_kind(result if not isinstance(result, tuple) else result[0], first, args[call.like])
         compare(call, fetch(call, result, args), expected)
-        if name != "func":  # flash_attn_func resolves every call (it keeps no memo)
+        if name not in ("func", "merge"):  # flash_attn_func and the merge resolve every call (no memo)
             assert len(resolved) == 1 and resolved[0] is not None, f"call {i}: launches resolved {resolved}"
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core.arrays import CUDA, as_array, backend_of, empty, kind_of
+from .._core.streams import handle
 from .._core.types import BF16, check_out
 
 _FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))  # cuda_src/merge.cu's entry points
@@ -32,7 +33,7 @@ def _lse_layout(out_shape: tuple, lse_shape: tuple) -> tuple[int, int]:
     return tokens, seqlen
 
 
-def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
+def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, *, stream=None):
     """Combine two attentions of the same queries over disjoint key sets.
 
     With ``w_x = exp(lse_x - lse)`` and ``lse = log(exp(lse_a) + exp(lse_b))`` the result is
@@ -50,11 +51,14 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
     out : array, optional
         Where to write the merged output (shape and dtype of ``out_a``, C-contiguous).  It may be
         ``out_a`` or ``out_b`` itself.
+    stream : optional, keyword only: as in :func:`flash_attn_varlen_func` (default torch's current
+        stream for torch inputs, else CuPy's current stream); NumPy inputs ignore it.
 
     Returns
     -------
     (out, lse) : the merged output and its float32 LSE in the layout of ``lse_a``.  NumPy inputs
-        run on the CPU (float64 arithmetic), CUDA inputs in one kernel on CuPy's current stream.
+        run on the CPU (float64 arithmetic), CUDA inputs in one kernel on the caller's stream, outputs
+        of the caller's kind (torch in, torch out).
 
     Raises
     ------
@@ -89,9 +93,12 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None):
     out = check_out(out, "out", tuple(out_a.shape), out_a.dtype, backend)
     if backend == CUDA:
         # Outputs in the caller's kind (torch in, torch out), written through CuPy views.
-        result = out_obj if out is not None else empty(kind, like, tuple(out_a.shape), out_a.dtype)
-        lse_obj = empty(kind, like, tuple(lse_a.shape), np.float32)
-        kernels.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen)
+        h = handle(stream, kind, out_a.data.device_id)
+        alloc = None if stream is None else h  # allocate where the memory is written, as the other calls do
+        result = out_obj if out is not None else empty(kind, like, tuple(out_a.shape), out_a.dtype, alloc)
+        lse_obj = empty(kind, like, tuple(lse_a.shape), np.float32, alloc)
+        kernels.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen,
+                          h)
         return result, lse_obj
     return reference.merge.run(out_a, lse_a, out_b, lse_b, np.empty(out_a.shape, out_a.dtype) if out is None else out)
 
