@@ -49,3 +49,28 @@ def test_readme_first_command_serves_the_engine_on_the_cpu_in_under_a_minute():
     assert result.returncode == 0, result.stderr[-3000:]
     assert time.perf_counter() - start < 60
     assert re.search(r"^tokens per second\s+[\d.]+", result.stdout, re.MULTILINE), result.stdout
+
+
+def run_torch_interop(**env) -> str:
+    """examples/torch_interop.py as written: a torch module over a paged cache, checked inside against
+    torch's dense attention; returns what it printed."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_interop.py")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_torch_interop_example_runs_on_the_cpu():
+    """torch tensors on the CPU through the reference backend: the example's own check against
+    torch's SDPA passes (float32, max |diff| under 1e-4) and its output is a torch tensor."""
+    out = run_torch_interop(CUDA_VISIBLE_DEVICES="")
+    assert out.startswith("CPU reference, float32") and "out is a Tensor on cpu" in out, out
+
+
+@pytest.mark.gpu
+def test_torch_interop_example_on_the_gpu():
+    """The same module on CUDA tensors (bf16): cupy_paged's kernels on torch's stream, torch out."""
+    out = run_torch_interop()
+    assert out.startswith("CUDA torch.bfloat16") and "out is a Tensor on cuda" in out, out
