@@ -691,6 +691,29 @@ def test_default_call_makes_no_host_copy_and_no_sync(name, kind, request, monkey
     compare(call, fetch(call, result, args), expected)
 
 
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_flash_attn_func_on_new_shapes_makes_no_host_copy_and_no_sync(kind, request, monkeypatch):
+    """A generate loop's calls of ``flash_attn_func`` (Hugging Face's non-paged path): one query token
+    over keys one longer each call, so every call's (batch, seqlen_k) is new.  Even a shape's first
+    call goes through none of the host-copy or sync entry points (its cu_seqlens are made by a
+    kernel on the call's stream), and each result is right."""
+    if kind == "torch":
+        request.getfixturevalue("torch_cuda")
+    rng = _rng("func new shapes", kind)
+    warm = func_call(rng)
+    warm.fn(**device_args(warm.args, kind))  # kernels loaded, the error word made
+    for seqlen_k in (91, 92, 93):
+        call = Call(cupy_paged.flash_attn_func, dict(
+            q=randn(rng, (2, 1, HEADS, DIM), F16), k=randn(rng, (2, seqlen_k, KV_HEADS, DIM), F16),
+            v=randn(rng, (2, seqlen_k, KV_HEADS, DIM), F16), causal=True))
+        expected = call.reference()
+        args = device_args(call.args, kind)
+        synchronize()
+        with no_host_transfers_or_syncs(monkeypatch):
+            result = call.fn(**args)
+        compare(call, fetch(call, result, args), expected)
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 
 def _replay_equals_eager(call: Call, static: dict, eager: dict, graph_result, replay, on_stream, rng) -> None:

@@ -5,34 +5,43 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import CPU, CUPY, NUMPY, TORCH, Array, kind_of, on_stream, read
-from .._core.streams import handle
+from .._core.arrays import CPU, CUPY, NUMPY, TORCH, Array, cupy_stream, kind_of, on_stream, read
+from .._core.streams import handle, is_capturing
 from ._call import (FAST_KINDS, alloc_stream, check_fa2_flags, device_copy, host_result, on_device, readable,
                     reshaped, served_empty)
 from .varlen import prepare_varlen
 
-_CU_SEQLENS: dict = {}  # (device, batch, seqlen) -> int32 [batch + 1] on the device
+# (device, stream, batch, seqlen) -> int32 [batch + 1] on the device, oldest first; at most
+# _CU_SEQLENS_KEPT kept (a generate loop calls with a new seqlen_k every step).
+_CU_SEQLENS: dict = {}
+_CU_SEQLENS_KEPT = 256
 
 
-def _uniform_cu_seqlens(batch: int, seqlen: int, device: int | None):
-    """``[0, seqlen, 2 * seqlen, ...]`` (int32 ``[batch + 1]``): NumPy for ``device`` None, else one
-    device array per (device, batch, seqlen), built once (the first call must be eager)."""
+def _uniform_cu_seqlens(batch: int, seqlen: int, device: int | None, stream: int | None = None):
+    """``[0, seqlen, 2 * seqlen, ...]`` (int32 ``[batch + 1]``): NumPy for ``device`` None, else a
+    device array written by a kernel on ``stream`` (no host copy, no sync) and kept for the calls
+    on that stream, which all read it after it is written.  Built outside CUDA graph capture only:
+    an array made inside one would hold its values only once the graph is replayed."""
     values = np.arange(batch + 1, dtype=np.int64) * seqlen
     if values[-1] >= 2 ** 31:
         raise ValueError(f"q holds {values[-1]} tokens; the kernels index at most 2**31 - 1")
     if device is None:
         return values.astype(np.int32)
-    found = _CU_SEQLENS.get((device, batch, seqlen))
+    key = (device, stream, batch, seqlen)
+    found = _CU_SEQLENS.get(key)
     if found is None:
         import cupy
 
-        with cupy.cuda.Device(device):
-            if cupy.cuda.get_current_stream().is_capturing():
-                raise RuntimeError("flash_attn_func builds its cu_seqlens once per (batch, seqlen): make one "
-                                   "eager call with these shapes before a CUDA graph capture")
-            found = cupy.asarray(values.astype(np.int32))
-            cupy.cuda.Device(device).synchronize()
-        _CU_SEQLENS[(device, batch, seqlen)] = found
+        if is_capturing(stream):
+            raise RuntimeError("flash_attn_func builds its cu_seqlens once per (batch, seqlen) and stream: make "
+                               "one eager call with these shapes on the capturing stream before a CUDA graph capture")
+        with cupy.cuda.Device(device), cupy_stream(stream):
+            found = (cupy.arange(0, int(values[-1]) + 1, seqlen, dtype=cupy.int32) if seqlen
+                     else cupy.zeros(batch + 1, cupy.int32))
+        if len(_CU_SEQLENS) >= _CU_SEQLENS_KEPT:
+            # Freed into CuPy's pool of the stream it was made on: reused only in that stream's order.
+            del _CU_SEQLENS[next(iter(_CU_SEQLENS))]
+        _CU_SEQLENS[key] = found
     return found
 
 
@@ -95,8 +104,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     seqlen_k = int(ak.shape[1])
     device = aq.device if isinstance(aq, Array) else None
     h = None if device is None else handle(stream, kind, device)
-    cu_q = _uniform_cu_seqlens(batch, seqlen_q, device)
-    cu_k = _uniform_cu_seqlens(batch, seqlen_k, device)
+    cu_q = _uniform_cu_seqlens(batch, seqlen_q, device, h)
+    cu_k = _uniform_cu_seqlens(batch, seqlen_k, device, h)
     flat_out = None
     if arrays["out"] is not None:
         if tuple(arrays["out"].shape) != tuple(aq.shape):
