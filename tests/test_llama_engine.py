@@ -473,8 +473,7 @@ MIN_REPLAYS = 4 if sanitizer_tool() else 11  # graph replays the graph tests see
 def _gpu_engines(graph_sizes, graph_attention="decode"):
     import cupy
 
-    model = tiny_model(BF16, LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64,
-                                             "vocab_size": 1000, "intermediate_size": 512}), xp=cupy)
+    model = tiny_model(BF16, GPU_TINY, xp=cupy)
     kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32)
     # Both engines share the model's cuBLAS choices: tuned here for the graphs' sizes before
     # either runs (the graphed engine would tune them at its first capture, after the eager run).
@@ -560,6 +559,39 @@ def test_every_cublaslt_candidate_matches_numpy_and_can_be_captured(dtype, out_d
     report = gemm.tune(m, n, k, dtype, out_dtype, rows_out)
     assert report["chosen"] == "gemmex" or report["chosen"].startswith("lt")
     check()
+
+
+GPU_TINY = LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64, "vocab_size": 1000,
+                            "intermediate_size": 512})
+
+
+def batched_and_alone(model, new_tokens: int):
+    """Greedy requests under continuous batching (BATCHED: chunked prefill, prefix hits, preemption,
+    mixed steps, checked to have happened) and each request run alone: (batched, alone) tokens."""
+    requests = [GenerationRequest(r.request_id, r.prompt, new_tokens, r.sampling)
+                for r in request_mix(vocab=model.config.vocab_size)]
+    engine = Engine(model, async_scheduling=False, **BATCHED)
+    batched = engine.run(requests)
+    stats = engine.stats
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.steps["mixed"] > 0, stats
+    alone = {r.request_id: Engine(model, block_size=16, num_blocks=64, max_batch_tokens=256, max_num_seqs=1,
+                                  async_scheduling=False).run([r])[r.request_id] for r in requests}
+    return batched, alone
+
+
+@pytest.mark.gpu
+def test_gpu_continuous_batching_gives_each_request_its_first_16_tokens_alone():
+    """bf16 on the GPU: each greedy request's first 16 tokens under continuous batching equal the
+    tokens it gets run alone (other kernel paths and step shapes, the same weights)."""
+    import cupy
+
+    import cupy_paged
+
+    batched, alone = batched_and_alone(tiny_model(BF16, GPU_TINY, xp=cupy), 16)
+    cupy_paged.check_errors()
+    for rid, tokens in alone.items():
+        assert batched[rid][:16] == tokens[:16], rid
+    assert len({tuple(t) for t in alone.values()}) == len(alone), "tokens must depend on the prompt"
 
 
 @pytest.mark.gpu
