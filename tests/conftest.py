@@ -5,6 +5,10 @@ import os
 
 import pytest
 
+# JAX, where a test imports it on the GPU, takes GPU memory as it needs it rather than 75% of the
+# card at once beside CuPy's and torch's pools.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 from cupy_paged._core.arrays import gpu_available
 
 

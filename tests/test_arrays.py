@@ -71,6 +71,70 @@ def test_jax_arrays_through_dlpack():
     np.testing.assert_array_equal(cupy.asnumpy(view), np.arange(16, dtype=np.float32))
 
 
+def _decode_example(rng, dtype):
+    """The source's decode example (cached 30 / 32 / 70 keys, block 32, shuffled blocks) with one new
+    token each: NumPy arguments, and the reference's output and caches after the append."""
+    import cupy_paged
+
+    args = dict(q=rng.standard_normal((3, 1, 4, 64)).astype(dtype),
+                k_cache=rng.standard_normal((8, 32, 2, 64)).astype(dtype),
+                v_cache=rng.standard_normal((8, 32, 2, 64)).astype(dtype),
+                k=rng.standard_normal((3, 1, 2, 64)).astype(dtype), v=rng.standard_normal((3, 1, 2, 64)).astype(dtype),
+                cache_seqlens=np.array([30, 32, 70], np.int32),
+                block_table=cupy_paged.block_table_from_lists([[2], [0, 1], [3, 5, 6]], max_blocks=4))
+    ref = {name: value.copy() for name, value in args.items()}
+    out = cupy_paged.flash_attn_with_kvcache(**ref, causal=True)
+    return args, out, ref["k_cache"], ref["v_cache"]
+
+
+@pytest.mark.gpu
+def test_numba_device_arrays_into_the_decode_function():
+    """numba device arrays straight into ``flash_attn_with_kvcache``: the new tokens land in the
+    numba caches in place (read back through numba), and the output, a CuPy array, equals the
+    reference."""
+    numba_cuda = pytest.importorskip("numba.cuda")
+    import cupy
+
+    import cupy_paged
+    from _util import assert_close
+
+    args, want, want_k, want_v = _decode_example(np.random.default_rng(1), np.float16)
+    device = {name: numba_cuda.to_device(value) for name, value in args.items()}
+    out = cupy_paged.flash_attn_with_kvcache(**device, causal=True)
+    assert isinstance(out, cupy.ndarray) and out.shape == want.shape
+    assert_close(out, want, np.float16)
+    np.testing.assert_array_equal(device["k_cache"].copy_to_host(), want_k)
+    np.testing.assert_array_equal(device["v_cache"].copy_to_host(), want_v)
+    assert cupy_paged.check_errors() is None
+
+
+@pytest.mark.gpu
+def test_jax_arrays_into_the_varlen_function():
+    """JAX arrays (bfloat16, on the GPU) straight into ``flash_attn_varlen_func``, the source's varlen
+    example (query lengths 10 / 3 / 1 over key lengths 0 / 1 / 7): the output, a CuPy array, equals
+    the reference, and the row with no key is zeros."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX sees no GPU")
+    import cupy
+
+    import cupy_paged
+    from _util import assert_close
+    from cupy_paged._core.types import BF16
+
+    rng = np.random.default_rng(2)
+    cu_q, max_q = cupy_paged.cu_seqlens_from_lengths([10, 3, 1])
+    cu_k, max_k = cupy_paged.cu_seqlens_from_lengths([0, 1, 7])
+    q = rng.standard_normal((14, 4, 64)).astype(BF16)
+    k, v = (rng.standard_normal((8, 2, 64)).astype(BF16) for _ in range(2))
+    want = cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    out = cupy_paged.flash_attn_varlen_func(*(jax.numpy.asarray(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k,
+                                            causal=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == BF16
+    assert_close(out, want, BF16)
+    assert not cupy.asnumpy(out[:10]).astype(np.float32).any(), "r0 sees no key: its rows are zeros"
+
+
 def test_slot_mapping_from_torch_tensors_is_a_torch_tensor():
     """Torch CPU tensors in, a torch tensor out, the same slots as from NumPy; float ids rejected by name."""
     torch = pytest.importorskip("torch")
