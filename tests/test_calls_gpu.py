@@ -262,6 +262,9 @@ class Call:
         decode lengths one token on, fresh slots for a cache write."""
         new = {name: randn(rng, value.shape, value.dtype) for name, value in self.args.items()
                if isinstance(value, np.ndarray) and value.dtype in (BF16, F16) and name not in self.writes}
+        for name, value in self.args.items():  # float32 inputs (the merge's LSEs): their -inf kept
+            if isinstance(value, np.ndarray) and value.dtype == np.float32 and name not in self.writes:
+                new[name] = np.where(np.isfinite(value), 3 * randn(rng, value.shape, np.float32), value)
         if "cache_seqlens" in self.args:
             new["cache_seqlens"] = self.args["cache_seqlens"] + step
         if "slot_mapping" in self.args:
@@ -400,7 +403,7 @@ def test_result_is_of_the_callers_kind(name, kind, request):
 @pytest.mark.parametrize("first", ["torch", "cupy"])
 @pytest.mark.parametrize("name", list(CALLS))
 def test_mixed_kinds_are_memoised_and_right(name, first, request, monkeypatch):
-    """The first array (q, or k_cache for write_kv_cache) of one kind and the rest of the other --
+    """The first array (q; k_cache for write_kv_cache, out_a for the merge) of one kind and the rest of the other --
     torch tensors beside a CuPy cache, say: three calls in a row, each equal to the reference, the
     result of the first array's kind, and only the first call resolves its launch (the memoised
     path reads each array as its own kind when they are not all of one)."""
