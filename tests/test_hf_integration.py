@@ -195,6 +195,38 @@ def test_functions_refuse_sinks_and_keep_the_signature():
         cp_hf.uninstall()
 
 
+def test_max_seqlen_tensors_are_read_once_while_unchanged(monkeypatch):
+    """transformers' padding-free path passes max_seqlen_q / max_seqlen_k as 0-d tensors (on the GPU:
+    each read is a sync), one tensor for both and the same for every layer of a forward: each is read
+    to the host once, again only once it has changed, and every time when it is an inference tensor
+    (no version counter to trust)."""
+    reads = []
+    item = torch.Tensor.item
+
+    def counted(self):
+        reads.append(self)
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+    seen = []
+
+    def varlen(q, max_seqlen_q=None, max_seqlen_k=None):
+        seen.append((max_seqlen_q, max_seqlen_k))
+
+    call = cp_hf._adapted(varlen, torch)
+    longest = torch.tensor(7)
+    for _ in range(3):  # three layers
+        call(None, max_seqlen_q=longest, max_seqlen_k=longest)
+    assert seen == [(7, 7)] * 3 and len(reads) == 1
+    longest.add_(2)  # changed in place: read again
+    call(None, max_seqlen_q=longest, max_seqlen_k=torch.tensor(3))
+    assert seen[-1] == (9, 3) and len(reads) == 3
+    with torch.inference_mode():
+        frozen = torch.tensor(5)
+    call(None, max_seqlen_q=frozen, max_seqlen_k=frozen)
+    assert seen[-1] == (5, 5) and len(reads) == 5
+
+
 def _flash_2_error(folder):
     try:
         _load(folder, "flash_attention_2")(torch.tensor([[5, 6, 7]]))

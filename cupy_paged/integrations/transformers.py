@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 
 TESTED_VERSIONS = ("5.17.0", "5.24.0")
 IMPLEMENTATIONS = ("flash_attention_2", "paged|flash_attention_2")
@@ -171,12 +172,38 @@ def _functions(mfau) -> tuple:
 _INDEX_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table")
 
 
+class _HostInts:
+    """The host values of the 0-d tensors transformers passes as ``max_seqlen_q`` / ``max_seqlen_k``
+    (on the GPU in its padding-free path): each read once (one device sync) and reused while the same
+    tensor comes back unchanged -- the same tensor for q and k, and for every layer of a forward --
+    instead of a sync per name per layer."""
+
+    KEPT = 4
+
+    def __init__(self):
+        self._seen: tuple = ()  # (weak reference, version, value), most recent last
+
+    def __call__(self, tensor) -> int:
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference-mode tensor keeps no version counter: read it every time
+            return int(tensor.item())
+        for ref, seen_version, value in self._seen:
+            if ref() is tensor and version == seen_version:
+                return value
+        value = int(tensor.item())
+        self._seen = (*self._seen[-(self.KEPT - 1):], (weakref.ref(tensor), version, value))
+        return value
+
+
 def _adapted(fn, torch):
     """``fn`` as transformers calls it.  transformers reads the signature to pick the keywords it
     passes and would drop attention sinks silently were ``s_aux`` absent: here it is present, and a
     sink given raises.  Keyword ``max_seqlen_q`` / ``max_seqlen_k`` given as 0-d tensors become
-    ints, keyword index tensors of int64 become int32 (cupy_paged's device kernels read int32)."""
+    ints (read once per tensor, :class:`_HostInts`), keyword index tensors of int64 become int32
+    (cupy_paged's device kernels read int32)."""
     signature = inspect.signature(fn)
+    host_int = _HostInts()
 
     @functools.wraps(fn)
     def call(*args, s_aux=None, **kwargs):
@@ -186,7 +213,7 @@ def _adapted(fn, torch):
                 "use another attn_implementation for this model")
         for name in ("max_seqlen_q", "max_seqlen_k"):
             if name in kwargs and isinstance(kwargs[name], torch.Tensor):
-                kwargs[name] = int(kwargs[name].item())
+                kwargs[name] = host_int(kwargs[name])
         for name in _INDEX_KEYWORDS:
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.dtype == torch.int64:
