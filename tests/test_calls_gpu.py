@@ -282,29 +282,29 @@ LENS_Q, LENS_K = [37, 1, 130, 64], [37, 50, 200, 64]
 GRAPH_STEPS = 3  # replays per graph test (decode tables hold room for as many appends)
 
 
-def varlen_call(rng, paged: bool = False, **options) -> Call:
+def varlen_call(rng, paged: bool = False, dtype=BF16, **options) -> Call:
     """Causal varlen over four sequences (a 1-token one, one longer than a tile), contiguous K/V
     or paged caches behind a shuffled block table."""
     cu_q, max_q = cupy_paged.cu_seqlens_from_lengths(LENS_Q)
     cu_k, max_k = cupy_paged.cu_seqlens_from_lengths(LENS_K)
-    k = randn(rng, (int(cu_k[-1]), KV_HEADS, DIM), BF16)
-    v = randn(rng, (int(cu_k[-1]), KV_HEADS, DIM), BF16)
-    args = dict(q=randn(rng, (int(cu_q[-1]), HEADS, DIM), BF16), k=k, v=v, cu_seqlens_q=cu_q,
+    k = randn(rng, (int(cu_k[-1]), KV_HEADS, DIM), dtype)
+    v = randn(rng, (int(cu_k[-1]), KV_HEADS, DIM), dtype)
+    args = dict(q=randn(rng, (int(cu_q[-1]), HEADS, DIM), dtype), k=k, v=v, cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=True, **options)
     if paged:
         (args["k"], args["v"]), args["block_table"] = scatter_paged(rng, [k, v], LENS_K, BLOCK)
     return Call(cupy_paged.flash_attn_varlen_func, args)
 
 
-def decode_call(rng, **options) -> Call:
+def decode_call(rng, dtype=BF16, **options) -> Call:
     """One query token and one new token per sequence over 0 to 333 cached keys, paged, shuffled."""
     seqlens = np.array([0, 15, 100, 333], np.int32)
     table, num_blocks = shuffled_block_table(rng, seqlens + GRAPH_STEPS, BLOCK)
     batch = seqlens.size
-    args = dict(q=randn(rng, (batch, 1, HEADS, DIM), BF16),
-                k_cache=randn(rng, (num_blocks, BLOCK, KV_HEADS, DIM), BF16),
-                v_cache=randn(rng, (num_blocks, BLOCK, KV_HEADS, DIM), BF16),
-                k=randn(rng, (batch, 1, KV_HEADS, DIM), BF16), v=randn(rng, (batch, 1, KV_HEADS, DIM), BF16),
+    args = dict(q=randn(rng, (batch, 1, HEADS, DIM), dtype),
+                k_cache=randn(rng, (num_blocks, BLOCK, KV_HEADS, DIM), dtype),
+                v_cache=randn(rng, (num_blocks, BLOCK, KV_HEADS, DIM), dtype),
+                k=randn(rng, (batch, 1, KV_HEADS, DIM), dtype), v=randn(rng, (batch, 1, KV_HEADS, DIM), dtype),
                 cache_seqlens=seqlens, block_table=table, causal=True, **options)
     return Call(cupy_paged.flash_attn_with_kvcache, args, writes=("k_cache", "v_cache"))
 
@@ -345,6 +345,9 @@ CALLS = {
     "merge": merge_call,
 }
 ATTENTION = ["varlen", "varlen_paged", "decode", "func"]
+# The caller's-kind test also runs the paged varlen and decode calls in float16 (the others bf16).
+KIND_CALLS = {**CALLS, "varlen_paged_f16": functools.partial(varlen_call, paged=True, dtype=F16),
+              "decode_f16": functools.partial(decode_call, dtype=F16)}
 # The busy-stream tests also run flash_attn_func with its LSE (a transposed copy after the launch).
 BUSY_CALLS = {**CALLS, "func_lse": functools.partial(func_call, return_attn_probs=True)}
 
@@ -378,14 +381,14 @@ def compare(call: Call, fetched, expected) -> None:
 # --------------------------------------------------------------------------- the caller's kind
 
 @pytest.mark.parametrize("kind", ["torch", "cupy"])
-@pytest.mark.parametrize("name", ATTENTION)
+@pytest.mark.parametrize("name", ATTENTION + ["varlen_paged_f16", "decode_f16"])
 def test_result_is_of_the_callers_kind(name, kind, request):
     """Default call: the result is of the inputs' kind and device, equals the reference, and
     cache appends are seen through the caller's caches; with ``out=`` the result is ``out``'s
-    memory."""
+    memory.  bfloat16, and float16 for the paged varlen and decode calls."""
     if kind == "torch":
         request.getfixturevalue("torch_cuda")
-    call = CALLS[name](_rng(name, kind))
+    call = KIND_CALLS[name](_rng(name, kind))
     expected = call.reference()
     args = device_args(call.args, kind)
     result = call.fn(**args)
