@@ -1,8 +1,6 @@
 """`flash_attn_func`: dense `[batch, seqlen, heads, head_dim]` batches through the varlen kernels."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from .. import kernels, reference
@@ -13,39 +11,25 @@ from ._call import (FAST_KINDS, alloc_stream, check_fa2_flags, device_copy, host
                     reshaped, served_empty)
 from .varlen import prepare_varlen
 
-# (device, stream, batch, seqlen) -> int32 [batch + 1] on the device, least recently used first; at
-# most _CU_SEQLENS_KEPT kept (a generate loop calls with a new seqlen_k every step).  An array that a
-# CUDA graph captured moves to _CU_SEQLENS_PINNED, never freed: the graph reads it at every replay.
+# (device, stream, batch, seqlen) -> int32 [batch + 1] on the device.  Kept, never freed: later calls
+# on the stream and the CUDA graphs that captured one read it (some hundred bytes each).
 _CU_SEQLENS: dict = {}
-_CU_SEQLENS_PINNED: dict = {}
-_CU_SEQLENS_KEPT = 256
-_CU_SEQLENS_LOCK = threading.Lock()
-_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one stream per host thread behind one handle
 
 
 def _uniform_cu_seqlens(batch: int, seqlen: int, device: int | None, stream: int | None = None):
     """``[0, seqlen, 2 * seqlen, ...]`` (int32 ``[batch + 1]``): NumPy for ``device`` None, else a
-    device array written by a kernel on ``stream`` (no host copy, no sync) and kept for the later
-    calls on that stream, which all read it after it is written.  A CUDA graph capture takes the
-    one its stream already holds (pinned from then on, for the graph's replays) and makes none: that
-    would allocate inside the capture, and another stream's copy is not ordered before the graph."""
+    device array written by a kernel on ``stream`` (no host copy, no sync), kept for the later calls
+    on that stream, which read it after it is written.  None is made inside a CUDA graph capture (it
+    would allocate there): one eager call with the shapes on the capturing stream comes first."""
     values = np.arange(batch + 1, dtype=np.int64) * seqlen
     if values[-1] >= 2 ** 31:
         raise ValueError(f"q holds {values[-1]} tokens; the kernels index at most 2**31 - 1")
     if device is None:
         return values.astype(np.int32)
-    where = (stream, threading.get_ident()) if stream == _PER_THREAD_STREAM else stream
-    key = (device, where, batch, seqlen)
-    capturing = is_capturing(stream)
-    with _CU_SEQLENS_LOCK:
-        found = _CU_SEQLENS_PINNED.get(key)
-        if found is None:
-            found = _CU_SEQLENS.pop(key, None)
-            if found is not None:
-                (_CU_SEQLENS_PINNED if capturing else _CU_SEQLENS)[key] = found  # most recently used last
-        if found is not None:
-            return found
-        if capturing:
+    key = (device, stream, batch, seqlen)
+    found = _CU_SEQLENS.get(key)
+    if found is None:
+        if is_capturing(stream):
             raise RuntimeError("flash_attn_func makes its cu_seqlens once per (batch, seqlen) and stream: make one "
                                "eager call with these shapes on the capturing stream before the CUDA graph capture "
                                "(torch.cuda.graph(..., stream=that_stream))")
@@ -54,9 +38,6 @@ def _uniform_cu_seqlens(batch: int, seqlen: int, device: int | None, stream: int
         with cupy.cuda.Device(device), cupy_stream(stream):
             found = (cupy.arange(0, int(values[-1]) + 1, seqlen, dtype=cupy.int32) if seqlen
                      else cupy.zeros(batch + 1, cupy.int32))
-        if len(_CU_SEQLENS) >= _CU_SEQLENS_KEPT:
-            # Freed into CuPy's pool of the stream it was made on: reused only in that stream's order.
-            del _CU_SEQLENS[next(iter(_CU_SEQLENS))]
         _CU_SEQLENS[key] = found
     return found
 

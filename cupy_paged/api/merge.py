@@ -12,6 +12,7 @@ from .. import kernels, reference
 from .._core.arrays import CUDA, as_array, backend_of, empty, kind_of
 from .._core.streams import handle
 from .._core.types import BF16, check_out
+from ._call import alloc_stream
 
 _FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))  # cuda_src/merge.cu's entry points
 
@@ -94,7 +95,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, *, stream=None)
     if backend == CUDA:
         # Outputs in the caller's kind (torch in, torch out), written through CuPy views.
         h = handle(stream, kind, out_a.data.device_id)
-        alloc = None if stream is None else h  # allocate where the memory is written, as the other calls do
+        alloc = alloc_stream(stream, kind, h)
         result = out_obj if out is not None else empty(kind, like, tuple(out_a.shape), out_a.dtype, alloc)
         lse_obj = empty(kind, like, tuple(lse_a.shape), np.float32, alloc)
         kernels.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen,
