@@ -8,7 +8,7 @@ host waited for a spinning kernel of a given length, waiting two ways:
 
 * ``synchronize``: ``stream.synchronize()`` (cudaStreamSynchronize, the driver's own wait, as the
   benchmarks do);
-* ``poll``: a Python loop on ``event.query()`` until the kernel is done (the thread never blocks).
+* ``poll``: a Python loop on ``event.done`` until the kernel is done (the thread never blocks).
 
 and, as the baseline, the same piece with no wait before it.  Medians of ``--reps`` samples, us.
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                     if mode == "synchronize":
                         stream.synchronize()
                     else:
-                        while not done.query():
+                        while not done.done:
                             pass
                 t0 = time.perf_counter()
                 workload(memo, values)
