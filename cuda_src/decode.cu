@@ -1208,6 +1208,24 @@ __device__ __noinline__ ListSeq list_sequence(const ListArgs& a, int b, int* err
   return s;
 }
 
+// The hand-over's release (wait_for_list): whether the waiting CTAs take their items directly
+// (direct_item) or from the list, then the count of the other CTAs added to the ready word, whose
+// release orders this thread's writes before it (the list's were fenced by the caller).
+__device__ __forceinline__ void release_list(int* sync, bool direct) {
+  sync[2] = direct;
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(gridDim.x - 1) : "memory");
+}
+
+// Item `index` of a level decode list in sequence order (build_list's `direct`): what the list
+// holds for it, nothing split; past the batch, padding (query length 0).
+__device__ __forceinline__ WorkItem direct_item(const int* cache_seqlens, int batch, int seqlen_q, int group,
+                                                int index) {
+  const int row_groups = (group * seqlen_q + kRows - 1) / kRows;
+  const int b = index / row_groups;
+  if (b >= batch) return WorkItem{0, 0, 0, 0, 0, 0, 0, 0};
+  return WorkItem{b, index - b * row_groups, 0, 1, b * seqlen_q, seqlen_q, __ldcg(cache_seqlens + b), 0};
+}
+
 // The range (chunk, keys) is at most kListMaxChunk: past every sequence's keys, so nothing splits.
 constexpr int kListMaxChunk = (1 << 30) / kTileKeys * kTileKeys;
 
@@ -1288,8 +1306,8 @@ __device__ __forceinline__ ListArgs stage_lengths(ListArgs a, int* stage) {
   return a;
 }
 
-__device__ __noinline__ void build_list(const ListArgs given, int slots_per_head, int max_items, int max_slots,
-                                       int* work, int* errors, int* stage) {
+__device__ __noinline__ bool build_list(const ListArgs given, int slots_per_head, int max_items, int max_slots,
+                                       int* work, int* errors, int* stage, int* sync) {
   static_assert(kListBuckets == 32, "one warp scans the bucket counts");
   __shared__ long long scratch[kListReduceMax][kWarps];
   __shared__ int bucket_start[kListBuckets];
@@ -1313,7 +1331,13 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
   // each (the keys over slots_per_head) splits nothing: its unsplit items already fill about one wave
   // level, and splitting them would only add a wave and the merges.
   const long long one_wave = (sums[0] + max(slots_per_head, 1) - 1) / max(slots_per_head, 1);
-  if (2 * sums[2] <= 3 * one_wave) chunk = kListMaxChunk;
+  const bool level = 2 * sums[2] <= 3 * one_wave;
+  if (level) chunk = kListMaxChunk;
+  // A level decode list (cache_seqlens: every sequence seqlen_q rows) is item i = (sequence, row
+  // group) i in order, which every CTA can make itself (direct_item): the waiting CTAs are let go
+  // now, and the list below is still written (the same items, longest first) for whoever reads it.
+  const bool direct = level && a.cache_seqlens != nullptr;
+  if (direct && threadIdx.x == 0) release_list(sync, true);
   long long items = 0;
   int longest = 0;
   #pragma unroll 1
@@ -1404,6 +1428,7 @@ __device__ __noinline__ void build_list(const ListArgs given, int slots_per_head
     reinterpret_cast<int4*>(work)[2 * i + 1] = zero;
   }
   LIST_STAMP(a, 5);
+  return direct;
 }
 
 // An int of global memory read with acquire semantics at GPU scope.
@@ -1423,15 +1448,18 @@ __device__ __forceinline__ unsigned load_acquire(const int* at) {
 // every waiting CTA waits behind a builder that is already running, and each CTA takes the work of
 // its ticket (so the work goes in list order as CTAs start).  Two launches must not share the ints
 // at once (one stream's buffers; kernels/ragged.py).  The work items are then read through L2
-// (load_item's __ldcg).  Returns the ticket.
+// (load_item's __ldcg).  A third int, sync[2], written before each release, says whether the list
+// is level (`direct`): then the builder lets the others go before it writes the list, and each CTA
+// makes its item itself (direct_item).  Returns the ticket.
 __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_head, int max_items, int max_slots,
-                                             int* work, int* sync, int* errors, int* stage) {
-  __shared__ int ticket_shared;
+                                             int* work, int* sync, int* errors, int* stage, bool& direct) {
+  __shared__ int ticket_shared, direct_shared;
   if (threadIdx.x == 0) {
     const unsigned ticket = atomicInc(reinterpret_cast<unsigned*>(sync + 1), gridDim.x - 1);
     unsigned ready = load_acquire(sync);
     if (ticket != 0) {
       for (; !ready; ready = load_acquire(sync)) __nanosleep(64);
+      direct_shared = (int)load_acquire(sync + 2);  // written before the release just seen
       asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(0xffffffffu) : "memory");
     }
     ticket_shared = (int)ticket;
@@ -1440,12 +1468,15 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
   const int ticket = ticket_shared;
   if (ticket == 0) {
     LIST_STAMP(a, 0);
-    build_list(a, slots_per_head, max_items, max_slots, work, errors, stage);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0)
-      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(sync), "r"(gridDim.x - 1) : "memory");
+    direct = build_list(a, slots_per_head, max_items, max_slots, work, errors, stage, sync);
+    if (!direct) {
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) release_list(sync, false);
+    }
     LIST_STAMP(a, 6);
+  } else {
+    direct = direct_shared != 0;
   }
   return ticket;
 }
@@ -1515,6 +1546,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if RAGGED
   int number = blockIdx.x;  // which CTA of the list this one is (see RAGGED above)
+  bool direct = false;      // a level decode list: the item made here, not read (wait_for_list)
   if (list_sync) {
     const ListArgs a{list_seqlens, list_cu_q, list_cu_k, list_batch, list_seqlen_q, params.seqlen_q, list_max_seqlen_q,
                      params.seqlen_new, params.num_heads / params.num_kv_heads, list_key_limit
@@ -1523,9 +1555,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
 #endif
                      };
     number = wait_for_list(a, list_slots_per_head, list_max_items, list_max_slots, work, list_sync, errors,
-                           reinterpret_cast<int*>(smem_raw));
+                           reinterpret_cast<int*>(smem_raw), direct);
   }
-  const WorkItem item = load_item(work, number / params.num_kv_heads);
+  const WorkItem item = direct ? direct_item(list_seqlens, list_batch, list_seqlen_q, params.num_heads / params.num_kv_heads,
+                                             number / params.num_kv_heads)
+                               : load_item(work, number / params.num_kv_heads);
 #if TRACE
   trace_ready(trace, number);
   if (item.q_len <= 0 && trace && threadIdx.x == 0) {  // padding: its end and SM now

@@ -51,7 +51,8 @@ def launch_of_last_call():
 
 def device_list(launch) -> np.ndarray:
     """The items of the list the last device-listed launch on the current stream wrote (padding
-    dropped); asserts that its hand-over ints (decode.cu wait_for_list) are zeros again."""
+    dropped); asserts that its hand-over ints (decode.cu wait_for_list) are zeros again (the
+    ready word and the ticket; the mode word holds 0 or 1)."""
     import cupy
 
     from cupy_paged.kernels._workspace import _WORK_LISTS
@@ -62,7 +63,10 @@ def device_list(launch) -> np.ndarray:
     work, sync = launch._work_ptrs[stream]
     assert sync == current.data.ptr and work == sync + 4 * SYNC_INTS, "the launch used the stream's buffer"
     buffer = to_numpy(current)
-    assert not buffer[:SYNC_INTS].any(), "the hand-over ints must be zeros between launches"
+    # the ready word and the ticket counter are zeros again; the third int keeps the last launch's
+    # mode (direct or listed), which every launch writes before its release
+    assert not buffer[:2].any(), "the hand-over ints must be zeros between launches"
+    assert buffer[2] in (0, 1) and not buffer[3:SYNC_INTS].any()
     items = buffer[SYNC_INTS:SYNC_INTS + WORK_INTS * launch.max_items].reshape(-1, WORK_INTS)
     return items[items[:, 5] > 0]
 
@@ -74,6 +78,9 @@ MIXES = {
     "zeros-ones": [0, 1, 0, 5000, 1, 2, 15, 16, 17, 0],
     # more sequences than the builder's CTA has threads: each thread takes several in every pass
     "many": [7000] + np.random.default_rng(5).lognormal(4.0, 1.0, 299).clip(0, 600).astype(int).tolist(),
+    # level, and enough sequences to fill about a wave of slots at every case: the list splits
+    # nothing and each CTA makes its item itself (decode.cu direct_item)
+    "level": np.random.default_rng(7).integers(300, 341, 150).tolist(),
 }
 
 # (id, dtype, head_dim, H, Hkv, block_size, seqlen_q, seqlen_new, options)
@@ -103,7 +110,10 @@ def test_balanced_decode_matches_reference(balance, mix, case_id, dtype, head_di
     if options.pop("alibi", False):
         options["alibi_slopes"] = rng.uniform(0.01, 0.5, num_heads).astype(np.float32)
     check_decode(case, **options)
-    assert isinstance(launch_of_last_call(), BalancedDecodeLaunch)
+    launch = launch_of_last_call()
+    assert isinstance(launch, BalancedDecodeLaunch)
+    if mix == "level":
+        assert (device_list(launch.balanced)[:, 3] == 1).all(), "a level batch splits nothing"
 
 
 def test_auto_rule():

@@ -40,7 +40,7 @@ _LIST_ARGS = 11  # the device list's arguments (all zeros: a host list)
 # longest sequence holds at most 1.5 times one wave's share of the keys (about level, about one wave).
 ROWS = 16          # decode.cu kRows: rows of a row group
 WORK_INTS = 8      # decode.cu WorkItem
-SYNC_INTS = 8      # the device list's hand-over (2 ints used), ahead of its items in the work-list buffer
+SYNC_INTS = 8      # the device list's hand-over (3 ints used: ready, ticket, direct), ahead of its items
 WAVES = 2
 MIN_SPLIT_TILES = 4
 MAX_SPLITS = 128   # decode.cu kMaxSplits: merge_if_last's weights, [16 rows][MAX_SPLITS] floats
