@@ -1,4 +1,4 @@
-# Session 25, device call 3 (the session's last device time): call 2's script cut to about 330 s.
+# Session 25, device call 3 (the session's last device time; a longer call 2 never got a machine), about 330 s.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 R=$OUT/run.log
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
