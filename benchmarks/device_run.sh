@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one device run: build every kernel, run the GPU tests, the benchmarks and the sanitizer
-# subset, in one call to the lent H200.  Each step writes its log straight into $OUT (so what
-# finished comes back even if the call is cut short) under its own time limit; a short table
-# prints last.
+# subset, in one call to the lent GPU.  Each step writes its log under $LOGS (default
+# /tmp/device_run_logs) under its own time limit, and after each step every log so far is packed
+# into $OUT/logs.tgz: the device returns at most 8 files from $OUT, so the logs travel as one file
+# (and what finished comes back even if the call is cut short).  A short table prints last.
 #   usage (repository root): bash benchmarks/device_run.sh [warm tests bench sanitize ...]
 #   (bench = bench_decode bench_varlen bench_calls; each can also run alone)
 #   per-step limits in seconds: T_WARM T_TESTS T_BENCH (T_BENCH_DECODE, T_BENCH_CALLS for those
@@ -17,7 +18,9 @@
 #   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
 set -uo pipefail
 OUT=${OUT:-/tmp/cupy_paged_out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/device_run_logs}
+mkdir -p "$OUT" "$LOGS"
+pack_logs() { tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 steps=${*:-warm tests bench sanitize}
 steps=${steps//bench /bench_decode bench_varlen bench_calls }
@@ -32,16 +35,17 @@ PY
 }
 summary=()
 
-run_step() {  # name, log file (under $OUT, appended: the device returns few files), time limit (s), command...
-  local name=$1 log=$OUT/$2.log limit=$3; shift 3
+run_step() {  # name, log file (under $LOGS, appended), time limit (s), command...
+  local name=$1 log=$LOGS/$2.log limit=$3; shift 3
   local start=$SECONDS
   echo "=== $name: $*" >>"$log"
   timeout "$limit" "$@" >>"$log" 2>&1
   local rc=$?
   summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$(tail -n 1 "$log")")")
+  pack_logs
 }
 
-{ python3 -m cupy_paged info; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; } >"$OUT/info.log" 2>&1
+{ python3 -m cupy_paged info; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; } >"$LOGS/info.log" 2>&1
 for step in $steps; do
   case $step in
     warm) run_step warm warm "${T_WARM:-150}" python3 -m cupy_paged warm --jobs "$(nproc)"
@@ -94,7 +98,7 @@ for step in $steps; do
     fuzz)  # random configurations of every kernel against the CPU reference (FUZZ_ARGS: e.g. --kernels step, or --hostile)
       rm -f benchmarks/results/fuzz.json benchmarks/results/fuzz_hostile.json
       run_step fuzz fuzz "${T_FUZZ:-300}" python3 benchmarks/fuzz.py --time-limit "$(( ${T_FUZZ:-300} - 30 ))" \
-        --log "$OUT/fuzz_configs$([[ " ${FUZZ_ARGS:-} " == *" --hostile "* ]] && echo _hostile).log" ${FUZZ_ARGS:-}
+        --log "$LOGS/fuzz_configs$([[ " ${FUZZ_ARGS:-} " == *" --hostile "* ]] && echo _hostile).log" ${FUZZ_ARGS:-}
       cp benchmarks/results/fuzz.json benchmarks/results/fuzz_hostile.json "$OUT/" 2>/dev/null ;;
     trace_list)  # the device-listed ragged launch CTA by CTA beside the host-listed one and the decode kernel
       rm -f benchmarks/results/trace_list.json
@@ -117,7 +121,7 @@ for step in $steps; do
       cp benchmarks/results/profile_engine.json "$OUT/" 2>/dev/null ;;
     sanitize_suite)  # benchmarks/sanitize.sh over SUITE_TOOLS (default memcheck) and SUITE_FILES (default all)
       export SANITIZE_TOTAL=$(( ${T_SANITIZE_SUITE:-600} - 10 ))
-      run_step sanitize_suite sanitize_suite "${T_SANITIZE_SUITE:-600}" bash benchmarks/sanitize.sh "${SUITE_TOOLS:-memcheck}" ${SUITE_FILES:-}
+      run_step sanitize_suite sanitize_suite "${T_SANITIZE_SUITE:-600}" env OUT="$LOGS" bash benchmarks/sanitize.sh "${SUITE_TOOLS:-memcheck}" ${SUITE_FILES:-}
       cp benchmarks/results/sanitizer.json "$OUT/" 2>/dev/null ;;
     load)  # benchmarks/load.py: 10,000 requests through the kernels, each against its run alone
       run_step load load "${T_LOAD:-200}" python3 benchmarks/load.py ${LOAD_ARGS:-}
@@ -126,20 +130,20 @@ for step in $steps; do
       run_step ncu_graph ncu_graph "${T_NCU:-240}" ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread \
         python3 benchmarks/profile_engine.py --ncu ${NCU_ARGS:-}
-      run_step ncu_table ncu_table 30 python3 benchmarks/ncu_table.py "$OUT/ncu_graph.log" ;;
+      run_step ncu_table ncu_table 30 python3 benchmarks/ncu_table.py "$LOGS/ncu_graph.log" ;;
     sanitizer_control)  # benchmarks/sanitizer_control.py under each tool: torch's kernels with the hf pairs' kernel
       # filter (as test_hf_integration.py runs), the engine's cuBLAS product without one (as test_llama_engine.py)
       for tool in memcheck racecheck initcheck synccheck; do
         for mode in torch engine; do
           filter=(); [[ $mode == torch ]] && filter=(--kernel-name regex=paged_decode)
-          log=$OUT/control_${tool}_$mode.log
+          log=$LOGS/control_${tool}_$mode.log
           ( timeout "${T_CONTROL:-120}" compute-sanitizer --tool "$tool" "${filter[@]}" \
               python3 benchmarks/sanitizer_control.py "$mode" >"$log" 2>&1
             echo "rc=$?" >>"$log" ) &
         done
       done
       wait
-      summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$OUT"/control_*.log | tr '\n' ' ')")") ;;
+      summary+=("$(printf '%-12s %s' sanitizer_control "$(grep -c -E '^========= (Uninitialized|Race reported|Invalid)|Error' "$LOGS"/control_*.log | tr '\n' ' ')")") ;;
     ncu_attention)  # the decode graph's attention in detail: the first paged_decode of one replay (issue 14's next measurement)
       sections=(--kernel-name regex:paged_decode)
       for section in SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats SchedulerStats; do
@@ -158,7 +162,8 @@ for step in $steps; do
     *) echo "unknown step: $step (steps: warm tests bench bench_decode bench_decode_short bench_gemm bench_varlen bench_calls bench_mixed sanitize sanitize_ragged engine bench_e2e fuzz trace_call cold_host trace_list lse_check profile_host profile_engine ncu_graph ncu_attention sanitize_suite sanitizer_control load kcache)" >&2; exit 2 ;;
   esac
 done
-for log in "$OUT"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
-grep -h -E "^FAILED|^ERROR" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -n 30
-head -n 14 "$OUT/info.log"
+pack_logs
+for log in "$LOGS"/bench_*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n 30 "$log"; }; done
+grep -h -E "^FAILED|^ERROR" "$LOGS/tests.log" 2>/dev/null | cut -c1-220 | head -n 30
+head -n 14 "$LOGS/info.log"
 printf '%s\n' "${summary[@]}"
