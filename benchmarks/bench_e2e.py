@@ -107,7 +107,7 @@ from _util import common_prefix  # noqa: E402  (tests/_util.py, shared with the 
 sys.path.insert(0, str(HERE))
 import bench_calls  # noqa: E402  (device name and versions, as every benchmark reports them)
 from bench_host import cpu_name  # noqa: E402
-from bench_mixed import READ_TBS  # noqa: E402  (the H200's read ceiling the other floors use)
+import ceiling  # noqa: E402  (the read ceiling the other floors use: 4.44 TB/s on the H200)
 
 RESULTS = HERE / "results" / "e2e.json"
 PAD, BOS, EOS = 0, 1, 2
@@ -371,7 +371,7 @@ class StepLog:
                    median_ms=round(1e3 * statistics.median(self.seconds), 4), mean_batch=round(mean_batch, 2),
                    max_batch=max(self.batches), mean_context=round(mean_context, 1))
         if weight_bytes is not None:
-            floor = (weight_bytes + mean_batch * mean_context * kv_bytes) / READ_TBS
+            floor = (weight_bytes + mean_batch * mean_context * kv_bytes) / ceiling.read_bytes_per_s()
             out.update(floor_ms_at_mean=round(1e3 * floor, 4), over_floor=round(total / count / floor, 2))
         return out
 
@@ -766,7 +766,7 @@ class Bench:
                                  sampling="greedy", eos="none: every request generates max_new_tokens",
                                  max_batch_tokens=args.max_batch_tokens, hf_warmup_tokens=args.hf_warmup_tokens,
                                  weight_layout=args.weight_layout),
-                   floor=dict(read_bytes_per_s=READ_TBS, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
+                   floor=dict(read_bytes_per_s=ceiling.read_bytes_per_s(), weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
                               what="per decode step: every layer's matrices and the LM head once, plus the K/V "
                                    "of the running sequences' contexts"),
                    cases=[self.case(key, n, run) for (key, n), run in rows], agreement=agreement,

@@ -13,7 +13,8 @@ after ``Gemm.tune`` timed cuBLASLt's candidates for the shape (what the engine's
 capture), ``Gemm(a, w,
 b_rows_out=True)`` with ``w [N, K]``, and torch's ``F.linear`` on the same ``[N, K]`` weights (a
 peer, skipped without torch).  Writes ``results/gemm.json`` (cases: name, metric, value = the
-engine's layout, floor = weight bytes / 4.44 TB/s, peers).
+engine's layout, floor = weight bytes / 4.44 TB/s on the H200 or the card's measured read stream
+(ceiling.py), peers).
 
     python benchmarks/bench_gemm.py [--reps 30]
 """
@@ -32,8 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from bench_decode import captured, graph_us, randn_bf16  # noqa: E402  (the decode benchmark's timing and inputs)
+import ceiling  # noqa: E402  (4.44 TB/s on the H200, measured on another card)
 
-READ_CEILING = 4.44e12
 PER_GRAPH = 20
 L2_PASS = 150e6  # bytes of weight copies to rotate over, three times the L2
 # (name, K, N) of the default model's products (examples/llama/config.py's GPU default).
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
         nk = [cupy.ascontiguousarray(w.T) for w in kn]
         for m in (64, 256):
             a = randn_bf16((m, k))
-            floor = nbytes / READ_CEILING * 1e6
+            floor = nbytes / ceiling.read_bytes_per_s() * 1e6
             logits = np.float32 if name == "lm_head" else None  # the engine's LM head writes float32
             today, rows_out = ours(a, kn, False, args.reps, logits), ours(a, nk, True, args.reps, logits)
             tuned, report = ours(a, kn, False, args.reps, logits, tuned=True)

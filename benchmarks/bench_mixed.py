@@ -12,7 +12,8 @@ cache's free list shuffled so that block tables are scattered as in a long-runni
   ``flash_attn_with_kvcache`` (appending) for the decodes.
 * ``FA2``: torch's FlashAttention-2 varlen forward (``aten._flash_attention_forward``) over
   contiguous copies of every sequence's keys, one call (what vLLM V1 and Hugging Face run).
-* ``floor``: K/V bytes / 4.44 TB/s + causal FLOPs / 700 TFLOP/s.
+* ``floor``: K/V bytes / 4.44 TB/s + causal FLOPs / 700 TFLOP/s (on a card other than the H200,
+  its own read-only stream measured in the run instead of 4.44 TB/s: ``ceiling.py``).
 
 Cases: the step of the issue (a 512-token chunk after 1,536 cached tokens plus 255 decodes at
 2,048), a sweep of mixes, ragged decode-only batches (long-tailed contexts; one 32k context among
@@ -44,11 +45,11 @@ sys.path.insert(0, str(HERE))
 
 import bench_calls  # noqa: E402  (timing, clocks, versions)
 import bench_decode  # noqa: E402  (random bf16)
+import ceiling  # noqa: E402  (the read ceiling of the card)
 
 import cupy_paged  # noqa: E402
 
 HEADS, KV_HEADS, DIM = bench_calls.HEADS, bench_calls.KV_HEADS, bench_calls.DIM  # 32, 8, 128; block 16
-READ_TBS, TFLOPS = 4.44e12, 700e12
 RESULTS = HERE / "results" / "mixed.json"
 OURS, OURS_RAGGED, SPLIT, FA2 = "ours", "ours ragged", "split", "FA2"
 # Decode-only cases also time the public calls a framework without host lengths makes
@@ -57,13 +58,13 @@ KV_KERNEL, VARLEN_CALL, VARLEN_KERNEL = "kvcache decode kernel", "varlen call", 
 
 
 def floor_ms(cached, new) -> float:
-    """K/V bytes / 4.44 TB/s + causal FLOPs / 700 TFLOP/s of one step."""
+    """K/V bytes / the read ceiling (4.44 TB/s on the H200) + causal FLOPs / 700 TFLOP/s of one step."""
     keys = np.asarray(cached, np.float64) + np.asarray(new, np.float64)
     q = np.asarray(new, np.float64)
     kv_bytes = keys.sum() * KV_HEADS * DIM * 2 * 2
     visible = q * np.asarray(cached, np.float64) + q * (q + 1) / 2  # sum over rows of keys seen
     flops = 4.0 * visible.sum() * HEADS * DIM
-    return (kv_bytes / READ_TBS + flops / TFLOPS) * 1e3
+    return (kv_bytes / ceiling.read_bytes_per_s() + flops / ceiling.TFLOPS) * 1e3
 
 
 class Step:
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
         return 0
     bench_calls.warm_clocks()
     report = {"device": bench_calls.device_name(), "date": datetime.date.today().isoformat(),
-              "versions": bench_calls.versions(), "cases": []}
+              "versions": bench_calls.versions(), "ceiling": ceiling.describe(), "cases": []}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in chosen:

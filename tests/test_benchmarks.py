@@ -31,3 +31,21 @@ def test_interleaved_timing_takes_the_calls_in_turn(monkeypatch):
     result = bench_varlen.interleaved_ms({"a": lambda: 1, "b": lambda: 2}, reps=12, rounds=3)
     assert [fn() for fn, _ in order] == [1, 2, 2, 1, 1, 2] and {reps for _, reps in order} == {4}
     assert result == {"a": 10.0 + 3, "b": 20.0 + 2}  # a: 0, 3, 4 -> 3; b: 1, 2, 5 -> 2
+
+
+def test_the_read_ceiling_kernel_compiles_and_only_the_h200_keeps_4_44(monkeypatch):
+    """benchmarks/ceiling.py: its read-stream kernel compiles for sm_90 (NVRTC needs no GPU), and the
+    floors keep the issues' 4.44 TB/s on an H200 only (an H100's is measured in the run)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ceiling = importlib.import_module("ceiling")
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(ceiling._SOURCE, "read_stream.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90"])
+        assert b"read_stream" in nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    assert ceiling.uses_h200_ceiling("NVIDIA H200") and ceiling.uses_h200_ceiling("NVIDIA H200 NVL")
+    assert not ceiling.uses_h200_ceiling("NVIDIA H100 80GB HBM3")
+    assert ceiling.H200_READ == 4.44e12
