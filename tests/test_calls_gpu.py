@@ -720,23 +720,11 @@ def test_flash_attn_func_on_new_shapes_makes_no_host_copy_and_no_sync(kind, requ
         compare(call, fetch(call, result, args), expected)
 
 
-def _contiguous_decode_call(rng) -> Call:
-    """decode_call's shapes over a contiguous ``[batch, 400, kv heads, dim]`` cache (read through
-    the identity block table)."""
-    seqlens = np.array([0, 15, 100, 333], np.int32)
-    shape = (seqlens.size, 400, KV_HEADS, DIM)
-    args = dict(q=randn(rng, (seqlens.size, 1, HEADS, DIM), BF16), k_cache=randn(rng, shape, BF16),
-                v_cache=randn(rng, shape, BF16), k=randn(rng, (seqlens.size, 1, KV_HEADS, DIM), BF16),
-                v=randn(rng, (seqlens.size, 1, KV_HEADS, DIM), BF16), cache_seqlens=seqlens, causal=True)
-    return Call(cupy_paged.flash_attn_with_kvcache, args, writes=("k_cache", "v_cache"))
-
-
-@pytest.mark.parametrize("case", ["split workspace", "balanced work list", "identity table"])
+@pytest.mark.parametrize("case", ["split workspace", "balanced work list"])
 def test_a_first_call_on_a_new_stream_waits_for_no_other_stream(case, monkeypatch):
     """The buffers a launch keeps per stream (the split-KV workspace, the device list's buffer and
-    merge counts, a contiguous cache's identity table) are made on the stream of the call that
-    first needs them: that call, on a new stream, returns while another stream is still busy (no
-    device sync), and is right."""
+    merge counts) are made on the stream of the call that first needs them: that call, on a new
+    stream, returns while another stream is still busy (no device sync), and is right."""
     import cupy
 
     from cupy_paged.api._call import MEMO
@@ -746,8 +734,7 @@ def test_a_first_call_on_a_new_stream_waits_for_no_other_stream(case, monkeypatc
     if case == "balanced work list":
         monkeypatch.setattr(ragged, "BALANCE", True)
         MEMO.clear()
-    call = (_contiguous_decode_call(rng) if case == "identity table"
-            else decode_call(rng, num_splits=3 if case == "split workspace" else 0))
+    call = decode_call(rng, num_splits=3 if case == "split workspace" else 0)
     call.fn(**device_args(call.args, "cupy"))  # kernels loaded, the error word made (on the null stream)
     args = device_args(call.args, "cupy")
     expected = call.reference()

@@ -1,11 +1,15 @@
-"""Device buffers that launches keep between calls and only ever grow, one per device and stream:
-the split-KV workspace of ``paged_decode``, the merge counts of a ragged launch, the work-list
-buffer of a device-listed one, and the identity block table of a contiguous decode cache.
+"""Device buffers that launches keep between calls and only ever grow: the split-KV workspace of
+``paged_decode``, the merge counts of a ragged launch and the work-list buffer of a device-listed
+one (per device and stream), and the identity block table of a contiguous decode cache (per
+device).
 
-A buffer is allocated and filled on the stream that uses it, so it is ready there in stream order
-and a call that grows one waits for no other stream (no device sync).  Growing allocates, which a
-CUDA graph capture must not do: while the stream captures, a buffer that would have to grow raises
-instead.  An outgrown buffer is kept alive, so a graph captured with it never points at freed memory.
+A per-stream buffer is allocated and filled on the stream that uses it, so it is ready there in
+stream order and a call that grows one waits for no other stream (no device sync).  The identity
+table is read by every stream of its device (a graph captured on a side stream after a warm-up on
+another uses it), so its growth still synchronises the device once, after its fill.  Growing
+allocates, which a CUDA graph capture must not do: while the stream captures, a buffer that would
+have to grow raises instead.  An outgrown buffer is kept alive, so a graph captured with it never
+points at freed memory.
 """
 from __future__ import annotations
 
@@ -17,17 +21,17 @@ from .._core.streams import is_capturing
 _WORKSPACES: dict[tuple[int, int], object] = {}
 _WORK_LISTS: dict[tuple[int, int], object] = {}
 _MERGE_COUNTS: dict[tuple[int, int], object] = {}
-_IDENTITIES: dict[tuple[int, int], object] = {}
+_IDENTITIES: dict[int, object] = {}
 _RETIRED: list[object] = []  # outgrown buffers: a captured graph may still use them
 
 
-def _grown(store: dict, key, size: int, create, what: str, device: int, stream: int):
+def _grown(store: dict, key, size: int, create, what: str, device: int, stream: int, shared: bool = False):
     """``store[key]``, replaced by ``create(n)`` (n >= size, at least doubling) when it
     holds fewer than ``size`` elements.  ``create`` runs with ``stream`` current on ``device``:
     the memory pool hands the memory out for that stream and any fill is queued on it, ahead of
-    the launch that reads the buffer (``key`` holds the stream: no other stream uses it).  Growing
-    allocates, so while ``stream`` captures a graph it raises instead; an outgrown buffer is kept
-    alive for the graphs captured with it."""
+    the launch that reads the buffer; a ``shared`` buffer (read by other streams too) is then
+    waited for by a device sync.  Growing allocates, so while ``stream`` captures a graph it raises
+    instead; an outgrown buffer is kept alive for the graphs captured with it."""
     current = store.get(key)
     if current is None or current.size < size:
         if is_capturing(stream):
@@ -41,6 +45,8 @@ def _grown(store: dict, key, size: int, create, what: str, device: int, stream: 
 
         with cupy.cuda.Device(device), cupy_stream(stream):
             current = create(max(size, 2 * (0 if current is None else current.size)))
+        if shared:
+            cupy.cuda.Device(device).synchronize()
         store[key] = current
     return current
 
@@ -85,9 +91,9 @@ def merge_counts(num_counts: int, device: int, stream: int):
 
 def identity_table(size: int, device: int, stream: int):
     """int32 ``0, 1, ..., size - 1`` (at least) on ``device``: the block table of a contiguous cache
-    ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).  One per device
-    and stream, grown, never built per call."""
+    ``[B, S, Hkv, D]`` read as B * S blocks of one token (row b starts at b * S).  One per device,
+    grown (with a device sync: every stream reads it), never built per call."""
     import cupy
 
-    return _grown(_IDENTITIES, (device, stream), size, lambda n: cupy.arange(n, dtype=np.int32),
-                  "the identity block table", device, stream)
+    return _grown(_IDENTITIES, device, size, lambda n: cupy.arange(n, dtype=np.int32),
+                  "the identity block table", device, stream, shared=True)

@@ -25,7 +25,7 @@ work-list buffer, like the workspace, is sized by an eager call on the capturing
 on a stream without one launches the decode kernel instead.  What the
 shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
 the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).  A contiguous
-cache is read as blocks of one token through one identity table per device and stream (grown like the
+cache is read as blocks of one token through one identity table per device (grown like the
 workspace, so it too must be sized before a capture: one eager call), and an int
 ``cache_seqlens`` travels as one value in that struct, so a call builds no index arrays.
 
