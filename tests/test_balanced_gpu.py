@@ -318,6 +318,43 @@ def test_varlen_short_rows_past_the_key_limit_take_the_varlen_kernel(balance, mo
     assert bool(runs) == bool(margin)
 
 
+def test_each_threads_per_thread_default_stream_gets_its_own_buffers(balance):
+    """Two host threads calling on ``cudaStreamPerThread`` (handle 2: a different stream in each
+    thread) at once: each is right against the reference, and each thread's launch lists its work
+    in a buffer of its own (one handle, two streams: a shared work list would be written by both)."""
+    import threading
+
+    import cupy
+
+    from cupy_paged.kernels._workspace import _WORK_LISTS
+
+    balance(True)
+    rng = np.random.default_rng(43)
+    cases = [make_case(rng, BF16, 128, 16, 4, 16, [3000] + [40] * 15, 1, 1) for _ in range(3)]
+    check_decode(cases.pop(), causal=True)  # kernels loaded, the error word made, on the null stream
+    results, both_alive = {}, threading.Barrier(2)
+
+    def serve(i):
+        with cupy.cuda.Stream.ptds:
+            case = {name: cupy.asarray(value) if isinstance(value, np.ndarray) else value
+                    for name, value in cases[i].items()}
+            out = cupy_paged.flash_attn_with_kvcache(**case, causal=True)
+            results[i] = (to_numpy(out), threading.get_ident())
+            both_alive.wait(timeout=60)  # both threads alive: their idents differ
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    device = cupy.cuda.runtime.getDevice()
+    buffers = {_WORK_LISTS[(device, (2, results[i][1]))].data.ptr for i in range(2)}
+    assert len(buffers) == 2, "the two threads' per-thread streams shared one work-list buffer"
+    for i in range(2):
+        expected = cupy_paged.flash_attn_with_kvcache(**cases[i], causal=True)
+        assert_close(results[i][0], expected, BF16)
+
+
 def test_new_tokens_of_length_zero_append_nothing(balance):
     """k / v of shape [B, 0, Hkv, D] beside one query token: nothing appended, the cached keys attended."""
     balance(True)

@@ -1,18 +1,20 @@
 """The host side of two call contracts, without a GPU: which stream a ``stream=`` argument names
-(``cupy_paged._core.streams.handle``), and the debug switch of the device error word
+(``cupy_paged._core.streams.handle``) and how per-stream state tells streams apart
+(``stream_key``), and the debug switch of the device error word
 (``set_debug`` and ``CUPY_PAGED_DEBUG`` read at import)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 import cupy_paged
 from cupy_paged._core import errors
 from cupy_paged._core.arrays import CUPY, TORCH
-from cupy_paged._core.streams import handle
+from cupy_paged._core.streams import handle, stream_key
 
 
 class _Protocol:
@@ -90,3 +92,27 @@ def test_set_debug_takes_a_bool_only():
 
 def test_check_errors_with_nothing_recorded_returns_none():
     assert cupy_paged.check_errors() is None
+
+
+def test_stream_key_tells_each_threads_per_thread_stream_apart():
+    """cudaStreamPerThread (handle 2) is a different stream in each host thread: its per-stream
+    buffers are keyed by thread too, so two threads never share a work list or workspace.  Every
+    other handle (the legacy default stream 0 and 1, created streams) is one stream for all threads."""
+    keys = {}
+    both_alive = threading.Barrier(2)  # a thread's ident may be reused once it has ended
+
+    def record(name, wait=True):
+        keys[name] = (stream_key(2), stream_key(0), stream_key(1), stream_key(0x7f00deadbeef))
+        if wait:
+            both_alive.wait(timeout=30)
+
+    threads = [threading.Thread(target=record, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    record("main", wait=False)
+    per_thread = {name: k[0] for name, k in keys.items()}
+    assert len(set(per_thread.values())) == 3, per_thread
+    assert all(key[0] == 2 for key in per_thread.values())
+    assert {k[1:] for k in keys.values()} == {(0, 1, 0x7f00deadbeef)}

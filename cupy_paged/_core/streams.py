@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import numbers
 import sys
+import threading
 
 from .arrays import TORCH, cupy
 
@@ -49,6 +50,24 @@ def handle(stream, kind: str, device: int) -> int:
             return value
     raise TypeError("stream must be an int handle, a CuPy stream, a torch stream or an object with "
                     f"__cuda_stream__; got {type(stream).__name__}")
+
+
+PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream in each host thread
+
+
+def stream_key(stream: int):
+    """What keeps per-stream state (buffers a launch keeps, arrays made on a stream) apart: the
+    handle, and for ``cudaStreamPerThread`` (handle 2, each host thread's own default stream, as
+    CuPy's ``Stream.ptds``) the thread too, since one handle names a stream per thread there.
+
+    Examples
+    --------
+    >>> stream_key(0), stream_key(1234)
+    (0, 1234)
+    >>> stream_key(2) == (2, threading.get_ident())
+    True
+    """
+    return stream if stream != PER_THREAD_STREAM else (stream, threading.get_ident())
 
 
 def is_capturing(stream: int) -> bool:

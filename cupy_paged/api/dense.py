@@ -6,7 +6,7 @@ import numpy as np
 from .. import kernels, reference
 from .._core import errors
 from .._core.arrays import CPU, CUPY, NUMPY, TORCH, Array, cupy_stream, kind_of, on_stream, read
-from .._core.streams import handle, is_capturing
+from .._core.streams import handle, is_capturing, stream_key
 from ._call import (FAST_KINDS, alloc_stream, check_fa2_flags, device_copy, host_result, on_device, readable,
                     reshaped, served_empty)
 from .varlen import prepare_varlen
@@ -26,7 +26,7 @@ def _uniform_cu_seqlens(batch: int, seqlen: int, device: int | None, stream: int
         raise ValueError(f"q holds {values[-1]} tokens; the kernels index at most 2**31 - 1")
     if device is None:
         return values.astype(np.int32)
-    key = (device, stream, batch, seqlen)
+    key = (device, stream_key(stream), batch, seqlen)
     found = _CU_SEQLENS.get(key)
     if found is None:
         if is_capturing(stream):

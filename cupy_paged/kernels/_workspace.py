@@ -1,7 +1,7 @@
 """Device buffers that launches keep between calls and only ever grow: the split-KV workspace of
 ``paged_decode``, the merge counts of a ragged launch and the work-list buffer of a device-listed
-one (per device and stream), and the identity block table of a contiguous decode cache (per
-device).
+one (per device and stream, as ``streams.stream_key`` tells streams apart), and the identity block
+table of a contiguous decode cache (per device).
 
 A per-stream buffer is allocated and filled on the stream that uses it, so it is ready there in
 stream order and a call that grows one waits for no other stream (no device sync).  The identity
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core.arrays import cupy_stream
-from .._core.streams import is_capturing
+from .._core.streams import is_capturing, stream_key
 
 _WORKSPACES: dict[tuple[int, int], object] = {}
 _WORK_LISTS: dict[tuple[int, int], object] = {}
@@ -55,7 +55,8 @@ def holds(num_floats: int, num_ints: int, num_counts: int, device: int, stream: 
     """Whether (device, stream)'s split workspace, work-list buffer and merge counts already hold
     ``num_floats``, ``num_ints`` and ``num_counts``: a launch that needs them can run without growing
     them (inside a capture)."""
-    return all(store.get((device, stream)) is not None and store[(device, stream)].size >= size
+    key = (device, stream_key(stream))
+    return all(store.get(key) is not None and store[key].size >= size
                for store, size in ((_WORKSPACES, num_floats), (_WORK_LISTS, num_ints),
                                    (_MERGE_COUNTS, num_counts)))
 
@@ -64,7 +65,7 @@ def split_workspace(num_floats: int, device: int, stream: int):
     """The float32 split-KV workspace of (device, stream), of at least ``num_floats``."""
     import cupy
 
-    return _grown(_WORKSPACES, (device, stream), num_floats, lambda n: cupy.empty(n, np.float32),
+    return _grown(_WORKSPACES, (device, stream_key(stream)), num_floats, lambda n: cupy.empty(n, np.float32),
                   "the split-KV workspace", device, stream)
 
 
@@ -74,7 +75,7 @@ def work_buffer(num_ints: int, device: int, stream: int):
     hand-over's ints first, then the list, written by the first CTA of a launch to start and read by its other CTAs."""
     import cupy
 
-    return _grown(_WORK_LISTS, (device, stream), num_ints, lambda n: cupy.zeros(n, np.int32),
+    return _grown(_WORK_LISTS, (device, stream_key(stream)), num_ints, lambda n: cupy.zeros(n, np.int32),
                   "the ragged work-list buffer", device, stream)
 
 
@@ -85,7 +86,7 @@ def merge_counts(num_counts: int, device: int, stream: int):
     zeros between launches."""
     import cupy
 
-    return _grown(_MERGE_COUNTS, (device, stream), num_counts, lambda n: cupy.zeros(n, np.int32),
+    return _grown(_MERGE_COUNTS, (device, stream_key(stream)), num_counts, lambda n: cupy.zeros(n, np.int32),
                   "the ragged merge counts", device, stream)
 
 

@@ -23,7 +23,7 @@ from .._core.errors import word
 from .._core.types import alibi_batch_stride, element_strides
 from .._core.compiler import get_function
 from ._launch import Launcher
-from .._core.streams import is_capturing
+from .._core.streams import is_capturing, stream_key
 from ._workspace import holds, merge_counts, split_workspace, work_buffer
 from .decode import _DECODE_LAYOUT, ROWS_PER_CTA, TILES, kernel_key, slots
 
@@ -141,16 +141,16 @@ class RaggedLaunch:
         self._list_span = self.launch.span(len(params) + _POINTERS, _LIST_ARGS)
         self.listed_on_device = False  # DeviceListLaunch's: every run passes the list's arguments
         self.errors = word(self.device)
-        # (stream, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
+        # (stream_key, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
         # only ever replaced by larger ones, and the replaced ones stay allocated (_workspace).
-        self._split_ptrs: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._split_ptrs: dict[tuple, tuple[int, int, int]] = {}
 
     def _split_buffers(self, slots: int, stream: int) -> tuple[int, int, int]:
         floats = workspace_floats(slots, self.num_kv_heads, self.head_dim)
         part_out = split_workspace(floats, self.device, stream).data.ptr
         part_lse = part_out + 4 * slots * self.num_kv_heads * ROWS_PER_CTA * self.head_dim
         counts = merge_counts(slots * self.num_kv_heads, self.device, stream).data.ptr
-        self._split_ptrs[(stream, slots)] = found = (part_out, part_lse, counts)
+        self._split_ptrs[(stream_key(stream), slots)] = found = (part_out, part_lse, counts)
         return found
 
     def run(self, ptrs: tuple, work: tuple, out_ptr: int, lse_ptr: int, stream: int, *spans) -> None:
@@ -166,7 +166,8 @@ class RaggedLaunch:
             raise RuntimeError("this launch lists its work on the device: run it through its DeviceListLaunch")
         part_out = part_lse = counts = 0
         if slots:
-            part_out, part_lse, counts = self._split_ptrs.get((stream, slots)) or self._split_buffers(slots, stream)
+            part_out, part_lse, counts = (self._split_ptrs.get((stream_key(stream), slots))
+                                          or self._split_buffers(slots, stream))
         struct_, at = self._pointer_span
         self.launch.launch((items * self.num_kv_heads, 1, 1), self.threads, self.smem, stream,
                            (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0,
@@ -217,14 +218,14 @@ class DeviceListLaunch:
         self.ints = WORK_INTS * self.max_items
         self.floats = workspace_floats(self.max_slots, ragged.num_kv_heads, ragged.head_dim)
         self.counts = self.max_slots * ragged.num_kv_heads
-        self._work_ptrs: dict[int, tuple] = {}  # stream -> its work list and hand-over ints (kept: see RaggedLaunch)
+        self._work_ptrs: dict = {}  # stream_key -> its work list and hand-over ints (kept: see RaggedLaunch)
         self._batch, self._seqlen_q, self._key_limit, self._per_head = batch, seqlen_q, key_limit, per_head
 
     def ready(self, stream: int) -> bool:
         """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
         capture before an eager call on that stream has sized its buffers (the callers then take
         the kernel they would take without balancing, which needs none)."""
-        return (stream in self._work_ptrs or holds(self.floats, self.ints + SYNC_INTS, self.counts, self.ragged.device,
+        return (stream_key(stream) in self._work_ptrs or holds(self.floats, self.ints + SYNC_INTS, self.counts, self.ragged.device,
                                                    stream) or not is_capturing(stream))
 
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
@@ -238,10 +239,11 @@ class DeviceListLaunch:
         hand-over's ints and the merge counts would be shared by two launches at once).  The
         hand-over's ints sit at the buffer's start (a fixed place, whatever list a launch writes
         after them)."""
-        found = self._work_ptrs.get(stream)
+        key = stream_key(stream)
+        found = self._work_ptrs.get(key)
         if found is None:
             sync = work_buffer(self.ints + SYNC_INTS, self.ragged.device, stream).data.ptr
-            found = self._work_ptrs[stream] = (sync + 4 * SYNC_INTS, sync)
+            found = self._work_ptrs[key] = (sync + 4 * SYNC_INTS, sync)
         work, sync = found
         ragged = self.ragged
         ragged.run(ptrs, (work, self.max_items, self.max_slots), out_ptr, lse_ptr, stream,
