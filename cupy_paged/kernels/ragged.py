@@ -225,8 +225,9 @@ class DeviceListLaunch:
         """Whether :meth:`run` can launch on ``stream`` now: always, except inside a CUDA graph
         capture before an eager call on that stream has sized its buffers (the callers then take
         the kernel they would take without balancing, which needs none)."""
-        return (stream_key(stream) in self._work_ptrs or holds(self.floats, self.ints + SYNC_INTS, self.counts, self.ragged.device,
-                                                   stream) or not is_capturing(stream))
+        return (stream_key(stream) in self._work_ptrs
+                or holds(self.floats, self.ints + SYNC_INTS, self.counts, self.ragged.device, stream)
+                or not is_capturing(stream))
 
     def run(self, ptrs: tuple, lengths: tuple, max_seqlen_q: int, out_ptr: int, lse_ptr: int, stream: int) -> None:
         """Launch on ``stream``.  ``ptrs``: as :meth:`RaggedLaunch.run`; ``lengths``: the
