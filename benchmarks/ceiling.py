@@ -34,25 +34,18 @@ extern "C" __global__ void read_stream(const int4* __restrict__ src, long long n
 
 def measure_read(gib: float = 4.0, reps: int = 10) -> float:
     """Bytes per second of a read-only stream over ``gib`` GiB of zeros on the current device: 16-byte
-    loads, 32 blocks of 256 threads per SM, median of ``reps`` passes after two."""
+    loads, 32 blocks of 256 threads per SM, the device time of one pass (bench_decode.median_ms)."""
     import cupy
+
+    from bench_decode import median_ms
 
     n = int(gib * 2**30) // 16
     src = cupy.zeros(n * 4, np.int32)
     sink = cupy.zeros(4, np.int32)
     kernel = cupy.RawKernel(_SOURCE, "read_stream")
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for i in range(reps + 2):
-        start.record()
-        kernel((sms * 32,), (256,), (src, np.int64(n), sink))
-        stop.record()
-        stop.synchronize()
-        if i >= 2:
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
-    del src
-    return 16 * n / float(np.median(times))
+    grid = (cupy.cuda.Device().attributes["MultiProcessorCount"] * 32,)
+    ms = median_ms(lambda: kernel(grid, (256,), (src, np.int64(n), sink)), warmup=2, reps=reps, chain=1)
+    return 16 * n / (ms * 1e-3)
 
 
 def uses_h200_ceiling(device_name: str) -> bool:
@@ -66,11 +59,11 @@ def read_bytes_per_s() -> float:
     Without a GPU (bench_e2e's CPU mode, which records a GPU floor beside its run) the issues' 4.44."""
     import cupy
 
-    if not cupy.cuda.is_available():
+    from bench_calls import device_name
+
+    if not cupy.cuda.is_available() or uses_h200_ceiling(device_name()):
         return H200_READ
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-    name = name.decode() if isinstance(name, bytes) else name
-    return H200_READ if uses_h200_ceiling(name) else measure_read()
+    return measure_read()
 
 
 def describe() -> dict:
@@ -80,8 +73,7 @@ def describe() -> dict:
 
 
 if __name__ == "__main__":
-    import cupy
+    from bench_calls import device_name
 
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-    print(name.decode() if isinstance(name, bytes) else name)
+    print(device_name())
     print(f"measured read stream {measure_read() / 1e12:.3f} TB/s; ceiling used {read_bytes_per_s() / 1e12:.3f} TB/s")
