@@ -688,8 +688,14 @@ def test_default_call_makes_no_host_copy_and_no_sync(name, kind, request, monkey
     if kind == "torch":
         request.getfixturevalue("torch_cuda")
     call = CALLS[name](_rng(name, kind))
-    expected = call.reference()
     call.fn(**device_args(call.args, kind))
+    _right_without_host_transfers(call, kind, monkeypatch)
+
+
+def _right_without_host_transfers(call: Call, kind: str, monkeypatch) -> None:
+    """``call`` on fresh device arguments of ``kind``, every host-copy and sync entry point
+    refused while it runs; its result and writes against the reference."""
+    expected = call.reference()
     args = device_args(call.args, kind)
     synchronize()
     with no_host_transfers_or_syncs(monkeypatch):
@@ -712,12 +718,7 @@ def test_flash_attn_func_on_new_shapes_makes_no_host_copy_and_no_sync(kind, requ
         call = Call(cupy_paged.flash_attn_func, dict(
             q=randn(rng, (2, 1, HEADS, DIM), F16), k=randn(rng, (2, seqlen_k, KV_HEADS, DIM), F16),
             v=randn(rng, (2, seqlen_k, KV_HEADS, DIM), F16), causal=True))
-        expected = call.reference()
-        args = device_args(call.args, kind)
-        synchronize()
-        with no_host_transfers_or_syncs(monkeypatch):
-            result = call.fn(**args)
-        compare(call, fetch(call, result, args), expected)
+        _right_without_host_transfers(call, kind, monkeypatch)
 
 
 @pytest.mark.parametrize("case", ["split workspace", "balanced work list"])
