@@ -118,8 +118,10 @@ class DecodeProducts:
         (m, k), n = a.shape, w.shape[1]
         if out is None:
             out = cupy.empty((m, n), out_dtype)
-        elif out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {(m, n)} {out_dtype} array; got {out.shape} {out.dtype}")
+        elif (out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous
+              or out.data.ptr % 8):
+            raise ValueError(f"out must be a C-contiguous, 8-byte aligned {(m, n)} {out_dtype} array; "
+                             f"got {out.shape} {out.dtype}")
         m_tiles, bn, splits = choose(m, n, k, self.sms)
         if variant is not None:
             bn, splits = variant
