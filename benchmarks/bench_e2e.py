@@ -20,9 +20,7 @@ Configurations (``--configs``, keys in brackets):
   kernel instead of inside the decode kernel (``LlamaModel.rotary_in_attention = False``);
   ``ours graphs tuned`` [ours-graphs-tuned] captures the decode graphs with the fastest of
   cuBLASLt's candidates timed per batch size for each product (``Engine(tune_products=True)``)
-  instead of cuBLAS's default kernels (the other configurations run on those even after it);
-  ``ours graphs cublas products`` [ours-graphs-cublas] runs every product on cuBLAS, where the
-  others run a step's products of at most 64 rows on ``llama.products`` (Hopper).
+  instead of cuBLAS's default kernels (the other configurations run on those even after it).
 * ``hf sdpa graphs`` / ``hf sdpa no-graphs`` [hf-sdpa-graphs, hf-sdpa]: ``generate_batch`` with
   ``attn_implementation="paged|sdpa"``.
 * ``hf cupy_paged graphs`` / ``hf cupy_paged no-graphs`` [hf-cupy_paged-graphs, hf-cupy_paged]:
@@ -130,7 +128,6 @@ class Spec:
     graph_attention: str = "decode"  # ours: the decode graphs' attention (Engine(graph_attention=))
     rotary_in_attention: bool = True  # ours: decode steps rotate inside the decode kernel (False: rotary_split)
     tune_products: bool = False  # ours: the decode graphs' products on the fastest timed cuBLAS kernel
-    decode_products: bool = True  # ours: products of at most 64 rows on llama.products (False: cuBLAS)
 
 
 SPECS = {s.key: s for s in (
@@ -140,7 +137,6 @@ SPECS = {s.key: s for s in (
     Spec("ours-graphs-rotary-split", "ours graphs rotary-split", "ours", True, prior_tok_s=55000,
          rotary_in_attention=False),
     Spec("ours-graphs-tuned", "ours graphs tuned", "ours", True, prior_tok_s=55000, tune_products=True),
-    Spec("ours-graphs-cublas", "ours graphs cublas products", "ours", True, prior_tok_s=55000, decode_products=False),
     Spec("ours", "ours no-graphs", "ours", False, prior_tok_s=3000),
     Spec("hf-cupy_paged-graphs", "hf cupy_paged graphs", "hf", True, "paged|flash_attention_2", 8200),
     Spec("hf-sdpa-graphs", "hf sdpa graphs", "hf", True, "paged|sdpa", 1860),
@@ -384,14 +380,12 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     """Serve ``prompts`` with ``llama.Engine`` after its warm-up; every request at once."""
     model = bench.ours
     model.rotary_in_attention = spec.rotary_in_attention and model.fused is not None
-    model.decode_products = spec.decode_products
     untuned = model.gemm.defaults() if model.gemm is not None and not spec.tune_products else contextlib.nullcontext()
     try:
         with untuned:  # products tuned by an earlier configuration are set aside for this one
             return _serve(bench, spec, n, prompts)
     finally:
         model.rotary_in_attention = model.fused is not None
-        model.decode_products = True
 
 
 def _serve(bench, spec: Spec, n: int, prompts: list) -> Run:

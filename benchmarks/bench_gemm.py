@@ -76,37 +76,6 @@ def ours(a, weights, rows_out: bool, reps: int, out_dtype=None, tuned: bool = Fa
     return (us, report) if tuned else us
 
 
-def decode_products(a, weights, reps: int, out_dtype=None, variant=None) -> float | None:
-    """The engine's decode-step products (``llama.products``, ``[K, N]`` weights) in the same
-    graphs, ``variant`` ``(bn, splits)`` or its own choice; None where it does not serve (more
-    than 64 rows, or no Hopper GPU).  Its result is checked against cuBLAS's first."""
-    import cupy
-    from llama.cublas import Gemm
-    from llama.products import DecodeProducts
-
-    products, stream = DecodeProducts(), cupy.cuda.Stream(non_blocking=True)
-    if not products.serves(a, weights[0], np.dtype(a.dtype if out_dtype is None else out_dtype)):
-        return None
-    per_graph, state = products_per_graph(len(weights)), {"i": 0}
-
-    def product():
-        products(a, weights[state["i"] % len(weights)], out_dtype, variant=variant)
-        state["i"] += 1
-
-    cupy.cuda.runtime.deviceSynchronize()
-    with stream:
-        got = products(a, weights[0], out_dtype, variant=variant).astype(np.float32)
-        want = Gemm()(a, weights[0], out_dtype).astype(np.float32)
-        error = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
-        if not error <= 1e-2:
-            raise AssertionError(f"llama.products {variant} differs from cuBLAS by {error:.3g} (relative)")
-        for _ in weights:
-            product()
-        stream.synchronize()
-    graph = captured(product, per_graph, stream)
-    return graph_us(lambda: graph.launch(stream=cupy.cuda.get_current_stream()), reps, per_graph)
-
-
 def torch_linear(a, weights, reps: int) -> float | None:
     """torch's ``F.linear`` on the same ``[N, K]`` weights (shared through DLPack), or None."""
     try:
@@ -141,16 +110,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results" / "gemm.json")
     parser.add_argument("--rows", default="64,256", help="comma-separated M values")
-    parser.add_argument("--variants", action="store_true",
-                        help="also time every (column tile, splits) of llama.products at M <= 64")
     parser.add_argument("--no-tuned", action="store_true", help="skip the Gemm.tune column")
     args = parser.parse_args(argv)
     cupy.random.seed(0)
     cases = []
-    from llama.products import SPLITS
-
     print(f"{'product':8} {'M':>4} {'MB':>6} {'floor us':>8} {'[K,N] us':>9} {'tuned us':>9} {'[N,K] us':>9} "
-          f"{'F.linear':>9} {'products':>9}  tuned kernel")
+          f"{'F.linear':>9}  tuned kernel")
     for name, k, n in PRODUCTS:
         nbytes = k * n * 2
         copies = max(2, math.ceil(L2_PASS / nbytes))
@@ -163,26 +128,13 @@ def main(argv=None) -> int:
             today, rows_out = ours(a, kn, False, args.reps, logits), ours(a, nk, True, args.reps, logits)
             tuned, report = (float("nan"), None) if args.no_tuned else ours(a, kn, False, args.reps, logits, tuned=True)
             peer = torch_linear(a, nk, args.reps)  # bf16 output throughout
-            decode = decode_products(a, kn, args.reps, logits)
             peers = {"ours, [N, K] weights": round(rows_out, 2), "ours tuned (Gemm.tune), [K, N] weights": round(tuned, 2)}
             if peer is not None:
                 peers["torch F.linear, [N, K] weights"] = round(peer, 2)
-            if decode is not None:
-                peers["llama.products (decode steps), [K, N] weights"] = round(decode, 2)
-            variants = {}
-            if args.variants and decode is not None:
-                for bn in (128, 64):
-                    for splits in SPLITS:
-                        if n % bn == 0 and (splits == 1 or k // 64 >= splits):
-                            us = decode_products(a, kn, args.reps, logits, (bn, splits))
-                            variants[f"bn{bn} splits{splits}"] = round(us, 2)
-                print(f"  {name} M={m} variants (us): {variants}", flush=True)
             cases.append({"name": f"{name} M={m} K={k} N={n}", "metric": "us per product", "value": round(today, 2),
-                          "floor": round(floor, 2), "peers": peers, "tune": report,
-                          **({"product_variants": variants} if variants else {})})
+                          "floor": round(floor, 2), "peers": peers, "tune": report})
             print(f"{name:8} {m:4} {nbytes / 1e6:6.1f} {floor:8.2f} {today:9.2f} {tuned:9.2f} {rows_out:9.2f} "
-                  f"{'-' if peer is None else f'{peer:9.2f}':>9} {'-' if decode is None else f'{decode:9.2f}':>9}"
-                  f"  {report}", flush=True)
+                  f"{'-' if peer is None else f'{peer:9.2f}':>9}  {report}", flush=True)
         del kn, nk
         cupy.get_default_memory_pool().free_all_blocks()
     args.out.parent.mkdir(parents=True, exist_ok=True)

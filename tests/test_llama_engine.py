@@ -414,8 +414,7 @@ def test_top_k_and_temperature():
 
 
 def test_llama_docstring_examples():
-    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine", "cublas", "parallel",
-                 "products"):
+    for name in ("config", "weights", "model", "sampling", "timing", "cuda_graphs", "engine", "cublas", "parallel"):
         module = importlib.import_module(f"llama.{name}")
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
 
@@ -453,30 +452,6 @@ def test_fused_kernels_compile_without_spills(dtype):
             nvrtc.destroyProgram(program)
         assert {k.kernel for k in kernels} == {"add_rms_norm", "rotary_split", "swiglu", "embed_rows", "argmax_rows"}
         assert all(k.spill_stores == k.spill_loads == 0 for k in kernels), kernels
-
-
-def test_decode_products_compile_without_spills():
-    """products.cu builds through NVRTC alone (no GPU) for sm_90 in every specialization the
-    engine can launch (bf16 and fp16, output in their dtype or float32, 1/2/4 row tiles, 64/128
-    columns, 1/2/4/8 splits), with no spills."""
-    import itertools
-
-    from cupy.cuda import nvrtc
-    from cupy_paged._core.nvrtc import cuda_include_dirs, parse_ptxas_log
-    from llama import products
-
-    for dtype, out, m_tiles, bn, splits in itertools.product((BF16, np.dtype(np.float16)), ("same", np.float32),
-                                                             (1, 2, 4), (64, 128), products.SPLITS):
-        out_dtype = dtype if out == "same" else out
-        program = nvrtc.createProgram(products.SOURCE.read_text(), "products.cu", [], [])
-        try:
-            nvrtc.compileProgram(program, [*products.options(dtype, out_dtype, m_tiles, bn, splits), "-arch=sm_90",
-                                           "-Xptxas=-v", *(f"-I{d}" for d in cuda_include_dirs())])
-            kernels = parse_ptxas_log(nvrtc.getProgramLog(program))
-        finally:
-            nvrtc.destroyProgram(program)
-        assert [k.kernel for k in kernels] == ["decode_product"], kernels
-        assert all(k.spill_stores == k.spill_loads == 0 for k in kernels), (dtype, out_dtype, m_tiles, bn, splits, kernels)
 
 
 # --------------------------------------------------------------------------- GPU
@@ -584,98 +559,6 @@ def test_every_cublaslt_candidate_matches_numpy_and_can_be_captured(dtype, out_d
     report = gemm.tune(m, n, k, dtype, out_dtype, rows_out)
     assert report["chosen"] == "gemmex" or report["chosen"].startswith("lt")
     check()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,out_dtype", [(BF16, None), (BF16, np.float32), (np.dtype(np.float16), None)], ids=str)
-def test_decode_products_match_numpy_and_can_be_captured(dtype, out_dtype):
-    """Every specialization of ``llama.products`` (column tiles of 64 and 128, 1 to 8 splits of K,
-    even and uneven) at 1 to 64 rows against float64 NumPy; the output written into the middle of
-    a NaN-poisoned buffer, whose rows around it stay NaN; a captured product's bits equal the eager
-    one's, and a row's bits do not depend on how many rows the product has."""
-    import cupy
-    from llama.products import SPLITS, DecodeProducts
-
-    products = DecodeProducts()
-    if not products.hopper:
-        pytest.skip("llama.products needs sm_90")
-    rng = np.random.default_rng(5)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    out_dtype = np.dtype(dtype if out_dtype is None else out_dtype)
-    tol = 1e-2 if out_dtype.itemsize == 2 else 4e-3
-    for k, n in ((512, 256), (704, 384)):  # 8 and 11 stages of K
-        a_all = rng.standard_normal((64, k)).astype(np.float32).astype(dtype)
-        w = rng.standard_normal((k, n)).astype(np.float32).astype(dtype)
-        dw = cupy.asarray(w)
-        for bn, splits in ((bn, s) for bn in (64, 128) for s in SPLITS if n % bn == 0):
-            first_rows = None
-            for m in (1, 13, 16, 33, 64):
-                a = a_all[:m]
-                want = a.astype(np.float64) @ w.astype(np.float64)
-                with stream:
-                    da = cupy.asarray(a)
-                    buffer = cupy.full((m + 2, n), np.nan, out_dtype)
-                    got = products(da, dw, out_dtype, out=buffer[1:m + 1], variant=(bn, splits))
-                    stream.begin_capture()
-                    try:
-                        captured = products(da, dw, out_dtype, variant=(bn, splits))
-                    finally:
-                        graph = stream.end_capture()
-                    graph.launch(stream=stream)
-                    stream.synchronize()
-                host = buffer.get()
-                assert np.isnan(host[0].astype(np.float32)).all() and np.isnan(host[-1].astype(np.float32)).all()
-                got = got.get()
-                assert np.isfinite(got.astype(np.float64)).all(), (bn, splits, m)
-                err = np.abs(got.astype(np.float64) - want)
-                assert err.max() <= tol * np.abs(want).max(), (bn, splits, m, err.max())
-                assert np.linalg.norm(err) <= tol * np.linalg.norm(want), (bn, splits, m)
-                np.testing.assert_array_equal(captured.get().view(np.uint8), got.view(np.uint8))
-                if first_rows is None:
-                    first_rows = got[:1]
-                np.testing.assert_array_equal(got[:1].view(np.uint8), first_rows.view(np.uint8))
-
-
-@pytest.mark.gpu
-def test_decode_step_on_decode_products_equals_cublas():
-    """A decode step's logits through the fused forward with its products on ``llama.products``
-    and on cuBLAS alike, within bfloat16 rounding (the prefill step before it on cuBLAS)."""
-    import cupy_paged
-
-    model, engine, _ = _gpu_engines(graph_sizes=[8])
-    if not model.products.hopper:
-        pytest.skip("llama.products needs sm_90")
-    for r in request_mix(count=5, vocab=1000, new_tokens=3):
-        engine.add_request(r)
-    served, cls = [], type(model.products)
-    original = cls.__call__
-
-    def spy(self, a, w, *args, **kwargs):
-        served.append(w.shape)
-        return original(self, a, w, *args, **kwargs)
-
-    with engine.stream:
-        for _ in range(20):  # prefill and mixed steps until every request decodes
-            plan = engine.scheduler.schedule()
-            if plan.path == "decode":
-                break
-            logits = model.forward(plan, engine.cache).get()
-            engine.scheduler.update(plan, [int(t) for t in logits.argmax(axis=-1)])
-        assert plan.path == "decode"
-        cls.__call__ = spy
-        try:
-            got = model.forward(plan, engine.cache).get()
-        finally:
-            cls.__call__ = original
-        model.decode_products = False
-        try:
-            want = model.forward(plan, engine.cache).get()  # writes the same K/V again
-        finally:
-            model.decode_products = True
-    assert len(served) == 4 * model.config.num_hidden_layers, served  # the LM head (vocab 1000) stays on cuBLAS
-    assert np.isfinite(got).all() and got.shape == want.shape
-    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
-    cupy_paged.check_errors()
 
 
 GPU_TINY = LlamaConfig(**{**TINY.__dict__, "hidden_size": 256, "head_dim": 64, "vocab_size": 1000,

@@ -5,8 +5,7 @@ arrays on the CUDA kernels; ``examples/serve_llama.py`` is the command line.
 
 Modules: ``config`` (the shape, HF ``config.json``), ``weights`` (random, safetensors read and
 write), ``model`` (the forward pass of one step), ``fused`` (its per-token steps on the GPU as
-one kernel each, ``fused.cu``), ``cublas`` (capturable matrix products), ``products`` (a
-decode step's products of at most 64 rows on our own kernel, ``products.cu``, Hopper), ``sampling`` (greedy /
+one kernel each, ``fused.cu``), ``cublas`` (capturable matrix products), ``sampling`` (greedy /
 temperature / top-k / top-p with a seed per request), ``timing`` (time by bucket),
 ``cuda_graphs`` (decode steps replayed as CUDA graphs), ``parallel`` (tensor parallelism),
 ``engine`` (the serving loop and its statistics).

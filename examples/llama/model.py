@@ -106,22 +106,13 @@ class LlamaModel:
         self.weight_layout = weight_layout
         rows_out = weight_layout == "out_in"
         self.gemm = None  # the GPU's llama.cublas.Gemm (tune_products chooses its kernels)
-        # Products of at most 64 rows (decode steps) on llama.products where it serves them (Hopper,
-        # [in, out] weights), the rest on cuBLAS; False: every product on cuBLAS.
-        self.products, self.decode_products = None, True
         if xp is np:
             self.matmul = (lambda a, w: np.matmul(a, w.T)) if rows_out else np.matmul
         else:
             from .cublas import Gemm
 
             self.gemm = Gemm()
-            if rows_out:
-                self.matmul = functools.partial(self.gemm, b_rows_out=True)
-            else:
-                from .products import DecodeProducts
-
-                self.products = DecodeProducts()
-                self.matmul = self._matmul
+            self.matmul = functools.partial(self.gemm, b_rows_out=True) if rows_out else self.gemm
         self.tuned_products: dict = {}  # (rows, product) -> llama.cublas.Gemm.tune's report
 
         def matrix(*names):  # HF [out, in] matrices -> one [in, sum(out)] (or [sum(out), in]) device matrix
@@ -163,13 +154,6 @@ class LlamaModel:
             self.rotary_tables_q = (cos_q, sin_q)
         # Decode steps on the fused path: rotary inside the attention launch (False: rotary_split).
         self.rotary_in_attention = self.fused is not None
-
-    def _matmul(self, a, w, out_dtype=None, out=None):
-        """``a @ w`` on the GPU: :class:`llama.products.DecodeProducts` for the products it serves
-        (``decode_products``), else cuBLAS."""
-        if self.decode_products and self.products.serves(a, w, a.dtype if out_dtype is None else out_dtype):
-            return self.products(a, w, out_dtype, out=out)
-        return self.gemm(a, w, out_dtype, out=out)
 
     def tune_products(self, rows: int) -> dict:
         """Time the candidate cuBLAS kernels of each of a step's products at ``rows`` tokens
