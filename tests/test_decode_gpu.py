@@ -413,6 +413,43 @@ def test_sanitize_holes_staged_ids():
             assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
 
 
+def test_sanitize_first_ids_read_before_the_lengths():
+    """Split 0 of a paged call reads its first tiles' block ids beside its length (decode.cu,
+    ids_early), up to the table row's width: the columns past what a sequence needs hold ids
+    outside the cache (every kind the error word would report) and must be neither used nor
+    reported.  Short sequences (0 to 2 tiles), one whose row is narrower than two tiles, new
+    tokens, splits and a window (which reads them after the lengths instead), every shape."""
+    import cupy
+
+    rng = np.random.default_rng(43)
+    try:  # what an earlier test's holes left in the error word
+        cupy_paged.check_errors()
+    except ValueError:
+        pass
+    # (lengths, extra columns): a wide row, and a row of two columns (32 keys, under two tiles)
+    for lengths, extra in (([0, 1, 15, 17, 40, 130, 63], 12), ([0, 5, 20], 0)):
+        case = make_case(rng, BF16, 128, 8, 2, 16, lengths, 1, 1, extra_columns=extra)
+        table = case["block_table"]
+        num_blocks = case["k_cache"].shape[0]
+        hostile = np.array([2 ** 31 - 1, -7, num_blocks, -1, 1 << 30], np.int32)
+        for b, cached in enumerate(lengths):
+            needed = (cached + 1 + 15) // 16  # the columns of the cached keys and the new token
+            table[b, needed:] = np.resize(hostile, table.shape[1] - needed)
+        for tiles in (None,) + CANDIDATES.get(128, ()):
+            for splits, window in ((1, (-1, -1)), (2, (-1, -1)), (1, (50, 0))):
+                ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case, window)
+                dev = {name: cupy.asarray(value) for name, value in case.items()}
+                out, lse = decode_on_gpu(tiles, **dev, causal=True, num_splits=splits, window_size=window,
+                                         return_softmax_lse=True,
+                                         out=poisoned(case["q"].shape, case["q"].dtype, cupy))
+                what = f"{lengths} {tiles.label() if tiles else 'registered'} splits={splits} window={window}"
+                assert_close(out, ref_out, BF16, what=what)
+                assert_close(lse, ref_lse, np.float32, what=f"{what} lse", rtol=LSE_RTOL)
+                assert_same_bits(dev["k_cache"], ref_k, f"{what} k_cache")
+                assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
+                assert cupy_paged.check_errors() is None, f"{what}: columns past the lengths reported"
+
+
 @pytest.mark.parametrize("batch", [48, 80])
 def test_grids_of_several_waves_take_the_small_shape(batch):
     """48 and 80 sequences x 8 kv heads (384 and 640 CTAs: two and three waves of the registered
