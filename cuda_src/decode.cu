@@ -409,33 +409,11 @@ __device__ __forceinline__ Cta locate(const DecodeParams& params) {
 }
 #endif
 
-#if !RAGGED
-// Whether the block ids of the range's first kStages - 1 tiles can be read before the sequence's
-// entries: a paged cache (table row b, every column usable), split 0 and no left window (the
-// range starts at key 0 whatever the length).
-__device__ __forceinline__ bool ids_early(const DecodeParams& params, const Cta& cta) {
-  return params.cache_rows == 0 && params.win_left < 0 && cta.split == 0;
-}
-#endif
-
 // Prologue, first round trip: the sequence's entries (Seq) and the Q tile [16 rows][D] (padding
-// rows zero) -> shared memory by cp.async, all in flight together; waited for.  Where ids_early
-// holds, the first tiles' block ids travel with them, bounded by the table row's width only (the
-// loader's read_blocks applies the sequence's own bound when it uses them), which saves the
-// loader's prologue a dependent round trip.
+// rows zero) -> shared memory by cp.async, all in flight together; waited for.
 __device__ __forceinline__ void load_sequence_and_q(const DecodeParams& params, const Cta& cta, const Buffers& buf,
                                                     const T* q, const int* cache_seqlens, const int* cache_batch_idx,
-                                                    const int* cache_leftpad, const int* block_table) {
-#if !RAGGED
-  if (ids_early(params, cta)) {
-    KeySource src;
-    src.table_row = block_table + (long long)cta.b * params.max_blocks;
-    src.blocks = paged::Blocks(params.block_shift);
-    const int limit = (int)min(src.blocks.positions(params.max_blocks), 0x7fffffffll);
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) issue_ids(src, s * kTileKeys, limit, buf.ids_s + s * kTileKeys * 4);
-  }
-#endif
+                                                    const int* cache_leftpad) {
   if (threadIdx.x == 0) {
 #if RAGGED
     buf.seq[kSeqLength] = cta.cached;  // the work item's: cache_seqlens, cache_batch_idx, cache_leftpad unused
@@ -651,17 +629,14 @@ struct Loader {
   }
 
   // Prologue, second round trip (the table row needs the sequence's entries): the block ids of the
-  // first kStages - 1 tiles, waited for, unless they came with the first (`ids_landed`:
-  // load_sequence_and_q); then those tiles, one cp.async group each.
+  // first kStages - 1 tiles, waited for; then those tiles, one cp.async group each.
   // issued_ok[s]: this thread's keys of tile s all loaded.
-  __device__ __forceinline__ void prologue(bool (&issued_ok)[kStages - 1], bool ids_landed) const {
-    if (!ids_landed) {
-      for (int s = 0; s < kStages - 1 && s < range.num_tiles; ++s)
-        issue_ids(src, range.start + s * kTileKeys, id_limit, buf.ids_s + s * kTileKeys * 4);
-      cp::cp_async_commit();
-      cp::cp_async_wait<0>();
-      __syncthreads();
-    }
+  __device__ __forceinline__ void prologue(bool (&issued_ok)[kStages - 1]) const {
+    for (int s = 0; s < kStages - 1 && s < range.num_tiles; ++s)
+      issue_ids(src, range.start + s * kTileKeys, id_limit, buf.ids_s + s * kTileKeys * 4);
+    cp::cp_async_commit();
+    cp::cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       issued_ok[s] = false;
@@ -1601,7 +1576,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
 #endif
 #endif
   const Buffers buf = buffers(smem_raw);
-  load_sequence_and_q(params, cta, buf, q, cache_seqlens, cache_batch_idx, cache_leftpad, block_table);
+  load_sequence_and_q(params, cta, buf, q, cache_seqlens, cache_batch_idx, cache_leftpad);
   KeySource src = key_source(params, cta, k_cache, v_cache, k_new, v_new);
   const Sequence sq = resolve_sequence(src, params, cta, buf.seq, block_table);
   const Rows rows = row_bounds(params, cta, sq.num_keys, alibi_slopes);
@@ -1614,11 +1589,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   const Loader loader = make_loader(src, buf, range, k_new != nullptr);
 #endif
   bool issued_ok[kStages - 1];
-#if RAGGED
-  loader.prologue(issued_ok, false);
-#else
-  loader.prologue(issued_ok, ids_early(params, cta));
-#endif
+  loader.prologue(issued_ok);
   const Rotary ro = make_rotary(params, rotary_cos, rotary_sin);
   rotate_q(ro, params, cta, smem_raw, sq.cached_end);
   append_new_tokens(src, sq, cta, ro, k_cache_w, v_cache_w);

@@ -413,12 +413,11 @@ def test_sanitize_holes_staged_ids():
             assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
 
 
-def test_sanitize_first_ids_read_before_the_lengths():
-    """Split 0 of a paged call reads its first tiles' block ids beside its length (decode.cu,
-    ids_early), up to the table row's width: the columns past what a sequence needs hold ids
-    outside the cache (every kind the error word would report) and must be neither used nor
-    reported.  Short sequences (0 to 2 tiles), one whose row is narrower than two tiles, new
-    tokens, splits and a window (which reads them after the lengths instead), every shape."""
+def test_sanitize_ids_past_the_lengths_are_never_used():
+    """The table columns past what a sequence needs hold ids outside the cache (every kind the
+    error word would report): they must be neither used nor reported, whichever shape, split or
+    window reads the first tiles' ids.  Short sequences (0 to 2 tiles), a row narrower than two
+    tiles, new tokens."""
     import cupy
 
     rng = np.random.default_rng(43)
