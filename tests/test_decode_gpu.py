@@ -386,14 +386,30 @@ def expected_with_holes(case, window=(-1, -1)):
     return np.stack(outs), np.stack(lses), k_cache, v_cache
 
 
+def check_with_holes(case, tiles, splits, window, label, **options):
+    """One decode call (seqlen_q 1, causal, LSE, NaN-poisoned out) on pipeline shape ``tiles``
+    against ``expected_with_holes``: the output, the LSE, and the whole caches bitwise."""
+    import cupy
+
+    ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case, window)
+    dev = {name: cupy.asarray(value) for name, value in case.items()}
+    out, lse = decode_on_gpu(tiles, **dev, causal=True, num_splits=splits, window_size=window,
+                             return_softmax_lse=True, out=poisoned(case["q"].shape, case["q"].dtype, cupy),
+                             **options)
+    what = f"{label}{tiles.label() if tiles else 'registered'} splits={splits} window={window}"
+    assert_close(out, ref_out, BF16, what=what)
+    assert_close(lse, ref_lse, np.float32, what=f"{what} lse", rtol=LSE_RTOL)
+    assert_same_bits(dev["k_cache"], ref_k, f"{what} k_cache")
+    assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
+    return what
+
+
 def test_sanitize_holes_staged_ids():
     """Block ids are staged in shared memory two tiles ahead of their data (decode.cu): long
     sequences (many tiles per CTA, every id slot reused), holes in the middle of a table, an id
     past the cache, a sequence longer than its table row, a window that starts inside a block,
     new tokens, splits; every CANDIDATES shape too.  Against the naive float64 attention with the
     holes masked, and the whole caches bitwise."""
-    import cupy
-
     rng = np.random.default_rng(41)
     case = make_case(rng, BF16, 128, 8, 2, 16, [1500, 999, 300, 17], 1, 1)
     case["block_table"][0, 20:23] = -1      # a hole of 48 keys inside sequence 0
@@ -401,51 +417,26 @@ def test_sanitize_holes_staged_ids():
     case["cache_seqlens"][2] = case["block_table"].shape[1] * 16 + 40  # keys past its table row
     for tiles in (None,) + CANDIDATES.get(128, ()):  # None: the registered shape, through the public function
         for splits, window in ((1, (-1, -1)), (3, (-1, -1)), (1, (700, 0))):
-            ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case, window)
-            dev = {name: cupy.asarray(value) for name, value in case.items()}
-            out, lse = decode_on_gpu(tiles, **dev, causal=True, num_splits=splits, window_size=window,
-                                     return_softmax_lse=True, check_values=False,
-                                     out=poisoned(case["q"].shape, case["q"].dtype, cupy))
-            what = f"{tiles.label() if tiles else 'registered'} splits={splits} window={window}"
-            assert_close(out, ref_out, BF16, what=what)
-            assert_close(lse, ref_lse, np.float32, what=f"{what} lse", rtol=LSE_RTOL)
-            assert_same_bits(dev["k_cache"], ref_k, f"{what} k_cache")
-            assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
+            check_with_holes(case, tiles, splits, window, "", check_values=False)
 
 
 def test_sanitize_ids_past_the_lengths_are_never_used():
     """The table columns past what a sequence needs hold ids outside the cache (every kind the
     error word would report): they must be neither used nor reported, whichever shape, split or
     window reads the first tiles' ids.  Short sequences (0 to 2 tiles), a row narrower than two
-    tiles, new tokens."""
-    import cupy
-
+    tiles, new tokens; default arguments."""
     rng = np.random.default_rng(43)
-    try:  # what an earlier test's holes left in the error word
-        cupy_paged.check_errors()
-    except ValueError:
-        pass
     # (lengths, extra columns): a wide row, and a row of two columns (32 keys, under two tiles)
     for lengths, extra in (([0, 1, 15, 17, 40, 130, 63], 12), ([0, 5, 20], 0)):
         case = make_case(rng, BF16, 128, 8, 2, 16, lengths, 1, 1, extra_columns=extra)
         table = case["block_table"]
-        num_blocks = case["k_cache"].shape[0]
-        hostile = np.array([2 ** 31 - 1, -7, num_blocks, -1, 1 << 30], np.int32)
+        hostile = np.array([2 ** 31 - 1, -7, case["k_cache"].shape[0], -1, 1 << 30], np.int32)
         for b, cached in enumerate(lengths):
             needed = (cached + 1 + 15) // 16  # the columns of the cached keys and the new token
             table[b, needed:] = np.resize(hostile, table.shape[1] - needed)
         for tiles in (None,) + CANDIDATES.get(128, ()):
             for splits, window in ((1, (-1, -1)), (2, (-1, -1)), (1, (50, 0))):
-                ref_out, ref_lse, ref_k, ref_v = expected_with_holes(case, window)
-                dev = {name: cupy.asarray(value) for name, value in case.items()}
-                out, lse = decode_on_gpu(tiles, **dev, causal=True, num_splits=splits, window_size=window,
-                                         return_softmax_lse=True,
-                                         out=poisoned(case["q"].shape, case["q"].dtype, cupy))
-                what = f"{lengths} {tiles.label() if tiles else 'registered'} splits={splits} window={window}"
-                assert_close(out, ref_out, BF16, what=what)
-                assert_close(lse, ref_lse, np.float32, what=f"{what} lse", rtol=LSE_RTOL)
-                assert_same_bits(dev["k_cache"], ref_k, f"{what} k_cache")
-                assert_same_bits(dev["v_cache"], ref_v, f"{what} v_cache")
+                what = check_with_holes(case, tiles, splits, window, f"{lengths} ")
                 assert cupy_paged.check_errors() is None, f"{what}: columns past the lengths reported"
 
 
