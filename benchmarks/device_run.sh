@@ -12,7 +12,7 @@
 #   BENCH_CALLS_ARGS (default none), SANITIZE_ARGS; T_ENGINE for the engine step;
 #   bench_mixed (T_BENCH_MIXED, BENCH_MIXED_ARGS), sanitize_ragged (SANITIZE_RAGGED_K: pytest -k),
 #   bench_e2e (T_BENCH_E2E, BENCH_E2E_ARGS), profile_engine (T_PROFILE_ENGINE, PROFILE_ENGINE_ARGS),
-#   fuzz (T_FUZZ, FUZZ_ARGS), trace_call (T_BENCH, TRACE_CALL_ARGS), cold_host (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS),
+#   fuzz (T_FUZZ, FUZZ_ARGS), trace_phases (T_BENCH), trace_call (T_BENCH, TRACE_CALL_ARGS), cold_host (T_BENCH), trace_list (T_BENCH, TRACE_LIST_ARGS),
 #   lse_check (T_BENCH), profile_host (T_PROFILE_HOST), ncu_graph and ncu_attention (T_NCU, NCU_ARGS), sanitize_suite (T_SANITIZE_SUITE, SUITE_TOOLS,
 #   SUITE_FILES, and sanitize.sh's SANITIZE_K / SANITIZE_T), load (T_LOAD, LOAD_ARGS),
 #   sanitizer_control (T_CONTROL: benchmarks/sanitizer_control.py under each tool, logs control_*.log)
@@ -61,6 +61,9 @@ for step in $steps; do
       rm -f benchmarks/results/decode_short.json
       run_step bench_decode_short bench_decode_short "${T_BENCH:-150}" python3 benchmarks/bench_decode.py --short-sweep
       collect_results ;;
+    trace_phases)  # the decode kernel's phases CTA by CTA on short grids (TRACE), cuDNN beside
+      run_step trace_phases trace_phases "${T_BENCH:-150}" python3 benchmarks/trace_phases.py
+      cp benchmarks/results/trace_phases.json "$OUT/" 2>/dev/null ;;
     bench_gemm)  # the example engine's products at M = 64 and 256: its [K, N] weights, [N, K], torch's F.linear
       rm -f benchmarks/results/gemm.json
       run_step bench_gemm bench_gemm "${T_BENCH:-150}" python3 benchmarks/bench_gemm.py

@@ -132,7 +132,10 @@ def _candidate_keys():
         return [make(BF16, head_dim, tiles) for head_dim, shapes in sorted(candidates.items()) for tiles in shapes]
 
     return (keys(decode.kernel_key, DECODE_CANDIDATES) + [decode.kernel_key(BF16, 128, trace=True),
-                                                        decode.kernel_key(BF16, 128, trace=True, ragged=True)]
+                                                        decode.kernel_key(BF16, 128, trace=True, ragged=True),
+                                                        # trace_phases.py's short grids on the small shape
+                                                        decode.kernel_key(BF16, 128, decode.SMALL_TILES[128],
+                                                                          trace=True)]
             + keys(varlen.kernel_key, MMA_CANDIDATES) + keys(varlen_wgmma.kernel_key, WGMMA_CANDIDATES)
             + [varlen_wgmma.kernel_key(BF16, 128, tiles, trace=True)  # what trace_varlen.py launches
                for tiles in _benchmark("trace_varlen").SHAPES.values()])

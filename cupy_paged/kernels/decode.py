@@ -108,7 +108,9 @@ _PARAMS_LAYOUT = "9q20i2f"
 _DECODE_LAYOUT = _PARAMS_LAYOUT + "19P"
 _TRACE_LAYOUT = _DECODE_LAYOUT + "P"
 # A trace row per CTA (decode.cu trace_row): start ns, ready ns (its work known), end ns, SM, number,
-# then (the device list's builder only, else zeros) seven stamps of its build (decode.cu build_stamp).
+# then seven stamps: of the device list's build in the RAGGED kernel (its builder's row only, else
+# zeros; decode.cu build_stamp), else the CTA's phases (decode.cu trace_phase: tile 0 landed, the
+# K/V loop drained, the rows stored) and four zeros.
 TRACE_COLUMNS = 12
 # combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
 _COMBINE_LAYOUT = "PPiqiiPP"
