@@ -994,16 +994,21 @@ __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader
 
 // ---------------------------------------------------------------------------- the output
 
+// Rows of this CTA's row group that are real (the rest of the 16 are the mma's padding).
+__device__ __forceinline__ int rows_here(const Cta& cta) { return min(kRows, cta.num_rows - cta.row_group * kRows); }
+
 // Row sums over each row's 4 lanes, then every warp's state -> the merge scratch (the drained
 // pipeline's buffers), published by a barrier.
 __device__ __forceinline__ void share_state(WarpState& st, unsigned char* smem_raw, const Cta& cta) {
   float* merge_o = reinterpret_cast<float*>(smem_raw);             // [kWarps][kRows][D]
   float* merge_m = merge_o + kWarps * kRows * kHeadDim;            // [kWarps][kRows]
   float* merge_l = merge_m + kWarps * kRows;                       // [kWarps][kRows]
+  const int real = rows_here(cta);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     st.l[hr] = cp::quad_sum(st.l[hr]);
     const int r = cta.g + 8 * hr;
+    if (r >= real) continue;  // a padding row: store_rows never reads it
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n)
       *reinterpret_cast<float2*>(merge_o + (cta.warp * kRows + r) * kHeadDim + n * 8 + 2 * cta.t) =
@@ -1016,56 +1021,79 @@ __device__ __forceinline__ void share_state(WarpState& st, unsigned char* smem_r
   __syncthreads();
 }
 
-// The warps' states merged per (row, dim) and stored: out and the LSE, or with num_splits > 1 the
-// split's normalised partial output and LSE in the workspace.  A row that saw no key: zeros and
-// LSE -inf, never 0/0.
+// The warps' states merged and stored, 8 dims (one 16-byte vector) of one real row per thread and
+// step: out and the LSE, or with num_splits > 1 the split's normalised partial output and LSE in the
+// workspace.  A row that saw no key: zeros and LSE -inf, never 0/0.  Padding rows are skipped (at
+// GQA 4 a CTA holds 4 real rows of 16), so a CTA of 64 threads stores 4 rows x 128 dims in one step.
 __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* smem_raw, T* out, float* lse,
                                            float* part_out, float* part_lse) {
+  constexpr int kVecs = kHeadDim / 8;  // 8-dim vectors per row
   const float* merge_o = reinterpret_cast<const float*>(smem_raw);
   const float* merge_m = merge_o + kWarps * kRows * kHeadDim;
   const float* merge_l = merge_m + kWarps * kRows;
   const int seqlen_q = cta.seqlen_q, num_heads = cta.num_heads;
   const long long rows_total = (long long)cta.batch * seqlen_q * num_heads;
-  for (int index = threadIdx.x; index < kRows * kHeadDim; index += kThreads) {
-    const int r = index / kHeadDim, d = index % kHeadDim;
+  // out is the caller's: 16-byte stores where its start allows (rows are kHeadDim apart, a multiple of 8).
+  const bool out_vec = (reinterpret_cast<unsigned long long>(out) & 15) == 0;
+  const int items = rows_here(cta) * kVecs;
+  for (int index = threadIdx.x; index < items; index += kThreads) {
+    const int r = index / kVecs, d = (index % kVecs) * 8;
     const int row = cta.row_group * kRows + r;
-    if (row >= cta.num_rows) continue;
     const int head = cta.kv_head * cta.group + row / seqlen_q, i = row % seqlen_q;
     float m_all = -inf();
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, merge_m[w * kRows + r]);
     const float m_max = m_all == -inf() ? 0.f : m_all;
-    float l_all = 0.f, o_all = 0.f;
+    float l_all = 0.f, o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float weight = exp2f(merge_m[w * kRows + r] - m_max);
       l_all += merge_l[w * kRows + r] * weight;
-      o_all += merge_o[(w * kRows + r) * kHeadDim + d] * weight;
+      const float4* src = reinterpret_cast<const float4*>(merge_o + (w * kRows + r) * kHeadDim + d);
+      const float4 a = src[0], c = src[1];
+      o[0] += a.x * weight; o[1] += a.y * weight; o[2] += a.z * weight; o[3] += a.w * weight;
+      o[4] += c.x * weight; o[5] += c.y * weight; o[6] += c.z * weight; o[7] += c.w * weight;
     }
-    const float value = l_all > 0.f ? o_all / l_all : 0.f;
+    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
     const float row_lse = l_all > 0.f ? (m_all + __log2f(l_all)) * kLn2 : -inf();
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] *= inv;
 #if RAGGED
     // out [T, H, D], lse [H, T] (FlashAttention-2's varlen layout), the slots [slot][Hkv][16][D].
     const long long token = (long long)cta.q_start + i;
-    if (cta.num_splits == 1) {
-      out[(token * num_heads + head) * kHeadDim + d] = cp::from_float<T>(value);
-      if (lse && d == 0) lse[(long long)head * cta.total_q + token] = row_lse;
-    } else {
-      const long long slot_row = ((long long)(cta.slot + cta.split) * cta.num_kv_heads + cta.kv_head) * kRows + r;
-      part_out[slot_row * kHeadDim + d] = value;
-      if (d == 0) part_lse[slot_row] = row_lse;
-    }
+    const long long out_at = (token * num_heads + head) * kHeadDim + d;
+    const bool single = cta.num_splits == 1;
+    const long long part_row = ((long long)(cta.slot + cta.split) * cta.num_kv_heads + cta.kv_head) * kRows + r;
+    const long long lse_at = single ? (long long)head * cta.total_q + token : part_row;
     (void)rows_total;
 #else
     const long long out_row = ((long long)cta.b * seqlen_q + i) * num_heads + head;
-    if (cta.num_splits == 1) {
-      out[out_row * kHeadDim + d] = cp::from_float<T>(value);
-      if (lse && d == 0) lse[((long long)cta.b * num_heads + head) * seqlen_q + i] = row_lse;
-    } else {
-      part_out[(cta.split * rows_total + out_row) * kHeadDim + d] = value;
-      if (d == 0) part_lse[cta.split * rows_total + out_row] = row_lse;
-    }
+    const long long out_at = out_row * kHeadDim + d;
+    const bool single = cta.num_splits == 1;
+    const long long part_row = cta.split * rows_total + out_row;
+    const long long lse_at = single ? ((long long)cta.b * num_heads + head) * seqlen_q + i : part_row;
 #endif
+    if (single) {
+      if (out_vec) {
+        uint4 packed;
+        packed.x = cp::from_float2(o[0], o[1], T());
+        packed.y = cp::from_float2(o[2], o[3], T());
+        packed.z = cp::from_float2(o[4], o[5], T());
+        packed.w = cp::from_float2(o[6], o[7], T());
+        *reinterpret_cast<uint4*>(out + out_at) = packed;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[out_at + e] = cp::from_float<T>(o[e]);
+      }
+      if (lse && d == 0) lse[lse_at] = row_lse;
+    } else {
+      float4* dst = reinterpret_cast<float4*>(part_out + part_row * kHeadDim + d);
+      dst[0] = make_float4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+      if (d == 0) part_lse[lse_at] = row_lse;
+    }
   }
 }
 

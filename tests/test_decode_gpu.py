@@ -440,6 +440,45 @@ def test_sanitize_ids_past_the_lengths_are_never_used():
                 assert cupy_paged.check_errors() is None, f"{what}: columns past the lengths reported"
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("tiles", [None] + list(CANDIDATES.get(128, ())), ids=lambda t: "registered" if t is None else t.label())
+def test_an_out_pointer_off_16_bytes_is_stored_element_by_element(tiles, dtype):
+    """The host refuses an ``out`` that does not start on 16 bytes, but a launch resolved once takes
+    later calls' pointers unchecked (a step plan's layers): the kernel then stores element by element
+    instead of in 16-byte vectors.  Every element of the shifted output right, the two bytes before
+    and the bytes after it untouched; the aligned call beside it equal bit for bit."""
+    import cupy
+
+    from cupy_paged.api.decode import prepare_decode
+    from cupy_paged.kernels import decode
+
+    rng = np.random.default_rng(47)
+    case = make_case(rng, dtype, 128, 8, 2, 16, [0, 1, 17, 100, 33], 1, 0)
+    host = {name: np.array(value) for name, value in case.items()}
+    ref_out, ref_lse = cupy_paged.flash_attn_with_kvcache(**host, return_softmax_lse=True)
+    dev = {name: cupy.asarray(value) for name, value in case.items()}
+    aligned = poisoned(case["q"].shape, dtype, xp=cupy)
+    p = prepare_decode(**dev, out=aligned, return_softmax_lse=True, check_values=False)
+    launch = decode.DecodeLaunch(p, tiles)
+    ptrs, cached_all, out, lse = decode.problem_args(p)
+    stream = cupy.cuda.get_current_stream().ptr
+    launch.run(p.q.kind, p.q.obj, ptrs, cached_all, out, None, stream)
+    size = aligned.size
+    shifted = poisoned((size + 16,), dtype, xp=cupy)
+    sentinel = np.array(7.0, dtype)
+    shifted[0] = shifted[size + 1:] = cupy.asarray(sentinel)
+    view = shifted[1:size + 1].reshape(case["q"].shape)
+    assert view.data.ptr % 16 == 2
+    got, got_lse = launch.run(p.q.kind, p.q.obj, ptrs, cached_all, (view, view.data.ptr), None, stream)
+    assert got is view
+    assert_close(view, ref_out, dtype)
+    assert_close(got_lse, ref_lse, np.float32, what="lse", rtol=LSE_RTOL)
+    edges = to_numpy(shifted)
+    assert_same_bits(edges[:1], np.full(1, sentinel, dtype), "the element before the shifted output")
+    assert_same_bits(edges[size + 1:], np.full(15, sentinel, dtype), "the elements after the shifted output")
+    assert_same_bits(to_numpy(view), to_numpy(aligned), "the shifted output against the aligned one")
+
+
 @pytest.mark.parametrize("batch", [48, 80])
 def test_grids_of_several_waves_take_the_small_shape(batch):
     """48 and 80 sequences x 8 kv heads (384 and 640 CTAs: two and three waves of the registered
