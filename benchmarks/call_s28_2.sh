@@ -3,7 +3,7 @@
 # c1dea07, carried).  Tests of every path that stores through store_rows (decode, balanced and
 # ragged launches, the calls, the FA2 features) and memcheck of the changed store cases on the new
 # code; then A/B in alternation: trace_phases.py (kernel time in graphs and the phases, cuDNN
-# beside), bench_mixed's ragged decode cases (64 x 4096 in trace_phases: the long grid, no drop).
+# beside), bench_mixed's ragged decode cases, bench_calls' short decode cases (eager, torch, cuDNN beside) (64 x 4096 in trace_phases: the long grid, no drop).
 # About 400 s.  Usage on the device: bash benchmarks/call_s28_2.sh (with .ab carried).
 export PYTHONUNBUFFERED=1
 NEW=$PWD BASE=$PWD/.ab/base
@@ -36,6 +36,7 @@ done
 for side in base new; do
   src=$NEW; [ $side = base ] && src=$BASE
   PYTHONPATH=$src step mixed_$side 60 python3 benchmarks/bench_mixed.py --cases "ragged decode,step chunk512" --out $OUT/ab/mixed_$side.json
+  PYTHONPATH=$src step calls_$side 60 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --cases "decode 64x128,decode 128x128,decode 64x4096" --out $OUT/ab/calls_$side.json
 
 done
 grep -h -E "^=== .* rc=|^shard" $R
@@ -58,6 +59,13 @@ for (name, shape), r in rows.items():
     epi = " / ".join(f"{r[s]['epilogue']:.2f}" if s in r else "-" for s in ("base1", "new1"))
     end = " / ".join(f"{r[s]['end'][2]:.2f}" if s in r else "-" for s in ("base1", "new1"))
     print(f"| {name} | {shape} | {k} | {cud} | {epi} | {end} |")
+for side in ("base", "new"):
+    try:
+        for c in json.load(open(f"{out}/calls_{side}.json"))["cases"]:
+            if "ratio" in c:
+                print(side, c["name"], "us", c["value"], "vs", c["vs"], c["peers"].get(c["vs"]), "ratio", c["ratio"], "host", c["host_us"], "b2b", c["back_to_back_us"])
+    except OSError:
+        pass
 for side in ("base", "new"):
     try:
         for c in json.load(open(f"{out}/mixed_{side}.json"))["cases"]:
