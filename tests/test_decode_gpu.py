@@ -458,8 +458,10 @@ def test_an_out_pointer_off_16_bytes_is_stored_element_by_element(tiles, dtype):
     ref_out, ref_lse = cupy_paged.flash_attn_with_kvcache(**host, return_softmax_lse=True)
     dev = {name: cupy.asarray(value) for name, value in case.items()}
     aligned = poisoned(case["q"].shape, dtype, xp=cupy)
-    p = prepare_decode(**dev, out=aligned, return_softmax_lse=True, check_values=False)
+    # One split: the kernel itself stores out (a split launch's combine_splits writes it instead).
+    p = prepare_decode(**dev, out=aligned, return_softmax_lse=True, num_splits=1, check_values=False)
     launch = decode.DecodeLaunch(p, tiles)
+    assert launch.splits == 1
     ptrs, cached_all, out, lse = decode.problem_args(p)
     stream = cupy.cuda.get_current_stream().ptr
     launch.run(p.q.kind, p.q.obj, ptrs, cached_all, out, None, stream)
