@@ -1,0 +1,73 @@
+# Session 28, device call 3: the A/B of call 2 again, done right, with a third side.  Calls 2 (and
+# the twenty-seventh session's call 1) ran the base side on the new code: the benchmark scripts put
+# their own checkout first on sys.path, ahead of PYTHONPATH.  Here each side runs from its own tree
+# (.ab/base: c1dea07; .ab/ids: this commit plus the twenty-seventh session's early block ids, v16;
+# the working tree: this commit), with the benchmarks and tests copied into it, and each run prints
+# the package and source folder it used.  The decode tests and memcheck on the ids tree; then, in
+# alternation, trace_phases.py (two rounds), bench_calls' short decode cases, bench_mixed's ragged
+# decode cases.  About 220 s.  Usage on the device: bash benchmarks/call_s28_3.sh (with .ab carried).
+export PYTHONUNBUFFERED=1
+NEW=$PWD
+R=$OUT/run.log; L=/tmp/s28logs; mkdir -p $L $OUT/ab
+pack() { tar czf $OUT/logs.tgz -C /tmp s28logs 2>/dev/null; tar czf $OUT/ab.tgz -C $OUT ab 2>/dev/null; }
+step() { local name=$1 limit=$2; shift 2; local t=$SECONDS; echo "=== $name: $*" >>$R; timeout $limit "$@" >>$R 2>&1; echo "=== $name rc=$? $((SECONDS-t))s" >>$R; pack; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>$R
+root() { case $1 in base) echo $NEW/.ab/base;; ids) echo $NEW/.ab/ids;; new) echo $NEW;; esac; }
+for side in base ids; do r=$(root $side); cp -r $NEW/benchmarks $NEW/tests $r/ 2>/dev/null; done
+for side in base ids new; do
+  r=$(root $side)
+  (cd $r && PYTHONPATH=$r python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_decode, cupy_paged; from cupy_paged._core import compiler; print('$side uses', cupy_paged.__file__, compiler.source_dir())") >>$R 2>&1
+done
+export PYTHONPATH=$NEW
+step warm 60 python3 -m cupy_paged warm --jobs 16 --filter HEAD_DIM=128
+IDS=$(root ids)
+( cd $IDS && t=$SECONDS; PYTHONPATH=$IDS timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_decode_gpu.py tests/test_calls_gpu.py >$L/ids_tests.log 2>&1; echo "ids tests rc=$? $((SECONDS-t))s $(tail -n1 $L/ids_tests.log)" >>$L/shards.txt ) &
+( cd $IDS && t=$SECONDS; PYTHONPATH=$IDS CUPY_PAGED_SANITIZER=memcheck timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_decode_gpu.py -k "sanitize or hole" >$L/ids_memcheck.log 2>&1; echo "ids memcheck rc=$? $((SECONDS-t))s $(tail -n1 $L/ids_memcheck.log)" >>$L/shards.txt ) &
+wait; cat $L/shards.txt >>$R; pack
+for round in 1 2; do
+  for side in base new ids; do
+    r=$(root $side); mkdir -p $OUT/ab/$side$round
+    (cd $r && PYTHONPATH=$r step phases_${side}$round 50 python3 benchmarks/trace_phases.py --reps 20 --out $OUT/ab/$side$round/trace_phases.json)
+  done
+done
+for side in base new ids; do
+  r=$(root $side)
+  (cd $r && PYTHONPATH=$r step calls_$side 50 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --cases "decode 64x128,decode 128x128,decode 64x4096" --out $OUT/ab/calls_$side.json)
+  (cd $r && PYTHONPATH=$r step mixed_$side 50 python3 benchmarks/bench_mixed.py --cases "ragged decode" --out $OUT/ab/mixed_$side.json)
+done
+rm -f $OUT/ab/*.png
+pack; rm -rf $OUT/ab
+grep -h -E "^=== .* rc=|^ids|uses" $R
+grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
+mkdir -p /tmp/abx && tar xzf $OUT/ab.tgz -C /tmp/abx
+python3 - <<'PY'
+import json
+out = "/tmp/abx/ab"
+sides = ("base1", "new1", "ids1", "base2", "new2", "ids2")
+rows = {}
+for side in sides:
+    try:
+        for c in json.load(open(f"{out}/{side}/trace_phases.json"))["cases"]:
+            rows.setdefault((c["name"], c["shape"]), {})[side] = c
+    except OSError:
+        pass
+print("| grid | shape | kernel " + " / ".join(sides) + " | cuDNN | epilogue b/n/i | tile0 p0,p50 b / n / i |")
+for (name, shape), r in rows.items():
+    k = " / ".join(f"{r[s]['kernel_us']:.2f}" if s in r else "-" for s in sides)
+    cud = r.get("new1", {}).get("cudnn_graph_us")
+    epi = " / ".join(f"{r[s]['epilogue']:.2f}" if s in r else "-" for s in ("base1", "new1", "ids1"))
+    t0 = " / ".join(f"{r[s]['tile0'][0]:.2f},{r[s]['tile0'][1]:.2f}" if s in r else "-" for s in ("base1", "new1", "ids1"))
+    print(f"| {name} | {shape} | {k} | {cud} | {epi} | {t0} |")
+for side in ("base", "new", "ids"):
+    try:
+        for c in json.load(open(f"{out}/calls_{side}.json"))["cases"]:
+            if "ratio" in c:
+                print(side, c["name"], "us", c["value"], "vs", c["vs"], c["peers"].get(c["vs"]), "ratio", c["ratio"], "host", c["host_us"], "b2b", c["back_to_back_us"])
+    except OSError:
+        pass
+    try:
+        for c in json.load(open(f"{out}/mixed_{side}.json"))["cases"]:
+            print(side, c["name"], "eager", c["value"], "floor", c["floor"], "b2b", c["back_to_back_us"].get("ours"), "kvcache b2b", c["back_to_back_us"].get("split"))
+    except OSError:
+        pass
+PY
