@@ -6,7 +6,12 @@
 # the package and source folder it used.  In alternation: trace_phases.py (two rounds, three sides),
 # then bench_calls' short decode cases and bench_mixed's ragged decode cases (base and new); the ids
 # tree's decode tests and memcheck only if its kernel won.  About 130-190 s.
-# Usage on the device: bash benchmarks/call_s28_3.sh (with .ab carried).
+# Usage on the device: bash benchmarks/call_s28_3.sh (with .ab carried).  The trees, made here first
+# (.ab is git-ignored):
+#   rm -rf .ab && mkdir -p .ab/base .ab/ids
+#   git archive c1dea07 cupy_paged cuda_src | tar x -C .ab/base
+#   git archive e71c628 cupy_paged cuda_src | tar x -C .ab/ids
+#   git show 7caae26 -- cuda_src/decode.cu | (cd .ab/ids && patch -p1)
 export PYTHONUNBUFFERED=1
 NEW=$PWD
 R=$OUT/run.log; L=/tmp/s28logs; mkdir -p $L $OUT/ab
