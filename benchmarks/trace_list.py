@@ -133,13 +133,15 @@ BUILD_PHASES = ("ticket", "staged", "first pass", "rounds", "buckets", "stored",
 
 
 def summarise(rows: np.ndarray, real_items: int) -> dict:
-    """The trace of one launch (rows: start, ready, end, SM, number, then the builder's stamps; ns)
+    """The trace of one launch (rows: start, ready, end, SM, number, the builder's stamps, the phases; ns)
     in microseconds from its first start; ``build_phases_us``: from ticket 0's start to each of its
     stamps (None where no CTA built a list)."""
     rows = rows.astype(np.int64)
     start, ready, end, _, number = rows[:, :5].T
     t0 = start.min()
+    tile0, drained = (rows[:, c] for c in decode_ops.TRACE_PHASES[:2])
     start, ready, end = (start - t0) / 1e3, (ready - t0) / 1e3, (end - t0) / 1e3
+    tile0, drained = (tile0 - t0) / 1e3, (drained - t0) / 1e3
     real = number // KV_HEADS < real_items
     pad = ~real
     first = number == 0
@@ -161,6 +163,10 @@ def summarise(rows: np.ndarray, real_items: int) -> dict:
         "padding_last_end_us": round(float(end[pad].max()), 2) if pad.any() else None,
         "busy_real_slot_us": round(float((end - ready)[real].sum()), 1),
         "build_phases_us": phases,
+        # Each real CTA's own phases (decode.cu trace_phase): its work known -> its first tile landed,
+        # and its K/V loop drained -> its end (the store, and a ragged split's merge).
+        "tile0_after_ready_us_p10_p50_p90": [pct((tile0 - ready)[real], p) for p in (10, 50, 90)],
+        "epilogue_us_p50_p90": [pct((end - drained)[real], p) for p in (50, 90)],
     }
 
 

@@ -52,7 +52,7 @@ def _pct(values, ps=(0, 50, 100)) -> list:
 def launch_phases(rows: np.ndarray) -> dict:
     """One launch's trace rows (``TRACE_COLUMNS`` each) as microseconds from its first CTA's start."""
     start, end = rows[:, 0], rows[:, 2]
-    tile0, loop, stored = rows[:, 5], rows[:, 6], rows[:, 7]
+    tile0, loop, stored = (rows[:, c] for c in decode_ops.TRACE_PHASES)
     t0 = start.min()
     rel = (lambda a: (a - t0) / 1e3)
     return {"start": _pct(rel(start)), "tile0": _pct(rel(tile0)), "loop": _pct(rel(loop)), "stored": _pct(rel(stored)),

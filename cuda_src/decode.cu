@@ -1513,22 +1513,20 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
 #if TRACE
 // The benchmark's trace row of this CTA (kernels/decode.py TRACE_COLUMNS): start ns, ready ns (its
 // work item known: after a device list's wait, the start elsewhere), end ns, SM, number (the
-// ticket of a device-listed CTA, else its linear index), then the builder's kBuildStamps (zeros in
-// every other row) in the RAGGED kernel, or in the others the CTA's phases (trace_phase): its
-// first tile landed, its K/V loop drained, its rows stored.
-constexpr int kTraceColumns = 12;
+// ticket of a device-listed CTA, else its linear index), then the device list builder's seven stamps
+// (columns 5-11; zeros in every other row and in the other kernels), then the CTA's phases
+// (trace_phase, columns 12-14): its first tile landed, its K/V loop drained, its rows stored.
+constexpr int kTraceColumns = 15;
 #if RAGGED
-static_assert(kTraceColumns == 5 + kBuildStamps, "the builder's stamps follow the five columns");
+static_assert(kTraceColumns == 5 + kBuildStamps + 3, "the builder's stamps follow the five columns, the phases them");
 #endif
 __device__ __forceinline__ unsigned long long* trace_row(unsigned long long* trace) {
   return trace + kTraceColumns * (blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z));
 }
-#if !RAGGED
-enum TracePhase { kTileZeroLanded = 5, kLoopDrained = 6, kRowsStored = 7 };
+enum TracePhase { kTileZeroLanded = 12, kLoopDrained = 13, kRowsStored = 14 };
 __device__ __forceinline__ void trace_phase(unsigned long long* trace, TracePhase column) {
   if (trace && threadIdx.x == 0) trace_row(trace)[column] = cp::global_ns();
 }
-#endif
 __device__ __forceinline__ void trace_ready(unsigned long long* trace, int number) {
   if (trace && threadIdx.x == 0) {
     trace_row(trace)[1] = cp::global_ns();
@@ -1633,19 +1631,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   report_bad_column(check_ids, buf.seq, cta.b, errors);
 
   WarpState st;
-#if TRACE && !RAGGED
+#if TRACE
   // Tile 0's wait, which the loop's first iteration makes anyway, made here to stamp it.
   cp::cp_async_wait<kStages - 2>();
   __syncthreads();
   trace_phase(trace, kTileZeroLanded);
 #endif
   attend(st, votes, loader, buf, cta, rows, mods, ro, sq.first_pos);
-#if TRACE && !RAGGED
+#if TRACE
   trace_phase(trace, kLoopDrained);
 #endif
   share_state(st, smem_raw, cta);
   store_rows(cta, smem_raw, out, lse, part_out, part_lse);
-#if TRACE && !RAGGED
+#if TRACE
   trace_phase(trace, kRowsStored);
 #endif
 #if RAGGED

@@ -61,7 +61,7 @@ from ._decode_shapes import (COMBINE_THREADS, MAX_SPLITS, ROWS_PER_CTA, SMALL_TI
                              fewer_waves, kernel_key, slots, tile_keys)
 
 __all__ = ["COMBINE_THREADS", "MAX_SPLITS", "ROWS_PER_CTA", "SMALL_TILES", "SOURCE", "STAGES", "TILE_ELEMS", "TILES",
-           "TRACE_COLUMNS", "WARPS", "BalancedDecodeLaunch", "DecodeLaunch", "Tiles", "all_keys", "balances",
+           "TRACE_COLUMNS", "TRACE_PHASES", "WARPS", "BalancedDecodeLaunch", "DecodeLaunch", "Tiles", "all_keys", "balances",
            "choose_splits", "choose_tiles", "ctas_per_sm", "fewer_waves", "kernel_key", "launch_for", "plan",
            "problem_args", "ptr", "reserve_workspace", "run", "slots", "tile_keys", "trace_size"]
 
@@ -108,10 +108,11 @@ _PARAMS_LAYOUT = "9q20i2f"
 _DECODE_LAYOUT = _PARAMS_LAYOUT + "19P"
 _TRACE_LAYOUT = _DECODE_LAYOUT + "P"
 # A trace row per CTA (decode.cu trace_row): start ns, ready ns (its work known), end ns, SM, number,
-# then seven stamps: of the device list's build in the RAGGED kernel (its builder's row only, else
-# zeros; decode.cu build_stamp), else the CTA's phases (decode.cu trace_phase: tile 0 landed, the
-# K/V loop drained, the rows stored) and four zeros.
-TRACE_COLUMNS = 12
+# then seven stamps of the device list's build (the RAGGED builder's row only, else zeros; decode.cu
+# build_stamp), then the CTA's phases (decode.cu trace_phase): tile 0 landed, the K/V loop drained,
+# the rows stored.
+TRACE_COLUMNS = 15
+TRACE_PHASES = (12, 13, 14)
 # combine_splits(part_out, part_lse, num_splits, rows_total, seqlen_q, num_heads, out, lse)
 _COMBINE_LAYOUT = "PPiqiiPP"
 _NO_STRIDES = (0, 0, 0)
