@@ -139,9 +139,9 @@ def summarise(rows: np.ndarray, real_items: int) -> dict:
     rows = rows.astype(np.int64)
     start, ready, end, _, number = rows[:, :5].T
     t0 = start.min()
-    tile0, drained = (rows[:, c] for c in decode_ops.TRACE_PHASES[:2])
     start, ready, end = (start - t0) / 1e3, (ready - t0) / 1e3, (end - t0) / 1e3
-    tile0, drained = (tile0 - t0) / 1e3, (drained - t0) / 1e3
+    has_phases = rows.shape[1] > max(decode_ops.TRACE_PHASES)
+    tile0, drained = ((rows[:, c] - t0) / 1e3 for c in decode_ops.TRACE_PHASES[:2]) if has_phases else (None, None)
     real = number // KV_HEADS < real_items
     pad = ~real
     first = number == 0
@@ -165,8 +165,8 @@ def summarise(rows: np.ndarray, real_items: int) -> dict:
         "build_phases_us": phases,
         # Each real CTA's own phases (decode.cu trace_phase): its work known -> its first tile landed,
         # and its K/V loop drained -> its end (the store, and a ragged split's merge).
-        "tile0_after_ready_us_p10_p50_p90": [pct((tile0 - ready)[real], p) for p in (10, 50, 90)],
-        "epilogue_us_p50_p90": [pct((end - drained)[real], p) for p in (50, 90)],
+        "tile0_after_ready_us_p10_p50_p90": [pct((tile0 - ready)[real], p) for p in (10, 50, 90)] if has_phases else None,
+        "epilogue_us_p50_p90": [pct((end - drained)[real], p) for p in (50, 90)] if has_phases else None,
     }
 
 

@@ -71,9 +71,10 @@ def test_trace_split_matches_launches_and_kernels_to_their_call(benchmarks):
 
 
 def test_trace_list_summary_tells_builder_waiters_work_and_padding(monkeypatch):
-    """trace_list.py's reading of a trace (start, ready, end, SM, number, then the builder's stamps, in
-    ns): the builder's time is ticket 0's start to ready, its phases its stamps from that start, real
-    CTAs are the items' kv heads, the rest padding."""
+    """trace_list.py's reading of a trace (start, ready, end, SM, number, the builder's stamps, then
+    each CTA's phases, in ns): the builder's time is ticket 0's start to ready, its phases its stamps
+    from that start, real CTAs are the items' kv heads, the rest padding; a real CTA's first tile
+    counts from its ready, its epilogue from its loop's end."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import numpy as np
     import trace_list
@@ -87,10 +88,16 @@ def test_trace_list_summary_tells_builder_waiters_work_and_padding(monkeypatch):
         # the builder (ticket 0) stamps its phases 0.5 us apart; the other rows leave them zero
         stamps = [start + 50_000 + 500 * (i + 1) for i in range(len(trace_list.BUILD_PHASES))] if number == 0 else \
             [0] * len(trace_list.BUILD_PHASES)
-        rows.append([start + 50_000, ready + 50_000, end + 50_000, number % 4, number] + stamps)
+        # tile 0 lands 3 us after ready, the loop drains 0.6 us before the end (padding CTAs leave first: zeros)
+        phases = [ready + 3000, end - 600, end - 100] if number // heads < 2 else [-50_000] * 3
+        rows.append([start + 50_000, ready + 50_000, end + 50_000, number % 4, number] + stamps +
+                    [at + 50_000 for at in phases])
     summary = trace_list.summarise(np.array(rows, np.uint64), real_items=2)
     assert list(summary["build_phases_us"].values()) == [0.5 * (i + 1) for i in range(len(trace_list.BUILD_PHASES))]
-    assert trace_list.summarise(np.array(rows, np.uint64)[:, :5], real_items=2)["build_phases_us"] is None
+    five = trace_list.summarise(np.array(rows, np.uint64)[:, :5], real_items=2)
+    assert five["build_phases_us"] is None and five["tile0_after_ready_us_p10_p50_p90"] is None
+    assert summary["tile0_after_ready_us_p10_p50_p90"] == [3.0, 3.0, 3.0]
+    assert summary["epilogue_us_p50_p90"] == [0.6, 0.6]
     assert summary["real_ctas"] == 2 * heads and summary["padding_ctas"] == heads
     assert summary["ticket0_ready_us"] == 4.0
     assert summary["first_real_ready_us"] == 4.0
@@ -98,3 +105,23 @@ def test_trace_list_summary_tells_builder_waiters_work_and_padding(monkeypatch):
     assert summary["real_duration_us_p10_p50_p90"][1] == 20.0
     assert summary["last_real_end_us"] == 24.0 and summary["span_us"] == 24.0
     assert summary["padding_last_end_us"] == 9.5 and summary["padding_duration_us_p50_p100"] == [7.5, 7.5]
+
+
+def test_trace_phases_reads_each_ctas_phases(monkeypatch):
+    """trace_phases.py's reading of one launch (start, ready, end, SM, number, the builder's seven
+    stamps, then tile 0 landed, the loop drained, the rows stored; ns): times from the first CTA's
+    start, each CTA's phase lengths, and the window in which tiles stream."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import numpy as np
+    import trace_phases
+
+    rows = []
+    for i in range(4):  # starts 0, 0.1, 0.2, 0.3 us; tile 0 after 3 us; loops of 5 us; stores of 0.5
+        start = 1_000_000 + 100 * i
+        tile0, drained = start + 3000, start + 8000
+        rows.append([start, start, drained + 500, 0, i] + [0] * 7 + [tile0, drained, drained + 400])
+    got = trace_phases.launch_phases(np.array(rows, np.int64))
+    assert got["start"] == [0.0, 0.15, 0.3] and got["tile0"] == [3.0, 3.15, 3.3]
+    assert got["prologue"] == 3.0 and got["loop_len"] == 5.0 and got["epilogue"] == 0.5
+    assert got["span"] == 8.8 and got["stored"][2] == 8.7
+    assert abs(got["stream_window"] - (8.3 - 3.15)) < 1e-9
