@@ -2,18 +2,14 @@
 # on a GPU), memcheck of the sanitize/hole cases, and trace_phases.py (the decode kernel's phases CTA
 # by CTA on short grids, cuDNN beside).  On an H200 (the issues' card) also the issues' benchmarks in
 # one run: bench_calls, bench_mixed, bench_e2e.  About 120 s on an H100, 520 s on an H200.
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-R=$OUT/run.log; L=/tmp/s28logs; mkdir -p $L
-P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
-pack() { tar czf $OUT/logs.tgz -C /tmp s28logs 2>/dev/null; }
-step() { local name=$1 limit=$2; shift 2; local t=$SECONDS; echo "=== $name: $*" >>$R; timeout $limit "$@" >>$R 2>&1; echo "=== $name rc=$? $((SECONDS-t))s" >>$R; pack; }
+export PYTHONPATH=$PWD
+CALL_LOGS=s28logs SHARD_LIMIT=150 . benchmarks/call_lib.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>$R
+gpu_line
 step warm 90 python3 -m cupy_paged warm --jobs 16
-shard() { local n=$1; shift; ( t=$SECONDS; timeout 150 "$@" >$L/shard_$n.log 2>&1; echo "shard $n rc=$? $((SECONDS-t))s $(tail -n1 $L/shard_$n.log)" >>$L/shards.txt ) & }
 shard decode $P tests/test_decode_gpu.py
 CUPY_PAGED_SANITIZER=memcheck shard memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $P tests/test_decode_gpu.py -k "sanitize or hole"
-wait; cat $L/shards.txt >>$R; pack
+shards_done
 step trace_phases 120 python3 benchmarks/trace_phases.py
 cp benchmarks/results/trace_phases.json $OUT/ 2>/dev/null
 if [[ $GPU == *H200* ]]; then
@@ -24,6 +20,5 @@ if [[ $GPU == *H200* ]]; then
 fi
 grep -h -E "^=== .* rc=|^shard" $R
 grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
-grep -h -A8 "^case  " $R | head -10
 sed -n '/^case  /,$p' $R | head -8
 grep -h -A12 "^| case\|^| requests" $R | head -50

@@ -12,12 +12,10 @@
 #   git archive c1dea07 cupy_paged cuda_src | tar x -C .ab/base
 #   git archive e71c628 cupy_paged cuda_src | tar x -C .ab/ids
 #   git show 7caae26 -- cuda_src/decode.cu | (cd .ab/ids && patch -p1)
-export PYTHONUNBUFFERED=1
 NEW=$PWD
-R=$OUT/run.log; L=/tmp/s28logs; mkdir -p $L $OUT/ab
-pack() { tar czf $OUT/logs.tgz -C /tmp s28logs 2>/dev/null; tar czf $OUT/ab.tgz -C $OUT ab 2>/dev/null; }
-step() { local name=$1 limit=$2; shift 2; local t=$SECONDS; echo "=== $name: $*" >>$R; timeout $limit "$@" >>$R 2>&1; echo "=== $name rc=$? $((SECONDS-t))s" >>$R; pack; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>$R
+CALL_LOGS=s28logs . benchmarks/call_lib.sh
+mkdir -p $OUT/ab
+gpu_line
 root() { case $1 in base) echo $NEW/.ab/base;; ids) echo $NEW/.ab/ids;; new) echo $NEW;; esac; }
 for side in base ids; do r=$(root $side); cp -r $NEW/benchmarks $NEW/tests $r/ 2>/dev/null; done
 for side in base ids new; do
@@ -45,9 +43,11 @@ print("ids wins:", wins)
 sys.exit(0 if any(wins) else 1)
 PY
 then
-  ( cd $IDS && t=$SECONDS; PYTHONPATH=$IDS timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_decode_gpu.py tests/test_calls_gpu.py >$L/ids_tests.log 2>&1; echo "ids tests rc=$? $((SECONDS-t))s $(tail -n1 $L/ids_tests.log)" >>$L/shards.txt ) &
-  ( cd $IDS && t=$SECONDS; PYTHONPATH=$IDS CUPY_PAGED_SANITIZER=memcheck timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_decode_gpu.py -k "sanitize or hole" >$L/ids_memcheck.log 2>&1; echo "ids memcheck rc=$? $((SECONDS-t))s $(tail -n1 $L/ids_memcheck.log)" >>$L/shards.txt ) &
-  wait; cat $L/shards.txt >>$R; pack
+  cd $IDS; export PYTHONPATH=$IDS SHARD_LIMIT=120
+  shard ids_tests $P tests/test_decode_gpu.py tests/test_calls_gpu.py
+  CUPY_PAGED_SANITIZER=memcheck shard ids_memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $P tests/test_decode_gpu.py -k "sanitize or hole"
+  shards_done
+  cd $NEW; export PYTHONPATH=$NEW
 fi
 for side in base new; do
   r=$(root $side)
@@ -56,37 +56,7 @@ for side in base new; do
 done
 rm -f $OUT/ab/*.png
 pack; rm -rf $OUT/ab
-grep -h -E "^=== .* rc=|^ids|uses" $R
+grep -h -E "^=== .* rc=|^shard|uses" $R
 grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
 mkdir -p /tmp/abx && tar xzf $OUT/ab.tgz -C /tmp/abx
-python3 - <<'PY'
-import json
-out = "/tmp/abx/ab"
-sides = ("base1", "new1", "ids1", "base2", "new2", "ids2")
-rows = {}
-for side in sides:
-    try:
-        for c in json.load(open(f"{out}/{side}/trace_phases.json"))["cases"]:
-            rows.setdefault((c["name"], c["shape"]), {})[side] = c
-    except OSError:
-        pass
-print("| grid | shape | kernel " + " / ".join(sides) + " | cuDNN | epilogue b/n/i | tile0 p0,p50 b / n / i |")
-for (name, shape), r in rows.items():
-    k = " / ".join(f"{r[s]['kernel_us']:.2f}" if s in r else "-" for s in sides)
-    cud = r.get("new1", {}).get("cudnn_graph_us")
-    epi = " / ".join(f"{r[s]['epilogue']:.2f}" if s in r else "-" for s in ("base1", "new1", "ids1"))
-    t0 = " / ".join(f"{r[s]['tile0'][0]:.2f},{r[s]['tile0'][1]:.2f}" if s in r else "-" for s in ("base1", "new1", "ids1"))
-    print(f"| {name} | {shape} | {k} | {cud} | {epi} | {t0} |")
-for side in ("base", "new", "ids"):
-    try:
-        for c in json.load(open(f"{out}/calls_{side}.json"))["cases"]:
-            if "ratio" in c:
-                print(side, c["name"], "us", c["value"], "vs", c["vs"], c["peers"].get(c["vs"]), "ratio", c["ratio"], "host", c["host_us"], "b2b", c["back_to_back_us"])
-    except OSError:
-        pass
-    try:
-        for c in json.load(open(f"{out}/mixed_{side}.json"))["cases"]:
-            print(side, c["name"], "eager", c["value"], "floor", c["floor"], "b2b", c["back_to_back_us"].get("ours"), "kvcache b2b", c["back_to_back_us"].get("split"))
-    except OSError:
-        pass
-PY
+python3 benchmarks/ab_summary.py /tmp/abx/ab base,new,ids

@@ -1060,18 +1060,17 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
     const float row_lse = l_all > 0.f ? (m_all + __log2f(l_all)) * kLn2 : -inf();
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] *= inv;
+    const bool single = cta.num_splits == 1;
 #if RAGGED
     // out [T, H, D], lse [H, T] (FlashAttention-2's varlen layout), the slots [slot][Hkv][16][D].
     const long long token = (long long)cta.q_start + i;
     const long long out_at = (token * num_heads + head) * kHeadDim + d;
-    const bool single = cta.num_splits == 1;
     const long long part_row = ((long long)(cta.slot + cta.split) * cta.num_kv_heads + cta.kv_head) * kRows + r;
     const long long lse_at = single ? (long long)head * cta.total_q + token : part_row;
     (void)rows_total;
 #else
     const long long out_row = ((long long)cta.b * seqlen_q + i) * num_heads + head;
     const long long out_at = out_row * kHeadDim + d;
-    const bool single = cta.num_splits == 1;
     const long long part_row = cta.split * rows_total + out_row;
     const long long lse_at = single ? ((long long)cta.b * num_heads + head) * seqlen_q + i : part_row;
 #endif
