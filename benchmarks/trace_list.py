@@ -172,7 +172,7 @@ def summarise(rows: np.ndarray, real_items: int) -> dict:
 
 def trace_one(make, calls: int, out) -> tuple[dict, float, object]:
     """The trace of the last of ``calls`` traced launches, the untraced launch's back-to-back median
-    (us) and a copy of the traced launch's output ``out``."""
+    (us), a copy of the traced launch's output ``out`` and its raw trace rows."""
     run, ctas, _ = make(None)
     b2b = bench_decode.median_ms(run, reps=30) * 1e3
     trace = cupy.zeros(ctas * decode_ops.TRACE_COLUMNS, np.uint64)
@@ -182,20 +182,22 @@ def trace_one(make, calls: int, out) -> tuple[dict, float, object]:
     cupy.cuda.get_current_stream().synchronize()
     rows = cupy.asnumpy(trace).reshape(-1, decode_ops.TRACE_COLUMNS)
     real_items = listed_items(listed) if listed is not None else ctas // KV_HEADS
-    return summarise(rows, real_items), b2b, out.copy()
+    return summarise(rows, real_items), b2b, out.copy(), rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--calls", type=int, default=8, help="traced launches of each; the last one is read")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="the JSON; the raw trace rows go beside it (.npz, one array a case and launch)")
     args = parser.parse_args(argv)
     import cupy_paged
 
     rng = np.random.default_rng(0)
     device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     report = {"date": datetime.date.today().isoformat(), "device": device, "cupy": cupy.__version__, "cases": []}
-    table = []
+    table, raw = [], {}
     for name in args.cases.split(","):
         case = Case(rng, CASES[name])
         public = bench_decode.ours([case.set])
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
         outs = {}
         for label, make in (("decode_kernel", case.decode_kernel), ("device_list", case.device_list),
                             ("host_list", case.host_list)):
-            summary, b2b, outs[label] = trace_one(make, args.calls, case.out)
+            summary, b2b, outs[label], raw[f"{name}/{label}"] = trace_one(make, args.calls, case.out)
             # The three launches compute the same attention: their outputs agree to bf16 rounding.
             diff = float(cupy.abs(outs[label].astype(np.float32) - outs["decode_kernel"].astype(np.float32)).max())
             row[label] = {"b2b_us": round(b2b, 2), "max_abs_diff_vs_decode_kernel": diff, **summary}
@@ -213,8 +215,9 @@ def main(argv=None) -> int:
         del case
         cupy.get_default_memory_pool().free_all_blocks()
     cupy_paged.check_errors()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    np.savez_compressed(args.out.with_suffix(".npz"), **raw)
     print("\n| case | path | b2b us | span us | ticket 0 ready | first real ready | wait p50/max | real dur p50 "
           "| last real end | padding CTAs / last end |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")

@@ -49,10 +49,15 @@ def _pct(values, ps=(0, 50, 100)) -> list:
     return [round(float(np.percentile(values, p)), 2) for p in ps]
 
 
+# Where the phase stamps are: trees before commit 912334c (an A/B's base side) kept them in
+# columns 5-7 and had no TRACE_PHASES.
+PHASES = getattr(decode_ops, "TRACE_PHASES", (5, 6, 7))
+
+
 def launch_phases(rows: np.ndarray) -> dict:
     """One launch's trace rows (``TRACE_COLUMNS`` each) as microseconds from its first CTA's start."""
     start, end = rows[:, 0], rows[:, 2]
-    tile0, loop, stored = (rows[:, c] for c in decode_ops.TRACE_PHASES)
+    tile0, loop, stored = (rows[:, c] for c in PHASES)
     t0 = start.min()
     rel = (lambda a: (a - t0) / 1e3)
     return {"start": _pct(rel(start)), "tile0": _pct(rel(tile0)), "loop": _pct(rel(loop)), "stored": _pct(rel(stored)),
