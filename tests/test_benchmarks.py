@@ -4,6 +4,7 @@ package no longer has fails here, in CI, rather than in a device call)."""
 import importlib
 import pathlib
 
+import numpy as np
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -52,3 +53,33 @@ def test_the_read_ceiling_kernel_compiles_and_only_the_h200_keeps_4_44(monkeypat
     assert ceiling.H200_READ == 4.44e12
     if not cupy.cuda.is_available():  # no card to measure: the issues' figure (bench_e2e's CPU mode)
         assert ceiling.read_bytes_per_s() == 4.44e12
+
+
+def test_the_eager_floor_kernel_compiles(monkeypatch):
+    """benchmarks/eager_floor.py: its empty kernel compiles for sm_90 (NVRTC needs no GPU)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import eager_floor
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(eager_floor._EMPTY, "empty.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90"])
+        assert b"empty" in nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def test_the_wave_model_times_one_item_and_a_shared_stream(monkeypatch):
+    """benchmarks/model_waves.py: one item alone is prologue + bytes at the CTA's rate + epilogue; two
+    items on one slot run in turn; items beyond the CTAs' own rates share the bandwidth."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import model_waves as m
+
+    one = m.simulate(np.array([100]), slots=8, bandwidth=1e9, rate=10.0, prologue=2.0, epilogue=1.0)
+    assert one == pytest.approx(2.0 + 100 * m.KB_PER_KEY / 10.0 + 1.0)  # every kv head in its own slot
+    serial = m.simulate(np.array([100]), slots=1, bandwidth=1e9, rate=10.0, prologue=2.0, epilogue=1.0)
+    assert serial == pytest.approx(m.KV_HEADS * one)
+    shared = m.simulate(np.array([100]), slots=8, bandwidth=8 * 10.0 / 2, rate=10.0, prologue=0.0, epilogue=0.0)
+    assert shared == pytest.approx(2 * 100 * m.KB_PER_KEY / 10.0)
+    keys = m.rule_items(m.BATCHES["1x32k+63x512"], 33)
+    assert keys.sum() == sum(m.BATCHES["1x32k+63x512"]) and keys[0] >= keys[-1]
