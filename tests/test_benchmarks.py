@@ -34,20 +34,26 @@ def test_interleaved_timing_takes_the_calls_in_turn(monkeypatch):
     assert result == {"a": 10.0 + 3, "b": 20.0 + 2}  # a: 0, 3, 4 -> 3; b: 1, 2, 5 -> 2
 
 
+def _ptx_for_sm90(source: str) -> bytes:
+    """The PTX of a benchmark's kernel source compiled for sm_90 by NVRTC (which needs no GPU)."""
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(source, "benchmark.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90"])
+        return nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 def test_the_read_ceiling_kernel_compiles_and_only_the_h200_keeps_4_44(monkeypatch):
     """benchmarks/ceiling.py: its read-stream kernel compiles for sm_90 (NVRTC needs no GPU), and the
     floors keep the issues' 4.44 TB/s on an H200 only (an H100's is measured in the run)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     ceiling = importlib.import_module("ceiling")
     import cupy
-    from cupy.cuda import nvrtc
 
-    program = nvrtc.createProgram(ceiling._SOURCE, "read_stream.cu", [], [])
-    try:
-        nvrtc.compileProgram(program, ["-arch=sm_90"])
-        assert b"read_stream" in nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
+    assert b"read_stream" in _ptx_for_sm90(ceiling._SOURCE)
     assert ceiling.uses_h200_ceiling("NVIDIA H200") and ceiling.uses_h200_ceiling("NVIDIA H200 NVL")
     assert not ceiling.uses_h200_ceiling("NVIDIA H100 80GB HBM3")
     assert ceiling.H200_READ == 4.44e12
@@ -59,14 +65,8 @@ def test_the_eager_floor_kernel_compiles(monkeypatch):
     """benchmarks/eager_floor.py: its empty kernel compiles for sm_90 (NVRTC needs no GPU)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import eager_floor
-    from cupy.cuda import nvrtc
 
-    program = nvrtc.createProgram(eager_floor._EMPTY, "empty.cu", [], [])
-    try:
-        nvrtc.compileProgram(program, ["-arch=sm_90"])
-        assert b"empty" in nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
+    assert b"empty" in _ptx_for_sm90(eager_floor._EMPTY)
 
 
 def test_the_wave_model_times_one_item_and_a_shared_stream(monkeypatch):
