@@ -193,6 +193,46 @@ def test_memo_lookup_reads_keys_and_falls_back(monkeypatch):
     assert arrays.memo_lookup({key: found}, arrays.CUPY, key_of, a, b, [1.5])[:2] == (None, None)
 
 
+class _TorchLike:
+    """Quacks like a torch tensor for the memoised path's readers, without torch."""
+
+    def __init__(self, shape):
+        self.shape, self.dtype = shape, np.dtype(np.float16)
+
+    def stride(self):
+        return (1,) * len(self.shape)
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return 8192
+
+
+def test_memo_lookup_starts_where_the_call_path_last_needed_each_arrays_reader(monkeypatch):
+    """A torch tensor beside a CuPy array fails the torch readers part-way; memo_lookup then reads
+    each array as its own kind, and later calls of that key function start there: the same key
+    (so the same memo entry), the per-array pointer reader, same-kind calls still keyed; another
+    key function keeps the kind's own readers."""
+    from cupy_paged._core import arrays
+
+    monkeypatch.setitem(arrays._KIND_OF_TYPE, _CupyLike, arrays.CUPY)
+    monkeypatch.setitem(arrays._KIND_OF_TYPE, _TorchLike, arrays.TORCH)
+    monkeypatch.setattr(arrays, "_FIRST_READER", {})
+    key_of = lambda s, a, b: ("call", s(a), s(b))  # noqa: E731
+    other_key_of = lambda s, a, b: ("other", s(a), s(b))  # noqa: E731
+    t, c = _TorchLike((2, 3)), _CupyLike((4,))
+    mixed = ("call", ((2, 3), (1, 1), np.dtype(np.float16), 0), ((4,), (8,), np.dtype(np.float16), 0))
+    found = object()
+    assert arrays.memo_lookup({mixed: found}, arrays.TORCH, key_of, t, c) == (mixed, found, arrays.data_ptr)
+    assert arrays._FIRST_READER == {(key_of, arrays.TORCH): 1}
+    assert arrays.memo_lookup({mixed: found}, arrays.TORCH, key_of, t, c) == (mixed, found, arrays.data_ptr)
+    same = ("call", ((2, 3), (1, 1), np.dtype(np.float16), 0), ((5,), (1,), np.dtype(np.float16), 0))
+    assert arrays.memo_lookup({}, arrays.TORCH, key_of, t, _TorchLike((5,)))[0] == same
+    assert arrays.memo_lookup({}, arrays.TORCH, other_key_of, t, _TorchLike((5,)))[2] is arrays.FAST_READERS[arrays.TORCH][1]
+    assert arrays.memo_lookup({}, arrays.TORCH, key_of, t, np.zeros(4, np.float16))[:2] == (None, None)
+
+
 def test_torch_stream_wraps_the_default_stream_not_a_new_one():
     """A raw handle becomes torch's stream object of that very handle: 0 is the legacy default
     stream, which torch's ExternalStream(0) does not wrap (it makes a pooled stream, so a copy put
