@@ -1,7 +1,8 @@
 # Session 29, device call 3: graded split ranges in the RAGGED kernel (NOTES_mixed.md, twenty-ninth
 # session), tested and timed against the previous commit's tree (.ab/base2, run from its own folder
 # with the benchmarks copied in); the GPU tests of memo_lookup's reader order with them.  On an H200
-# (the issues' card) also bench_calls and bench_e2e on this code.  About 250 s (H100), 560 s (H200).
+# (the issues' card) also the whole bench_mixed and bench_calls on this code.  About 250 s (H100), 380 s
+# (H200).
 # Usage on the device: bash benchmarks/call_s29_3.sh (with .ab carried).  The tree, made first:
 #   rm -rf .ab/base2 && mkdir -p .ab/base2 && git archive 3531a78 cupy_paged cuda_src | tar x -C .ab/base2
 NEW=$PWD BASE=$PWD/.ab/base2
@@ -33,7 +34,6 @@ done
 if [[ $GPU == *H200* ]]; then
   step mixed_all 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
   step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
-  step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
 fi
 rm -f $OUT/ab/mixed_base*.png $OUT/ab/mixed_new*.png
 pack; rm -rf $OUT/ab
