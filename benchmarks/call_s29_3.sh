@@ -15,7 +15,7 @@ cp -r $NEW/benchmarks $BASE/ 2>/dev/null
 (cd $BASE && PYTHONPATH=$BASE python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_mixed, cupy_paged; print('base uses', cupy_paged.__file__)") >>$R 2>&1
 export PYTHONPATH=$NEW
 step warm 90 python3 -m cupy_paged warm --jobs 16
-SHARD_LIMIT=150
+SHARD_LIMIT=120
 shard ragged $P tests/test_ragged.py
 shard balanced $P tests/test_balanced_gpu.py
 shard mixed_kinds $P tests/test_plan.py tests/test_arrays.py tests/test_worked_examples.py tests/test_merge.py
@@ -25,7 +25,7 @@ shard memcheck_ragged compute-sanitizer --tool memcheck --report-api-errors no -
 unset CUPY_PAGED_SANITIZER
 shards_done
 for round in 1 2; do
-  [ $round = 2 ] && [ $SECONDS -gt 220 ] && break  # the second round only while device time lasts
+  [ $round = 2 ] && [ $SECONDS -gt 170 ] && break  # the second round only while device time lasts
   for side in base new; do
     r=$NEW; [ $side = base ] && r=$BASE
     (cd $r && export PYTHONPATH=$r && step mixed_$side$round 60 python3 benchmarks/bench_mixed.py --cases "ragged decode" --out $OUT/ab/mixed_$side$round.json)
