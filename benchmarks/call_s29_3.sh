@@ -3,8 +3,11 @@
 # with the benchmarks copied in); the GPU tests of memo_lookup's reader order with them.  On an H200
 # (the issues' card) also the whole bench_mixed and bench_calls on this code.  About 250 s (H100), 380 s
 # (H200).
-# Usage on the device: bash benchmarks/call_s29_3.sh (with .ab carried).  The tree, made first:
-#   rm -rf .ab/base2 && mkdir -p .ab/base2 && git archive 3531a78 cupy_paged cuda_src | tar x -C .ab/base2
+# Not run: the twenty-ninth session's device time ran out on failed starts, and the change was
+# reverted (e4747d2's parent has it).  To run it: `git revert <the revert>` first, then make the base
+# tree from the commit before that (its kernels are the reverted state), then on the device
+# bash benchmarks/call_s29_3.sh (with .ab carried):
+#   rm -rf .ab/base2 && mkdir -p .ab/base2 && git archive <commit before the re-apply> cupy_paged cuda_src | tar x -C .ab/base2
 NEW=$PWD BASE=$PWD/.ab/base2
 CALL_LOGS=s29logs3 . benchmarks/call_lib.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
