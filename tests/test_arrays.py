@@ -218,19 +218,22 @@ def test_memo_lookup_starts_where_the_call_path_last_needed_each_arrays_reader(m
 
     monkeypatch.setitem(arrays._KIND_OF_TYPE, _CupyLike, arrays.CUPY)
     monkeypatch.setitem(arrays._KIND_OF_TYPE, _TorchLike, arrays.TORCH)
-    monkeypatch.setattr(arrays, "_FIRST_READER", {})
+    monkeypatch.setattr(arrays, "_MIXED", set())
     key_of = lambda s, a, b: ("call", s(a), s(b))  # noqa: E731
     other_key_of = lambda s, a, b: ("other", s(a), s(b))  # noqa: E731
     t, c = _TorchLike((2, 3)), _CupyLike((4,))
     mixed = ("call", ((2, 3), (1, 1), np.dtype(np.float16), 0), ((4,), (8,), np.dtype(np.float16), 0))
     found = object()
     assert arrays.memo_lookup({mixed: found}, arrays.TORCH, key_of, t, c) == (mixed, found, arrays.data_ptr)
-    assert arrays._FIRST_READER == {(key_of, arrays.TORCH): 1}
+    assert arrays._MIXED == {(key_of, arrays.TORCH)}
     assert arrays.memo_lookup({mixed: found}, arrays.TORCH, key_of, t, c) == (mixed, found, arrays.data_ptr)
     same = ("call", ((2, 3), (1, 1), np.dtype(np.float16), 0), ((5,), (1,), np.dtype(np.float16), 0))
     assert arrays.memo_lookup({}, arrays.TORCH, key_of, t, _TorchLike((5,)))[0] == same
     assert arrays.memo_lookup({}, arrays.TORCH, other_key_of, t, _TorchLike((5,)))[2] is arrays.FAST_READERS[arrays.TORCH][1]
     assert arrays.memo_lookup({}, arrays.TORCH, key_of, t, np.zeros(4, np.float16))[:2] == (None, None)
+    # A host array keys nothing either way: it does not move a call path to each array's reader.
+    assert arrays.memo_lookup({}, arrays.TORCH, other_key_of, t, np.zeros(4, np.float16))[:2] == (None, None)
+    assert (other_key_of, arrays.TORCH) not in arrays._MIXED
 
 
 def test_torch_stream_wraps_the_default_stream_not_a_new_one():

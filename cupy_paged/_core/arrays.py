@@ -182,11 +182,11 @@ def data_ptr(obj) -> int:
 
 # The readers a memoised call tries in turn, by the kind of its first array.
 READERS = {kind: (FAST_READERS[kind], (signature, data_ptr)) for kind in FAST_READERS}
-# Which of them a call path (its key function) and kind try first: 1 once a call there needed each
-# array's own reader (torch tensors beside a CuPy cache, say: an application keeps its mix), so
-# such calls skip the first kind's pass that fails part-way (about 3 us) and same-kind calls there
-# pay each array's kind lookup (about 0.1 us an array).  At most one entry a call path and kind.
-_FIRST_READER: dict = {}
+# The call paths (key function, kind) whose calls needed each array's own reader (torch tensors
+# beside a CuPy cache, say: an application keeps its mix): they start with it, skipping the first
+# kind's pass that fails part-way (about 3 us); their same-kind calls pay each array's kind lookup
+# (about 0.1 us an array).  Empty in a process that never mixes, so the usual call tests it only.
+_MIXED: set = set()
 
 
 def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
@@ -197,18 +197,20 @@ def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
     argument, or an array that is neither a CuPy array nor a torch tensor.  Where a call of this
     ``key_of`` and ``kind`` needed each array's own reader, later calls start with it."""
     readers = READERS[kind]
-    first = _FIRST_READER.get((key_of, kind), 0)
-    for i in (first, 1 - first):
-        s, ptr = readers[i]
+    if _MIXED and (key_of, kind) in _MIXED:
+        readers = readers[1:]
+    failed = False
+    for s, ptr in readers:
         try:
             key = key_of(s, *args)
             found = memo.get(key)
         except OTHER_KIND:
+            failed = True
             continue
-        except TypeError:  # unhashable: no memo keys the call
+        except TypeError:  # unhashable, or an array of no kind a memo keys (a host array): no entry
             break
-        if i != first:
-            _FIRST_READER[(key_of, kind)] = i
+        if failed:  # the kind's readers failed on an array that each array's own reader keyed
+            _MIXED.add((key_of, kind))
         return key, found, ptr
     return None, None, data_ptr
 
