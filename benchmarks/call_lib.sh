@@ -18,3 +18,22 @@ step() { local name=$1 limit=$2; shift 2; local t=$SECONDS; echo "=== $name: $*"
 shard() { local n=$1; shift; ( t=$SECONDS; timeout "${SHARD_LIMIT:-170}" "$@" >"$L/shard_$n.log" 2>&1; echo "shard $n rc=$? $((SECONDS-t))s $(tail -n1 "$L/shard_$n.log")" >>"$L/shards.txt" ) & }
 shards_done() { wait; cat "$L/shards.txt" >>"$R" 2>/dev/null; pack; }
 gpu_line() { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>"$R"; }
+# uses SIDE ROOT: which package and kernel source the tree ROOT imports (an A/B side's record in $R)
+uses() {
+  (cd "$2" && PYTHONPATH="$2" python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import cupy_paged; from cupy_paged._core import compiler; print('$1 uses', cupy_paged.__file__, compiler.source_dir())") >>"$R" 2>&1
+}
+# store_path_tests: the GPU tests of every path that stores through the decode kernel's store_rows
+# (decode, calls, FA2 features, worked examples, plan, merge, ragged, balanced) and memcheck of its
+# store, hole and off-16-bytes cases and of the ragged window/softcap/ALiBi and head-dim cases, in
+# shards, waited for
+store_path_tests() {
+  shard decode $P tests/test_decode_gpu.py
+  shard calls $P tests/test_calls_gpu.py
+  shard fa2 $P tests/test_fa2_features_gpu.py tests/test_worked_examples.py tests/test_plan.py tests/test_merge.py
+  shard ragged $P tests/test_ragged.py
+  shard balanced $P tests/test_balanced_gpu.py
+  local M="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
+  CUPY_PAGED_SANITIZER=memcheck shard memcheck $M $P tests/test_decode_gpu.py tests/test_calls_gpu.py -k "sanitize or hole or off_16"
+  CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $M $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes"
+  shards_done
+}

@@ -4,7 +4,7 @@
 # trace_phases.py, bench_mixed's ragged decode cases and bench_calls' short decode cases, meant as an
 # A/B against .ab/base (c1dea07) but, as run, both sides timed this code: every benchmark script puts
 # its own checkout first on sys.path, ahead of PYTHONPATH (NOTES_decode.md v16, correction).
-# call_s28_3.sh is the A/B done right.  About 400 s.  Usage on the device: bash benchmarks/call_s28_2.sh.
+# call_s29_1.sh is the A/B done right.  About 400 s.  Usage on the device: bash benchmarks/call_s28_2.sh.
 NEW=$PWD BASE=$PWD/.ab/base
 CALL_LOGS=s28logs . benchmarks/call_lib.sh
 mkdir -p $OUT/ab
@@ -12,16 +12,7 @@ gpu_line
 [ -f $BASE/cuda_src/decode.cu ] || { echo "no .ab/base: carry .ab" >>$R; }
 export PYTHONPATH=$NEW
 step warm 90 python3 -m cupy_paged warm --jobs 16
-shard decode $P tests/test_decode_gpu.py
-shard calls $P tests/test_calls_gpu.py
-shard fa2 $P tests/test_fa2_features_gpu.py tests/test_worked_examples.py tests/test_plan.py tests/test_merge.py
-shard ragged $P tests/test_ragged.py
-shard balanced $P tests/test_balanced_gpu.py
-export CUPY_PAGED_SANITIZER=memcheck
-shard memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $P tests/test_decode_gpu.py tests/test_calls_gpu.py -k "sanitize or hole or off_16"
-shard memcheck_ragged compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes"
-unset CUPY_PAGED_SANITIZER
-shards_done
+store_path_tests
 for round in 1 2; do
   for side in base new; do
     src=$NEW; [ $side = base ] && src=$BASE

@@ -3,7 +3,7 @@
 #  1. Tests of every path that stores through store_rows or writes TRACE rows (decode, calls, FA2
 #     features, ragged, balanced), memcheck of the store and hole cases: the TRACE-column and
 #     hoisted-`single` edits never ran on a GPU.
-#  2. The A/B of call_s28_3.sh: each side from its own tree, benchmarks and tests copied in, each
+#  2. The A/B that call_s28_3.sh (never run; removed) meant: each side from its own tree, benchmarks and tests copied in, each
 #     printing the package and source it imported.  base = c1dea07 (before the vector stores),
 #     new = this commit, ids = this commit plus v16 (the first tiles' block ids in the first round
 #     trip).  trace_phases.py two rounds of three sides; bench_calls' short decode cases and
@@ -25,22 +25,10 @@ gpu_line
 [ -f $NEW/.ab/ids/cuda_src/decode.cu ] || echo "no .ab trees: carry .ab" >>$R
 root() { case $1 in base) echo $NEW/.ab/base;; ids) echo $NEW/.ab/ids;; new) echo $NEW;; esac; }
 for side in base ids; do r=$(root $side); cp -r $NEW/benchmarks $NEW/tests $r/ 2>/dev/null; done
-for side in base ids new; do
-  r=$(root $side)
-  (cd $r && PYTHONPATH=$r python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_decode, cupy_paged; from cupy_paged._core import compiler; print('$side uses', cupy_paged.__file__, compiler.source_dir())") >>$R 2>&1
-done
+for side in base ids new; do uses $side $(root $side); done
 export PYTHONPATH=$NEW
 step warm 90 python3 -m cupy_paged warm --jobs 16
-shard decode $P tests/test_decode_gpu.py
-shard calls $P tests/test_calls_gpu.py
-shard fa2 $P tests/test_fa2_features_gpu.py tests/test_worked_examples.py tests/test_plan.py tests/test_merge.py
-shard ragged $P tests/test_ragged.py
-shard balanced $P tests/test_balanced_gpu.py
-export CUPY_PAGED_SANITIZER=memcheck
-shard memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $P tests/test_decode_gpu.py tests/test_calls_gpu.py -k "sanitize or hole or off_16"
-shard memcheck_ragged compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes"
-unset CUPY_PAGED_SANITIZER
-shards_done
+store_path_tests
 for round in 1 2; do
   for side in base new ids; do
     r=$(root $side); mkdir -p $OUT/ab/$side$round
@@ -77,4 +65,4 @@ grep -h -E "^=== .* rc=|^shard|uses|ids wins" $R
 grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
 mkdir -p /tmp/abx && tar xzf $OUT/ab.tgz -C /tmp/abx
 python3 benchmarks/ab_summary.py /tmp/abx/ab base,new,ids
-grep -A7 "^| call | eager" $R
+grep "^| eager floor" $R

@@ -23,4 +23,4 @@ fi
 pack
 grep -h -E "^=== .* rc=" $R
 sed -n '/^case  /,$p' $R | head -8
-grep -h -A14 "^| case\|^| requests\|^| call | eager" $R | cut -c1-260 | head -90
+grep -h -A14 "^| case\|^| requests" $R | cut -c1-260 | head -90

@@ -15,7 +15,8 @@ mkdir -p $OUT/ab
 gpu_line
 [ -f $BASE/cuda_src/decode.cu ] || echo "no .ab/base2: carry .ab" >>$R
 cp -r $NEW/benchmarks $BASE/ 2>/dev/null
-(cd $BASE && PYTHONPATH=$BASE python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_mixed, cupy_paged; print('base uses', cupy_paged.__file__)") >>$R 2>&1
+uses base $BASE
+uses new $NEW
 export PYTHONPATH=$NEW
 step warm 90 python3 -m cupy_paged warm --jobs 16
 SHARD_LIMIT=120

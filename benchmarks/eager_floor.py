@@ -12,8 +12,8 @@ the same process, so the fixed part of an eager figure on this host can be read 
 * ``torch empty_like + add_``: that op on a new tensor like a decode call's q (64 x 32 x 128 bf16),
   the output allocation every default call makes.
 
-Writes ``benchmarks/results/eager_floor.json`` (name, metric us, value: the GPU-clock time of
-one eager call; host_us beside it) and prints a table.
+Writes ``benchmarks/results/eager_floor.json`` (``bench_calls``' rows: the GPU-clock time of one
+eager call as ``value``, host time beside it, the other calls as peers) and prints its table.
 
     python benchmarks/eager_floor.py [--reps 200] [--out PATH]
 """
@@ -63,15 +63,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     timings = bench_calls.time_calls(calls(), args.reps, shuffle=True)
-    rows = [dict(name=name, metric="us", value=t.gpu_us, host_us=t.host_us, back_to_back_us=t.chain_us,
-                 host_us_busy_gpu=t.busy_host_us, peers={}) for name, t in timings.items()]
+    rows = [bench_calls.make_row("eager floor", name, timings, None, bench_calls.Target()) for name in timings]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                         versions=bench_calls.versions(), cases=rows), indent=1) + "\n")
-    print("| call | eager GPU us | host us | back to back us | host us (GPU busy) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['name']} | {r['value']:.2f} | {r['host_us']:.2f} | {r['back_to_back_us']:.2f} | {r['host_us_busy_gpu']:.2f} |")
+    bench_calls.print_table(rows)
     return 0
 
 
