@@ -59,6 +59,8 @@ CASES = {
     "lognormal256@2k": [int(n) for n in np.clip(np.random.default_rng(12).lognormal(6.5, 1.0, 256), 16, 2048)],
     "1x2048+255x128": [2048] + [128] * 255,
     "255x128+1x2048": [128] * 255 + [2048],
+    # short items only (16 waves of 512-key CTAs): where each CTA's fixed start weighs most
+    "512x512": [512] * 512,
 }
 
 
