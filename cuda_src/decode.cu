@@ -592,32 +592,14 @@ struct KeyRange {
   int start, end, num_tiles;
 };
 
-#if RAGGED
-// The first tile of split s of n over T tiles in a ragged launch: the splits' sizes fall linearly
-// from 1.25 to 0.75 of T / n (split 0 the largest), F(s) = T s (5n - s) / (4 n^2), F(0) = 0,
-// F(n) = T.  Equal ranges, listed together, end together, and the CTAs that take the next items
-// then start together with the DRAM idle while their first tiles travel; graded ranges spread
-// those ends and starts (benchmarks/NOTES_mixed.md, twenty-ninth session).  64-bit: T < 2^24,
-// n <= kMaxSplits.
-__device__ __forceinline__ int graded_tile(int tiles, int s, int n) {
-  return (int)((long long)tiles * s * (5LL * n - s) / (4LL * n * n));
-}
-#endif
-
 __device__ __forceinline__ KeyRange split_range(const DecodeParams& params, const Cta& cta, int num_keys) {
   const int num_splits = seq_splits(params, cta);
   const int first_key = params.win_left >= 0 ? max(num_keys - seq_len_q(params, cta) - params.win_left, 0) : 0;
   const int span = max(num_keys - first_key, 0);
-  KeyRange range;
-#if RAGGED
-  const int tiles = (span + kTileKeys - 1) / kTileKeys;
-  range.start = min(first_key + graded_tile(tiles, cta.split, num_splits) * kTileKeys, num_keys);
-  range.end = min(first_key + graded_tile(tiles, cta.split + 1, num_splits) * kTileKeys, num_keys);
-#else
   const int per_split = ((span + num_splits - 1) / num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
+  KeyRange range;
   range.start = min(first_key + cta.split * per_split, num_keys);
   range.end = min(range.start + per_split, num_keys);
-#endif
   range.num_tiles = (range.end - range.start + kTileKeys - 1) / kTileKeys;
   return range;
 }

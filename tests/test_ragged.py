@@ -37,23 +37,10 @@ def make_cache(cached, new, kv_heads=2, head_dim=64, block_size=16, dtype="float
 
 
 def split_range(keys: int, q_len: int, split: int, splits: int, tile: int):
-    """decode.cu split_range of the RAGGED kernel, no window: whole tiles, the splits' sizes falling
-    linearly from 1.25 to 0.75 of an equal share (graded_tile)."""
-    tiles = -(-keys // tile)
-    first = lambda s: tiles * s * (5 * splits - s) // (4 * splits * splits)  # noqa: E731
-    return min(first(split) * tile, keys), min(first(split + 1) * tile, keys)
-
-
-def test_split_ranges_are_graded_whole_tiles_that_cover_the_keys():
-    for keys, splits in ((32768, 32), (9000, 7), (3000, 3), (1000, 128), (64, 2)):
-        ranges = [split_range(keys, 1, s, splits, 64) for s in range(splits)]
-        assert ranges[0][0] == 0 and ranges[-1][1] == keys
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        assert all(start % 64 == 0 for start, _ in ranges)
-        sizes = [end - start for start, end in ranges]  # falling, up to a tile of rounding
-        assert all(later <= earlier + 64 for i, earlier in enumerate(sizes) for later in sizes[i + 1:])
-    sizes = [end - start for start, end in (split_range(32768, 1, s, 32, 64) for s in range(32))]
-    assert sizes[0] in (1216, 1280) and sizes[-1] in (768, 832)  # about 1.25 and 0.75 of 1,024
+    """decode.cu split_range, no window."""
+    per = -(-(-(-keys // splits)) // tile) * tile
+    start = min(split * per, keys)
+    return start, min(start + per, keys)
 
 
 def covered(plan, group: int, tile: int) -> dict:
