@@ -61,6 +61,9 @@ CASES = {
     "255x128+1x2048": [128] * 255 + [2048],
     # short items only (16 waves of 512-key CTAs): where each CTA's fixed start weighs most
     "512x512": [512] * 512,
+    # the same with one key more or less: a last tile of one key, or of 63 (what an extra loop turn costs)
+    "512x513": [513] * 512,
+    "512x511": [511] * 512,
 }
 
 

@@ -1,0 +1,30 @@
+# Session 30, device call 2: the RAGGED kernel as committed (early block ids kept, graded ranges
+# reverted after call 1): its GPU tests and memcheck, trace_list's launches of the session's cases
+# and of a last tile of one key (512 x 513 against 512 x 512 and 512 x 511); on an H200 (the issues'
+# card) also bench_mixed and bench_calls whole.  About 200 s on an H100, 440 s on an H200.
+# Usage on the device: bash benchmarks/call_s30_2.sh
+export PYTHONPATH=$PWD
+CALL_LOGS=s30logs2 . benchmarks/call_lib.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+mkdir -p $OUT/ab
+gpu_line
+step warm 90 python3 -m cupy_paged warm --jobs 16
+SHARD_LIMIT=150
+shard ragged $P tests/test_ragged.py
+shard balanced $P tests/test_balanced_gpu.py
+shard plan $P tests/test_plan.py tests/test_worked_examples.py tests/test_merge.py
+M="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $M $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $M $P tests/test_balanced_gpu.py -k "hostile or level"
+shards_done
+step trace 90 python3 benchmarks/trace_list.py --cases "512x511,512x512,512x513,1x32k+63x512,lognormal64,64x4096" --out $OUT/ab/trace_list.json
+if [[ $GPU == *H200* ]]; then
+  step mixed_all 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
+  step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
+fi
+pack
+grep -h -E "^=== .* rc=|^shard" $R
+grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
+grep -h -A26 "^| case | path | b2b" $R | grep -E "^\| [0-9a-z]|host_list|device_list" | cut -c1-160
+sed -n '/=== mixed_all/,/=== mixed_all rc/p' $R | grep -A20 "^| case | path | ours" | cut -c1-200 | head -22
+grep -h -A14 "^| case | ours GPU" $R | cut -c1-220 | head -20
