@@ -1,7 +1,8 @@
 # Session 30, device call 2: the RAGGED kernel as committed (early block ids kept, graded ranges
 # reverted after call 1): its GPU tests and memcheck, trace_list's launches of the session's cases
 # and of a last tile of one key (512 x 513 against 512 x 512 and 512 x 511); on an H200 (the issues'
-# card) also bench_mixed and bench_calls whole.  About 200 s on an H100, 440 s on an H200.
+# card) also bench_mixed and bench_calls whole; profile_host.py of the base tree and this one (the
+# plan layer's empty_like output).  Carry .ab.  About 300 s on an H100, 540 s on an H200.
 # Usage on the device: bash benchmarks/call_s30_2.sh
 export PYTHONPATH=$PWD
 CALL_LOGS=s30logs2 . benchmarks/call_lib.sh
@@ -17,6 +18,15 @@ M="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
 CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $M $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
 CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $M $P tests/test_balanced_gpu.py -k "hostile or level"
 shards_done
+# The plan layer's output as empty_like(q) (torch q): host parts, the base tree (.ab/base2, 5193bce) and
+# this one in alternation
+[ -f .ab/base2/cuda_src/decode.cu ] && cp -r benchmarks .ab/base2/ 2>/dev/null
+for round in 1 2; do
+  for side in base new; do
+    r=$PWD; [ $side = base ] && r=$PWD/.ab/base2
+    [ -d $r/cupy_paged ] && (cd $r && export PYTHONPATH=$r && step profile_$side$round 60 python3 benchmarks/profile_host.py)
+  done
+done
 step trace 90 python3 benchmarks/trace_list.py --cases "512x511,512x512,512x513,1x32k+63x512,lognormal64,64x4096" --out $OUT/ab/trace_list.json
 if [[ $GPU == *H200* ]]; then
   step mixed_all 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
@@ -28,3 +38,4 @@ grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
 grep -h -A26 "^| case | path | b2b" $R | grep -E "^\| [0-9a-z]|host_list|device_list" | cut -c1-160
 sed -n '/=== mixed_all/,/=== mixed_all rc/p' $R | grep -A20 "^| case | path | ours" | cut -c1-200 | head -22
 grep -h -A14 "^| case | ours GPU" $R | cut -c1-220 | head -20
+grep -h -E "^=== profile_|StepPlan|whole call \(|empty" $R | cut -c1-150

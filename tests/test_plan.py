@@ -119,6 +119,61 @@ def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):
     assert len(plan._layers) == 1, list(plan._layers)
 
 
+def _segment_stream(torch, ptr: int):
+    """The stream torch's caching allocator gave the memory at ``ptr`` out on, or None when its
+    snapshot does not say."""
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= ptr < segment["address"] + segment["total_size"]:
+            return segment.get("stream")
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
+def test_torch_layer_on_a_named_busy_stream(path):
+    """``stream=`` a torch side stream that sleeps on the GPU while q, k and v are written on it: the
+    layer runs after them (right every round), and a new output comes from that stream's pool, as
+    the public calls allocate on a named stream."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    rng = np.random.default_rng(12)
+    kv_heads, heads, dim = 2, 8, 64
+    cache, host = (PagedAttentionCache(1, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
+                                       device=device) for device in ("cuda", "cpu"))
+    lens = [40, 7] if path == "varlen" else [1, 1]
+    side = torch.cuda.Stream()
+    for round_ in range(3):
+        for c in (cache, host):
+            for seq in ("a", "b"):
+                if round_:
+                    c.free(seq)
+            c.allocate("a", list(range(40)))
+            c.allocate("b", list(range(7)))
+            if path != "varlen":
+                c.mark_computed(["a", "b"], [39, 6])
+        plan = build_plan(cache, ["a", "b"], lens, **(dict(num_heads=heads, path="ragged") if path == "ragged" else {}))
+        host_plan = build_plan(host, ["a", "b"], lens)
+        q, k, v = (rng.standard_normal((sum(lens), n, dim)).astype(np.float16) for n in (heads, kv_heads, kv_heads))
+        sources = [torch.from_numpy(x).cuda() for x in (q, k, v)]
+        targets = [torch.full_like(x, float("nan")) for x in sources]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            for target, source in zip(targets, sources):
+                target.copy_(source)
+        got = plan.attention(*targets, *cache.layer(0), stream=side)
+        assert isinstance(got, torch.Tensor)
+        with torch.cuda.stream(side):
+            fetched = got.float().cpu().numpy()
+        want = host_plan.attention(q, k, v, *host.layer(0))
+        np.testing.assert_allclose(fetched, want.astype(np.float32), rtol=5e-3, atol=5e-3, err_msg=f"round {round_}")
+        owner = _segment_stream(torch, got.data_ptr())
+        if owner is not None:
+            assert owner == side.cuda_stream, "the output was not allocated on the named stream"
+    torch.cuda.synchronize()
+
+
 PLAN_ARRAYS = ("input_ids", "positions", "query_lens", "cache_seqlens", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
                "slot_mapping", "block_table", "logits_indices", "tail_cu_seqlens_q", "sample_mask")
 

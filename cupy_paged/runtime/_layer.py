@@ -7,6 +7,7 @@ from .._core.arrays import Array, data_ptr, empty, read
 from .._core.streams import handle
 from ..api.decode import prepare_decode
 from ..api.varlen import prepare_varlen
+from ..kernels._launch import _torch_empty_like, q_is_the_callers_dense_tensor
 # StepPlan.path values: the decode kernel (flash_attn_with_kvcache),
 # the paged varlen one, or the ragged work-list kernel (kernels/ragged.py) for a whole step.
 from ._work import DECODE, RAGGED, SPLIT
@@ -69,6 +70,10 @@ class LayerLaunch:
                                read(plan.slot_mapping, "slot_mapping").ptr)
             self.max_seqlen_q = plan.max_seqlen_q
         self.out_shape = tuple(aq.shape)
+        # A new output is empty_like(q) where q is the caller's dense torch tensor of the output's dtype
+        # (torch's cheapest allocation); the memo key holds q's strides, so every layer of this launch
+        # has them.
+        self.out_like_q = q_is_the_callers_dense_tensor(aq) and aq.dtype == self.launch.dtype
 
     def _split(self, plan, aq, ak, av, ak_cache, av_cache, softmax_scale, aout):
         """The decode kernel over the first ``plan.num_split`` rows, then the K/V write and the
@@ -127,12 +132,14 @@ class LayerLaunch:
     def run(self, kind, q, k, v, k_cache, v_cache, out, stream, alibi_slopes=None, ptr=data_ptr):
         """Launch this layer; ``alibi_slopes``: the ragged launch's, of the signature it was built
         with; ``ptr``: reads an array's address (the plan's memoised layers pass their kind's)."""
+        named = stream is not None
         stream = handle(stream, kind, self.device)
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k), ptr(v), ptr(k_cache), ptr(v_cache)
         if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
-        if out is None:
-            out = empty(kind, q, self.out_shape, self.launch.dtype)
+        if out is None:  # on a named stream, from that stream's pool (as the public calls allocate)
+            out = (empty(kind, q, self.out_shape, self.launch.dtype, stream) if named else
+                   _torch_empty_like(q) if self.out_like_q else empty(kind, q, self.out_shape, self.launch.dtype))
         out_arg = (out, ptr(out))
         if self.ragged:
             alibi = 0 if alibi_slopes is None else ptr(alibi_slopes)
