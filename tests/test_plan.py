@@ -86,6 +86,23 @@ def test_cuda_plan_attention_from_host_or_device_plan(uploaded):
         assert plan.block_table.data.mem is plan.positions.data.mem is plan.cu_seqlens_k.data.mem
 
 
+def _two_sequence_plans(path: str, layers: int, heads: int, kv_heads: int, dim: int):
+    """``(cache, host, plan, host_plan, lens)``: a CUDA cache and its CPU twin holding sequences of 40
+    and 7 tokens, and a step on ``path`` over both (one new token each, or the whole prompts on
+    ``"varlen"``) planned on each side."""
+    cache, host = (PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
+                                       device=device) for device in ("cuda", "cpu"))
+    lens = [40, 7] if path == "varlen" else [1, 1]
+    for c in (cache, host):
+        c.allocate("a", list(range(40)))
+        c.allocate("b", list(range(7)))
+        if path != "varlen":
+            c.mark_computed(["a", "b"], [39, 6])
+    plan = build_plan(cache, ["a", "b"], lens, **(dict(num_heads=heads, path="ragged") if path == "ragged" else {}))
+    assert plan.path == path
+    return cache, host, plan, build_plan(host, ["a", "b"], lens), lens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
 def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):
@@ -98,17 +115,7 @@ def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):
         pytest.skip("torch sees no CUDA device")
     rng = np.random.default_rng(11)
     layers, kv_heads, heads, dim = 3, 2, 8, 64
-    cache, host = (PagedAttentionCache(layers, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
-                                       device=device) for device in ("cuda", "cpu"))
-    lens = [40, 7] if path == "varlen" else [1, 1]
-    for c in (cache, host):
-        c.allocate("a", list(range(40)))
-        c.allocate("b", list(range(7)))
-        if path != "varlen":
-            c.mark_computed(["a", "b"], [39, 6])
-    plan = build_plan(cache, ["a", "b"], lens, **(dict(num_heads=heads, path="ragged") if path == "ragged" else {}))
-    host_plan = build_plan(host, ["a", "b"], lens)
-    assert plan.path == path
+    cache, host, plan, host_plan, lens = _two_sequence_plans(path, layers, heads, kv_heads, dim)
     for layer in range(layers):
         q, k, v = (rng.standard_normal((sum(lens), n, dim)).astype(np.float16) for n in (heads, kv_heads, kv_heads))
         got = plan.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)), *cache.layer(layer))
@@ -139,21 +146,9 @@ def test_torch_layer_on_a_named_busy_stream(path):
         pytest.skip("torch sees no CUDA device")
     rng = np.random.default_rng(12)
     kv_heads, heads, dim = 2, 8, 64
-    cache, host = (PagedAttentionCache(1, kv_heads, dim, block_size=16, num_blocks=16, dtype="float16",
-                                       device=device) for device in ("cuda", "cpu"))
-    lens = [40, 7] if path == "varlen" else [1, 1]
+    cache, host, plan, host_plan, lens = _two_sequence_plans(path, 1, heads, kv_heads, dim)
     side = torch.cuda.Stream()
-    for round_ in range(3):
-        for c in (cache, host):
-            for seq in ("a", "b"):
-                if round_:
-                    c.free(seq)
-            c.allocate("a", list(range(40)))
-            c.allocate("b", list(range(7)))
-            if path != "varlen":
-                c.mark_computed(["a", "b"], [39, 6])
-        plan = build_plan(cache, ["a", "b"], lens, **(dict(num_heads=heads, path="ragged") if path == "ragged" else {}))
-        host_plan = build_plan(host, ["a", "b"], lens)
+    for round_ in range(3):  # each round writes its new keys over the last round's, on both sides
         q, k, v = (rng.standard_normal((sum(lens), n, dim)).astype(np.float16) for n in (heads, kv_heads, kv_heads))
         sources = [torch.from_numpy(x).cuda() for x in (q, k, v)]
         targets = [torch.full_like(x, float("nan")) for x in sources]
