@@ -2,7 +2,7 @@
 # reverted after call 1): its GPU tests and memcheck, trace_list's launches of the session's cases
 # and of a last tile of one key (512 x 513 against 512 x 512 and 512 x 511); on an H200 (the issues'
 # card) also bench_calls when time allows; profile_host.py of the base tree and this one (the plan
-# layer's empty_like output).  Carry .ab.  About 260 s on an H100.
+# layer's empty_like output).  Carry .ab.  About 200 s on an H100.
 # Usage on the device: bash benchmarks/call_s30_2.sh
 export PYTHONPATH=$PWD
 CALL_LOGS=s30logs2 . benchmarks/call_lib.sh
@@ -12,7 +12,8 @@ gpu_line
 step warm 90 python3 -m cupy_paged warm --jobs 16
 SHARD_LIMIT=150
 shard ragged $P tests/test_ragged.py
-shard balanced $P tests/test_balanced_gpu.py
+shard balanced_ref $P tests/test_balanced_gpu.py -k "matches_reference"
+shard balanced_rest $P tests/test_balanced_gpu.py -k "not matches_reference"
 shard plan $P tests/test_plan.py tests/test_worked_examples.py tests/test_merge.py
 M="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
 CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $M $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
