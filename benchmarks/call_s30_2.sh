@@ -1,5 +1,5 @@
-# Session 30, device call 2: the RAGGED kernel as committed (early block ids kept, graded ranges
 # NOT RUN: every device start after call 1 failed; the early block ids it names were reverted after.
+# Session 30, device call 2: the RAGGED kernel as committed (early block ids kept, graded ranges
 # reverted after call 1): its GPU tests and memcheck, trace_list's launches of the session's cases
 # and of a last tile of one key (512 x 513 against 512 x 512 and 512 x 511); on an H200 (the issues'
 # card) also bench_calls when time allows; profile_host.py of the base tree and this one (the plan

@@ -1,5 +1,5 @@
-# Session 30, device call 3: call_s30_2.sh cut to what the session's last device time holds (about
 # NOT RUN: every device start after call 1 failed; the early block ids it names were reverted after.
+# Session 30, device call 3: call_s30_2.sh cut to what the session's last device time holds (about
 # 150 s): the committed RAGGED kernel's tests and memcheck, the plan tests (the named-stream layer
 # among them), trace_list's last-tile cases, and profile_host.py's plan-layer rows if time is left.
 # Usage on the device: bash benchmarks/call_s30_3.sh
