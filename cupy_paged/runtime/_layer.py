@@ -7,7 +7,7 @@ from .._core.arrays import Array, data_ptr, empty, read
 from .._core.streams import handle
 from ..api.decode import prepare_decode
 from ..api.varlen import prepare_varlen
-from ..kernels._launch import _torch_empty_like, q_is_the_callers_dense_tensor
+from ..kernels._launch import torch_empty_like, q_is_the_callers_dense_tensor
 # StepPlan.path values: the decode kernel (flash_attn_with_kvcache),
 # the paged varlen one, or the ragged work-list kernel (kernels/ragged.py) for a whole step.
 from ._work import DECODE, RAGGED, SPLIT
@@ -139,7 +139,7 @@ class LayerLaunch:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
         if out is None:  # on a named stream, from that stream's pool (as the public calls allocate)
             out = (empty(kind, q, self.out_shape, self.launch.dtype, stream) if named else
-                   _torch_empty_like(q) if self.out_like_q else empty(kind, q, self.out_shape, self.launch.dtype))
+                   torch_empty_like(q) if self.out_like_q else empty(kind, q, self.out_shape, self.launch.dtype))
         out_arg = (out, ptr(out))
         if self.ragged:
             alibi = 0 if alibi_slopes is None else ptr(alibi_slopes)
