@@ -28,7 +28,7 @@ def outputs(kind: str, like, out, lse_out, out_shape: tuple, lse_shape: tuple, d
         out_obj, out_ptr = out
     else:
         if kind is TORCH and alloc_stream is None and out_like_q:
-            out_obj = torch_empty_like(like)
+            out_obj = _torch_empty_like(like)
         else:
             out_obj = empty(kind, like, out_shape, dtype, alloc_stream)
         out_ptr = data_ptr(out_obj)
@@ -46,9 +46,7 @@ def q_is_the_callers_dense_tensor(q) -> bool:
     return q.kind is TORCH and q.c_contiguous() and tuple(q.shape) == tuple(q.obj.shape)
 
 
-def torch_empty_like(tensor):
-    """``torch.empty_like(tensor)``: torch's cheapest allocation of a new output (torch imported
-    only here, where a torch tensor was passed)."""
+def _torch_empty_like(tensor):
     import torch
 
     return torch.empty_like(tensor)

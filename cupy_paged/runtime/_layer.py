@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.arrays import Array, data_ptr, empty, read
+from .._core.arrays import Array, data_ptr, read
 from .._core.streams import handle
 from ..api.decode import prepare_decode
 from ..api.varlen import prepare_varlen
-from ..kernels._launch import torch_empty_like, q_is_the_callers_dense_tensor
+from ..kernels._launch import outputs, q_is_the_callers_dense_tensor
 # StepPlan.path values: the decode kernel (flash_attn_with_kvcache),
 # the paged varlen one, or the ragged work-list kernel (kernels/ragged.py) for a whole step.
 from ._work import DECODE, RAGGED, SPLIT
@@ -70,10 +70,9 @@ class LayerLaunch:
                                read(plan.slot_mapping, "slot_mapping").ptr)
             self.max_seqlen_q = plan.max_seqlen_q
         self.out_shape = tuple(aq.shape)
-        # A new output is empty_like(q) where q is the caller's dense torch tensor of the output's dtype
-        # (torch's cheapest allocation); the memo key holds q's strides, so every layer of this launch
-        # has them.
-        self.out_like_q = q_is_the_callers_dense_tensor(aq) and aq.dtype == self.launch.dtype
+        # The output has q's shape and dtype: where q is the caller's dense torch tensor a new one is
+        # empty_like(q) (outputs); the memo key holds q's strides, so every layer of this launch has them.
+        self.out_like_q = q_is_the_callers_dense_tensor(aq)
 
     def _split(self, plan, aq, ak, av, ak_cache, av_cache, softmax_scale, aout):
         """The decode kernel over the first ``plan.num_split`` rows, then the K/V write and the
@@ -137,10 +136,10 @@ class LayerLaunch:
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k), ptr(v), ptr(k_cache), ptr(v_cache)
         if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
-        if out is None:  # on a named stream, from that stream's pool (as the public calls allocate)
-            out = (empty(kind, q, self.out_shape, self.launch.dtype, stream) if named else
-                   torch_empty_like(q) if self.out_like_q else empty(kind, q, self.out_shape, self.launch.dtype))
-        out_arg = (out, ptr(out))
+        # A new output as the public calls make theirs: on a named stream from that stream's pool.
+        out, out_ptr, _, _ = outputs(kind, q, None if out is None else (out, ptr(out)), None, self.out_shape, (),
+                                     self.launch.dtype, False, self.out_like_q, stream if named else None)
+        out_arg = (out, out_ptr)
         if self.ragged:
             alibi = 0 if alibi_slopes is None else ptr(alibi_slopes)
             self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], alibi), self.work,
