@@ -1,5 +1,6 @@
 # What the benchmarks/call_sNN_K.sh device scripts share; source it first: `. benchmarks/call_lib.sh`.
-#   R       the run log ($OUT/run.log), L the step and shard logs (/tmp/$CALL_LOGS), P pytest on GPU tests
+#   R       the run log ($OUT/run.log), L the step and shard logs (/tmp/$CALL_LOGS), P pytest on GPU tests,
+#           MEMCHECK compute-sanitizer's memcheck that fails on any error
 #   pack    the logs into $OUT/logs.tgz, and $OUT/ab (an A/B's results) into $OUT/ab.tgz when present:
 #           the device returns at most 8 files from $OUT
 #   step NAME LIMIT CMD...   CMD under `timeout LIMIT`, its output and rc appended to $R, then pack
@@ -9,6 +10,7 @@
 export PYTHONUNBUFFERED=1
 R=$OUT/run.log; L=/tmp/${CALL_LOGS:-calllogs}; mkdir -p "$L"
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+MEMCHECK="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
 pack() {
   tar czf "$OUT/logs.tgz" -C "$(dirname "$L")" "$(basename "$L")" 2>/dev/null
   [ -d "$OUT/ab" ] && tar czf "$OUT/ab.tgz" -C "$OUT" ab 2>/dev/null
@@ -32,8 +34,7 @@ store_path_tests() {
   shard fa2 $P tests/test_fa2_features_gpu.py tests/test_worked_examples.py tests/test_plan.py tests/test_merge.py
   shard ragged $P tests/test_ragged.py
   shard balanced $P tests/test_balanced_gpu.py
-  local M="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
-  CUPY_PAGED_SANITIZER=memcheck shard memcheck $M $P tests/test_decode_gpu.py tests/test_calls_gpu.py -k "sanitize or hole or off_16"
-  CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $M $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes"
+  CUPY_PAGED_SANITIZER=memcheck shard memcheck $MEMCHECK $P tests/test_decode_gpu.py tests/test_calls_gpu.py -k "sanitize or hole or off_16"
+  CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes"
   shards_done
 }

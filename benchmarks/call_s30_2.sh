@@ -1,9 +1,10 @@
-# NOT RUN: every device start after call 1 failed; the early block ids it names were reverted after.
-# Session 30, device call 2: the RAGGED kernel as committed (early block ids kept, graded ranges
-# reverted after call 1): its GPU tests and memcheck, trace_list's launches of the session's cases
-# and of a last tile of one key (512 x 513 against 512 x 512 and 512 x 511); on an H200 (the issues'
-# card) also bench_calls when time allows; profile_host.py of the base tree and this one (the plan
-# layer's empty_like output).  Carry .ab.  About 200 s on an H100.
+# Session 30, device call 2 (not run: every device start after call 1 failed).  On the kernels of
+# 5193bce (the session's two kernel changes were measured in call 1 and reverted): the ragged and
+# balanced GPU tests and memcheck, the plan tests (the layer on a busy named torch stream among
+# them), trace_list's launches with a last tile of one key (512 x 513 against 512 x 512 and
+# 512 x 511) and the session's cases, profile_host.py of .ab/base2 (5193bce) and this tree (the plan
+# layer's new output), and on an H200 (the issues' card) bench_calls when time allows.  Carry .ab.
+# About 200 s on an H100.
 # Usage on the device: bash benchmarks/call_s30_2.sh
 export PYTHONPATH=$PWD
 CALL_LOGS=s30logs2 . benchmarks/call_lib.sh
@@ -16,9 +17,8 @@ shard ragged $P tests/test_ragged.py
 shard balanced_ref $P tests/test_balanced_gpu.py -k "matches_reference"
 shard balanced_rest $P tests/test_balanced_gpu.py -k "not matches_reference"
 shard plan $P tests/test_plan.py tests/test_worked_examples.py tests/test_merge.py
-M="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1"
-CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $M $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
-CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $M $P tests/test_balanced_gpu.py -k "hostile or level"
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $MEMCHECK $P tests/test_balanced_gpu.py -k "hostile or level"
 shards_done
 # The plan layer's output as empty_like(q) (torch q): host parts, the base tree (.ab/base2, 5193bce) and
 # this one in alternation
