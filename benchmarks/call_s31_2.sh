@@ -1,20 +1,47 @@
-# Session 31, device call 2: every issue's benchmark on an H200 (the issues' card), on the code of call 1
-# (whose tests passed on an H100): bench_calls, bench_mixed, bench_e2e, eager_floor.py beside them.
-# About 430 s on an H200.  On another card the same without bench_e2e.
-# Usage on the device: bash benchmarks/call_s31_2.sh
-export PYTHONPATH=$PWD
+# Session 31, device call 2, for an H200 (where short ragged items run at their CTA's chain, not the
+# memory's rate: NOTES_mixed.md, thirty-first session): the RAGGED kernel's first block ids issued in
+# Q's round trip (the thirtieth session's change, brought back by reverting its revert; on an H100
+# it gained nothing, where each CTA's start queues behind the memory) tested, then timed beside the
+# base tree in alternation; then, as device time allows, every issue's benchmark on this tree.
+#   base   .ab/base2  (5193bce's kernels: Q, then the block ids)
+#   new    this tree
+# About 370 s on an H200.  Carry .ab (git archive 5193bce cupy_paged cuda_src | tar x -C .ab/base2).
+NEW=$PWD
 CALL_LOGS=s31logs2 . benchmarks/call_lib.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 mkdir -p $OUT/ab
 gpu_line
+[ -f $NEW/.ab/base2/cuda_src/decode.cu ] || echo "no .ab/base2: carry .ab" >>$R
+cp -r $NEW/benchmarks $NEW/.ab/base2/ 2>/dev/null
+uses base $NEW/.ab/base2
+uses new $NEW
+export PYTHONPATH=$NEW
 step warm 90 python3 -m cupy_paged warm --jobs 16
-step eager_floor 60 python3 benchmarks/eager_floor.py --out $OUT/ab/eager_floor.json
-step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
-step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
+SHARD_LIMIT=150
+shard ragged $P tests/test_ragged.py
+shard balanced $P tests/test_balanced_gpu.py
+shard plan $P tests/test_plan.py tests/test_worked_examples.py
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $MEMCHECK $P tests/test_balanced_gpu.py -k "hostile or level"
+shards_done
+CASES_MIXED="ragged decode,511@512"
+CASES_TRACE="512x512,1x32k+63x512,lognormal64,64x4096"
+for round in 1 2; do
+  for side in base new; do
+    r=$NEW; [ $side = base ] && r=$NEW/.ab/base2
+    (cd $r && export PYTHONPATH=$r && step mixed_$side$round 70 python3 benchmarks/bench_mixed.py --cases "$CASES_MIXED" --out $OUT/ab/mixed_$side$round.json)
+    (cd $r && export PYTHONPATH=$r && step trace_$side$round 70 python3 benchmarks/trace_list.py --cases "$CASES_TRACE" --out $OUT/ab/trace_list_$side$round.json)
+  done
+done
+rm -f $OUT/ab/mixed_base*.png $OUT/ab/mixed_new*.png
+python3 benchmarks/ab_ragged.py $OUT/ab base,new >$OUT/ab/summary.md 2>&1
 if [[ $GPU == *H200* ]]; then
-  step bench_e2e 290 python3 benchmarks/bench_e2e.py --max-seconds 250 --out $OUT/ab/e2e.json
+  step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
+  [ $SECONDS -lt 420 ] && step mixed_all 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
 fi
 pack
-grep -h -E "^=== .* rc=" $R
-sed -n '/^case  /,$p' $R | head -8
-grep -h -A16 "^| case\|^| requests\|^| decode-only" $R | cut -c1-260 | head -100
+grep -h -E "^=== .* rc=|^shard|uses" $R
+grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
+cat $OUT/ab/summary.md
+grep -h -A16 "^| case | ours GPU" $R | cut -c1-200 | head -18
+grep -h -A16 "^| case | path | ours ms" $R | cut -c1-200 | head -18
