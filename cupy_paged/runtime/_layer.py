@@ -5,6 +5,7 @@ import numpy as np
 
 from .._core.arrays import Array, data_ptr, read
 from .._core.streams import handle
+from ..api._call import alloc_stream
 from ..api.decode import prepare_decode
 from ..api.varlen import prepare_varlen
 from ..kernels._launch import outputs, q_is_the_callers_dense_tensor
@@ -131,14 +132,14 @@ class LayerLaunch:
     def run(self, kind, q, k, v, k_cache, v_cache, out, stream, alibi_slopes=None, ptr=data_ptr):
         """Launch this layer; ``alibi_slopes``: the ragged launch's, of the signature it was built
         with; ``ptr``: reads an array's address (the plan's memoised layers pass their kind's)."""
-        named = stream is not None
-        stream = handle(stream, kind, self.device)
+        h = handle(stream, kind, self.device)
+        alloc, stream = alloc_stream(stream, kind, h), h
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k), ptr(v), ptr(k_cache), ptr(v_cache)
         if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
         # A new output as the public calls make theirs: on a named stream from that stream's pool.
         out, out_ptr, _, _ = outputs(kind, q, None if out is None else (out, ptr(out)), None, self.out_shape, (),
-                                     self.launch.dtype, False, self.out_like_q, stream if named else None)
+                                     self.launch.dtype, False, self.out_like_q, alloc)
         out_arg = (out, out_ptr)
         if self.ragged:
             alibi = 0 if alibi_slopes is None else ptr(alibi_slopes)
