@@ -7,6 +7,11 @@
 #   shard NAME CMD...        CMD in the background (limit $SHARD_LIMIT, default 170 s), log $L/shard_NAME.log;
 #   shards_done              waits for them and appends their last lines to $R
 #   gpu_line                 the card, driver and clocks into $R
+#   gpu_start                gpu_line, $OUT/ab made, every registered specialization built (step warm)
+#   step_path_tests          the GPU tests of the paths a step plan launches (plan, calls, ragged, balanced) and
+#                            memcheck of the ragged and balanced launches, in shards, waited for
+#   issue_benchmarks [S]     bench_calls and bench_mixed into $OUT/ab, and on an H200 while fewer than S
+#                            seconds (default 330) have passed bench_e2e: every issue's benchmark
 export PYTHONUNBUFFERED=1
 R=$OUT/run.log; L=/tmp/${CALL_LOGS:-calllogs}; mkdir -p "$L"
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
@@ -37,4 +42,22 @@ store_path_tests() {
   CUPY_PAGED_SANITIZER=memcheck shard memcheck $MEMCHECK $P tests/test_decode_gpu.py tests/test_calls_gpu.py -k "sanitize or hole or off_16"
   CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes"
   shards_done
+}
+gpu_start() { mkdir -p "$OUT/ab"; gpu_line; step warm 90 python3 -m cupy_paged warm --jobs 16; }
+step_path_tests() {
+  local SHARD_LIMIT=150
+  shard plan $P tests/test_plan.py tests/test_worked_examples.py tests/test_merge.py tests/test_arrays.py
+  shard calls $P tests/test_calls_gpu.py -k "torch or memo or cupy or stream or balanced"
+  shard ragged $P tests/test_ragged.py
+  shard balanced $P tests/test_balanced_gpu.py
+  CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
+  CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $MEMCHECK $P tests/test_balanced_gpu.py -k "hostile or level"
+  shards_done
+}
+issue_benchmarks() {
+  step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
+  step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
+  if [[ "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" == *H200* ]] && [ $SECONDS -lt "${1:-330}" ]; then
+    step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
+  fi
 }

@@ -3,28 +3,16 @@
 # the plan, calls, ragged and balanced GPU tests (the busy named-stream test among them) and memcheck,
 # profile_host.py (the plan layer's host parts), trace_list.py's one-key last tile (512 x 513 against
 # 512 x 512 and 512 x 511), then every issue's benchmark: bench_calls, bench_mixed, and on an H200
-# (the issues' card) bench_e2e.  About 300 s on an H100, 560 s on an H200.
+# (the issues' card) bench_e2e.  About 300 s on an H100, 560 s on an H200.  Run on commit 09eaa11, whose
+# copy wrote these steps out (its tests a subset of step_path_tests', bench_e2e with no time condition).
 # Usage on the device: bash benchmarks/call_s31_1.sh
 export PYTHONPATH=$PWD
 CALL_LOGS=s31logs1 . benchmarks/call_lib.sh
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-mkdir -p $OUT/ab
-gpu_line
-step warm 90 python3 -m cupy_paged warm --jobs 16
-SHARD_LIMIT=150
-shard plan $P tests/test_plan.py tests/test_worked_examples.py tests/test_merge.py tests/test_arrays.py
-shard calls $P tests/test_calls_gpu.py -k "torch or memo or cupy or stream"
-shard ragged $P tests/test_ragged.py
-shard balanced $P tests/test_balanced_gpu.py
-CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
-shards_done
+gpu_start
+step_path_tests
 step profile 60 python3 benchmarks/profile_host.py
 step trace 90 python3 benchmarks/trace_list.py --cases "512x511,512x512,512x513,1x32k+63x512,lognormal64" --out $OUT/ab/trace_list.json
-step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
-step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
-if [[ $GPU == *H200* ]]; then
-  step bench_e2e 290 python3 benchmarks/bench_e2e.py --max-seconds 250 --out $OUT/ab/e2e.json
-fi
+issue_benchmarks
 pack
 grep -h -E "^=== .* rc=|^shard" $R
 grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20

@@ -9,22 +9,13 @@
 # About 300 s on an H200 (the second A/B round and the issues' benchmarks only while time lasts).  Carry .ab (git archive 5193bce cupy_paged cuda_src | tar x -C .ab/base2).
 NEW=$PWD
 CALL_LOGS=s31logs2 . benchmarks/call_lib.sh
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-mkdir -p $OUT/ab
-gpu_line
 [ -f $NEW/.ab/base2/cuda_src/decode.cu ] || echo "no .ab/base2: carry .ab" >>$R
 cp -r $NEW/benchmarks $NEW/.ab/base2/ 2>/dev/null
 uses base $NEW/.ab/base2
 uses new $NEW
 export PYTHONPATH=$NEW
-step warm 90 python3 -m cupy_paged warm --jobs 16
-SHARD_LIMIT=150
-shard ragged $P tests/test_ragged.py
-shard balanced $P tests/test_balanced_gpu.py
-shard plan $P tests/test_plan.py tests/test_worked_examples.py
-CUPY_PAGED_SANITIZER=memcheck shard memcheck_ragged $MEMCHECK $P tests/test_ragged.py -k "window_softcap or head_dims_block_sizes or split"
-CUPY_PAGED_SANITIZER=memcheck shard memcheck_balanced $MEMCHECK $P tests/test_balanced_gpu.py -k "hostile or level"
-shards_done
+gpu_start
+step_path_tests
 CASES_MIXED="ragged decode,511@512"
 CASES_TRACE="512x512,1x32k+63x512,lognormal64,64x4096"
 for round in 1 2; do
@@ -37,10 +28,7 @@ for round in 1 2; do
 done
 rm -f $OUT/ab/mixed_base*.png $OUT/ab/mixed_new*.png
 python3 benchmarks/ab_ragged.py $OUT/ab base,new >$OUT/ab/summary.md 2>&1
-if [[ $GPU == *H200* ]] && [ $SECONDS -lt 280 ]; then
-  step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
-  [ $SECONDS -lt 420 ] && step mixed_all 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
-fi
+[ $SECONDS -lt 280 ] && issue_benchmarks 280
 pack
 grep -h -E "^=== .* rc=|^shard|uses" $R
 grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
