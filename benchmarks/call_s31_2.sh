@@ -4,8 +4,7 @@
 # it gained nothing, where each CTA's start queues behind the memory) tested, then timed beside the
 # base tree in alternation; then, as device time allows, every issue's benchmark on this tree.
 #   base   .ab/base2  (5193bce's kernels: Q, then the block ids)
-#   new    this tree, after `git revert` of the commit "RAGGED kernel: the early block ids out again"
-#          (the change was taken out unrun: no H200 started in the thirty-first session)
+#   new    this tree
 # About 300 s on an H200 (the second A/B round and the issues' benchmarks only while time lasts).  Carry .ab (git archive 5193bce cupy_paged cuda_src | tar x -C .ab/base2).
 NEW=$PWD
 CALL_LOGS=s31logs2 . benchmarks/call_lib.sh

@@ -410,7 +410,9 @@ __device__ __forceinline__ Cta locate(const DecodeParams& params) {
 #endif
 
 // Prologue, first round trip: the sequence's entries (Seq) and the Q tile [16 rows][D] (padding
-// rows zero) -> shared memory by cp.async, all in flight together; waited for.
+// rows zero) -> shared memory by cp.async, all in flight together; waited for.  With RAGGED the
+// work item has already named the sequence and its cached keys, so the first tiles' block ids need
+// nothing from this load: Loader::prologue issues them into the same round trip and waits for both.
 __device__ __forceinline__ void load_sequence_and_q(const DecodeParams& params, const Cta& cta, const Buffers& buf,
                                                     const T* q, const int* cache_seqlens, const int* cache_batch_idx,
                                                     const int* cache_leftpad) {
@@ -441,8 +443,10 @@ __device__ __forceinline__ void load_sequence_and_q(const DecodeParams& params, 
     cp::cp_async_16(buf.qs + Tile::offset(r, c), qp, real);
   }
   cp::cp_async_commit();
+#if !RAGGED
   cp::cp_async_wait<0>();
   __syncthreads();
+#endif
 }
 
 // The parts of the key source that need no sequence entry: the caches, this kv head's new tokens.
@@ -481,10 +485,17 @@ struct Sequence {
 __device__ __forceinline__ Sequence resolve_sequence(KeySource& src, const DecodeParams& params, const Cta& cta,
                                                      const int* seq, const int* block_table) {
   Sequence sq;
+#if RAGGED
+  (void)seq;  // the work item's entries, from registers: the Seq entries have not landed yet
+  sq.length = cta.cached;
+  sq.cache_row = cta.b;
+  sq.leftpad = 0;
+#else
   sq.length = seq[kSeqLength];
-  sq.cached_end = max(sq.length, 0);
   sq.cache_row = seq[kSeqRow];
   sq.leftpad = seq[kSeqLeftpad];
+#endif
+  sq.cached_end = max(sq.length, 0);
   sq.row_ok = sq.leftpad_ok = true;
   sq.first_pos = 0;
   long long table_at = (long long)cta.b * params.max_blocks;
@@ -1500,6 +1511,8 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) release_list(sync, false);
+    } else {
+      __syncthreads();  // the staged lengths read to the end before Q and the block ids land over them
     }
     LIST_STAMP(a, 6);
   } else {
