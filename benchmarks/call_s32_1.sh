@@ -16,6 +16,10 @@ uses new $NEW
 export PYTHONPATH=$NEW
 gpu_start
 step_path_tests
+# The persistent ragged kernel (PERSIST, unrun before this call): its outputs against one CTA per item
+# on the same host lists (NaN-poisoned, compared), and its time beside it; then the plan's mixed steps on it.
+step ab_persistent 150 python3 benchmarks/ab_persistent.py --cap 3 --out $OUT/ab/ab_persistent.json
+step mixed_persistent 80 python3 benchmarks/bench_mixed.py --persistent --cases "ragged decode,511@512,@512" --out $OUT/ab/mixed_persistent.json
 CASES_MIXED="ragged decode,511@512"
 CASES_TRACE="512x512,1x32k+63x512,lognormal64,64x4096"
 SIDES=new
@@ -32,6 +36,7 @@ pack
 grep -h -E "^=== .* rc=|^shard|uses" $R
 grep -h -E "^FAILED|^ERROR|ERROR SUMMARY" $L/*.log | cut -c1-200 | head -20
 cat $OUT/ab/summary.md 2>/dev/null
+grep -h -A10 "^| case | floor us" $R | cut -c1-220 | head -12
 grep -h -A16 "^| case | ours GPU" $R | cut -c1-200 | head -18
 grep -h -A16 "^| case | path | ours ms" $R | cut -c1-200 | head -18
 grep -h -A14 "^| requests | configuration" $R | cut -c1-200 | head -16
