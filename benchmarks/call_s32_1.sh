@@ -15,6 +15,12 @@ uses base $NEW/.ab/base2
 uses new $NEW
 export PYTHONPATH=$NEW
 gpu_start
+# step_path_tests' ragged shard runs the persistent kernel's tests too (test_ragged.py -k persistent);
+# here memcheck, racecheck and synccheck of it, beside the others
+SHARD_LIMIT=150
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_persistent $MEMCHECK $P tests/test_ragged.py -k "persistent and (one_wave or graph or (ragged_mixes and 6-2))"
+CUPY_PAGED_SANITIZER=racecheck shard racecheck_persistent compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 $P tests/test_ragged.py -k "persistent_window or (persistent_ragged_mixes and 4-2 and 3])"
+CUPY_PAGED_SANITIZER=synccheck shard synccheck_persistent compute-sanitizer --tool synccheck --report-api-errors no --error-exitcode 1 $P tests/test_ragged.py -k "persistent_window or (persistent_ragged_mixes and 8-1 and 1])"
 step_path_tests
 # The persistent ragged kernel (PERSIST, unrun before this call): its outputs against one CTA per item
 # on the same host lists (NaN-poisoned, compared), and its time beside it; then the plan's mixed steps on it.
