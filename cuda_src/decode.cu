@@ -156,7 +156,7 @@ struct Smem {
   // items (the next one's and the one after, alternating), and the merge's m and l.
   static constexpr int kHeadIds = kSeqlen + 16;
   static constexpr int kItems = kHeadIds + (kStages - 1) * kTileKeys * 4;
-  static constexpr int kMergeML = kItems + 2 * 32;
+  static constexpr int kMergeML = kItems + 2 * 32 + 16;  // two WorkItems, then their CTA numbers
   static constexpr int kBytes = kMergeML + 2 * kWarps * kRows * 4;
   // The merge scratch is the last stage's K and V (half the warps' rows in each): the next item's
   // first tiles fill the other stages meanwhile.
@@ -187,8 +187,8 @@ struct Buffers {
 #if PERSIST
   u32 head_ids_s;      // the next item's first ids [kStages - 1][kTileKeys]
   const int* head_ids;
-  u32 items_s;         // two WorkItems
-  const int* items;
+  u32 items_s;         // two WorkItems, then their CTA numbers (item x Hkv + kv head)
+  int* items;
 #endif
 };
 
@@ -206,7 +206,7 @@ __device__ __forceinline__ Buffers buffers(unsigned char* smem_raw) {
   buf.head_ids_s = buf.ks + Smem::kHeadIds;
   buf.head_ids = reinterpret_cast<const int*>(smem_raw + Smem::kHeadIds);
   buf.items_s = buf.ks + Smem::kItems;
-  buf.items = reinterpret_cast<const int*>(smem_raw + Smem::kItems);
+  buf.items = reinterpret_cast<int*>(smem_raw + Smem::kItems);
 #endif
   return buf;
 }
@@ -1001,10 +1001,10 @@ __device__ __forceinline__ void pv_tile(WarpState& st, float (&s)[kGroups][2][4]
 // barrier that also frees the stage refilled next, issues tile t + kStages - 1 into it, and then
 // runs this warp's keys of tile t: S = Q K^T, the score transforms and masks, the online softmax,
 // O += P V.  Returns with the pipeline drained and every warp past it.
-// With PERSIST, `hook` runs once in the first iteration, after its barrier: every warp then holds
-// Q in registers, so the next item's Q can load (prefetch_next).
+// With PERSIST, `hook(tile)` runs in the first two iterations, after their barrier: every warp then
+// holds Q in registers, so the next item's Q can load (prefetch_next).
 struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
+  __device__ __forceinline__ void operator()(int) const {}
 };
 template <class Hook = NoHook>
 __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader& loader, const Buffers& buf,
@@ -1036,7 +1036,7 @@ __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader
 #pragma unroll
     for (int i = 0; i + 1 < kStages - 2; ++i) votes.pending[i] = votes.pending[i + 1];
 #if PERSIST
-    if (tile == 0) hook();
+    if (tile < 2) hook(tile);
 #else
     (void)hook;
 #endif
@@ -1615,17 +1615,20 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
 // ---------------------------------------------------------------------------- persistent CTAs
 
 // A persistent CTA's work items ride in two shared-memory slots: the next item's, and the one after
-// it, alternating.  fetch_item: thread 0 copies list entry `index` into slot `which` by cp.async
-// (the caller's next commit takes it into a group), or marks the slot as padding past the list.
-__device__ __forceinline__ void fetch_item(const Buffers& buf, int which, const int* work, int index, int count) {
+// it, alternating, each with its CTA number (item x Hkv + kv head).  fetch_item: thread 0 copies the
+// list entry of `number` into slot `which` by cp.async (the caller's next commit takes it into a
+// group), or marks the slot as padding past the list (numbers of `total` and more).
+__device__ __forceinline__ void fetch_item(const Buffers& buf, int which, const int* work, int number, int total,
+                                           int num_kv_heads) {
   if (threadIdx.x != 0) return;
   const u32 at = buf.items_s + which * 32;
-  if (index < count) {
-    const int* entry = work + 8 * (long long)index;
+  buf.items[16 + which] = number;
+  if (number < total) {
+    const int* entry = work + 8 * (long long)(number / num_kv_heads);
     cp::cp_async_16(at, entry, true);
     cp::cp_async_16(at + 16, entry + 4, true);
   } else {
-    const_cast<int*>(buf.items)[which * 8 + 5] = 0;  // q_len 0: padding, the end of this CTA's items
+    buf.items[which * 8 + 5] = 0;  // q_len 0: padding, the end of this CTA's items
   }
 }
 
@@ -1633,6 +1636,18 @@ __device__ __forceinline__ WorkItem read_item(const Buffers& buf, int which) {
   const int4* at = reinterpret_cast<const int4*>(buf.items) + 2 * which;
   const int4 a = at[0], c = at[1];
   return WorkItem{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+}
+
+// The CTAs' claims on the list (after the two numbers each starts with, blockIdx.x and blockIdx.x +
+// gridDim.x) and their count of CTAs done, two ints that are zero between launches: the last CTA
+// to finish sets both back.
+__device__ __forceinline__ void finish_claims(int* claims) {
+  if (threadIdx.x != 0) return;
+  __threadfence();  // this CTA's claims before its count
+  if (atomicAdd(claims + 1, 1) == (int)gridDim.x - 1) {
+    claims[0] = 0;
+    claims[1] = 0;
+  }
 }
 
 // The next item's Q tile and the block ids of its first kStages - 1 tiles (over its split's range:
@@ -1722,25 +1737,31 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // while they fly (Q rotation, fused append, index checks), the K/V loop, the warp merge, the store.
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if PERSIST
-  // A persistent CTA (host-listed work only): kv head blockIdx.x % Hkv of the list's items i, i + P,
-  // i + 2P, ... with i = blockIdx.x / Hkv and P = gridDim.x / Hkv (the host launches whole kv-head
-  // groups), up to the list's length (list_max_items) or its first padding item.  Item k + 1's Q and
-  // first block ids load during item k's first loop iteration (prefetch_next), and its first tiles
-  // are issued as soon as item k's loop drains, before item k's merge and store, which use the last
-  // stage (Smem::kMergeStage): the start of an item waits for no round trip of its own.
+  // A persistent CTA (host-listed work only; a grid of at most one wave): it takes CTA numbers of the
+  // list one after another, claimed from a counter two items ahead, until the list's end
+  // (list_max_items) or its first padding item.  Item k + 1's Q and first block ids load during item
+  // k's first loop iteration (prefetch_next), and its first tiles are issued as soon as item k's loop
+  // drains, before item k's merge and store, which use the last stage (Smem::kMergeStage): the start
+  // of an item waits for no round trip of its own.
   (void)list_seqlens, (void)list_cu_q, (void)list_cu_k, (void)list_batch, (void)list_seqlen_q;
   (void)list_max_seqlen_q, (void)list_key_limit, (void)list_slots_per_head, (void)list_max_slots, (void)list_sync;
-  const int hkv = params.num_kv_heads, step = gridDim.x / hkv, kv = blockIdx.x % hkv, count = list_max_items;
-  int index = blockIdx.x / hkv;
-  if (index >= count) return;
-  const WorkItem first = load_item(work, index);
-  if (first.q_len <= 0) return;  // padding: the whole CTA leaves before any barrier
+  // Numbers as in the one-CTA-an-item launch (item n / Hkv, kv head n % Hkv); a CTA starts with
+  // blockIdx.x and blockIdx.x + gridDim.x and then claims the next free number during each item's
+  // first loop iteration, two items ahead (claims[0]: merge_count past the split slots' counts).
+  const int hkv = params.num_kv_heads, total = list_max_items * hkv;
+  int* const claims = merge_count + (long long)list_max_slots * hkv;
   const Buffers buf = buffers(smem_raw);
+  int number = blockIdx.x;
+  const WorkItem first = load_item(work, number / hkv);
+  if (first.q_len <= 0) {  // padding: the whole CTA leaves before any barrier
+    finish_claims(claims);
+    return;
+  }
   const ScoreMods mods = score_mods(params, alibi_slopes);
   const Rotary ro = make_rotary(params, rotary_cos, rotary_sin);
   int which = 0;  // the item slot of the next item
-  Cta cta = locate(params, first, blockIdx.x);
-  fetch_item(buf, which, work, index + step, count);  // joins Q's round trip
+  Cta cta = locate(params, first, number);
+  fetch_item(buf, which, work, number + gridDim.x, total, hkv);  // joins Q's round trip
   load_sequence_and_q(params, cta, buf, q, cache_seqlens, cache_batch_idx, cache_leftpad);
   KeySource src = key_source(params, cta, k_cache, v_cache, k_new, v_new);
   Sequence sq = resolve_sequence(src, params, cta, buf.seq, block_table);
@@ -1754,48 +1775,62 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     const bool check_ids = check_indices(src, sq, range, params, cta, ro, buf.seq, errors);
     Votes votes = first_vote(issued_ok);
     report_bad_column(check_ids, buf.seq, cta.b, errors);
-    const int next_index = index + step, next_number = next_index * hkv + kv;
-    const auto hook = [&]() {
-      const WorkItem nx = read_item(buf, which);
-      if (nx.q_len > 0) prefetch_next(params, buf, q, block_table, nx, next_number);
+    // The next item (its slot landed with this item's tile 0 at the latest), and thread 0's claim of
+    // the one after it: the atomic in iteration 0, its cp.async in iteration 1, so that the atomic's
+    // round trip overlaps a tile's math (-1: none made).
+    bool next_real = false, fetched = false;
+    int next_number = 0, claimed = -1;
+    const auto hook = [&](int tile) {
+      if (tile == 0) {
+        next_real = read_item(buf, which).q_len > 0;
+        next_number = buf.items[16 + which];
+        if (!next_real) return;  // CTA-uniform
+        prefetch_next(params, buf, q, block_table, read_item(buf, which), next_number);
+        if (threadIdx.x == 0) claimed = 2 * (int)gridDim.x + atomicAdd(claims, 1);
+      } else if (next_real) {
+        fetch_item(buf, which ^ 1, work, claimed, total, hkv);
+        fetched = true;
+      }
     };
     WarpState st;
     attend(st, votes, loader, buf, cta, rows, mods, ro, sq.first_pos, hook);
     // Drained: the next item's first tiles go out now, its Q and ids already landed.
-    const WorkItem next = read_item(buf, which);
-    const bool more = next.q_len > 0;
+    next_real = read_item(buf, which).q_len > 0;
+    next_number = buf.items[16 + which];
     Cta ncta = cta;
     KeySource nsrc = src;
     Sequence nsq = sq;
     Rows nrows = rows;
     KeyRange nrange = range;
-    if (more) {
+    if (next_real) {
+      const WorkItem next = read_item(buf, which);
       if (loader.range.num_tiles == 0) {  // no loop iteration ran the hook
         prefetch_next(params, buf, q, block_table, next, next_number);
+        if (threadIdx.x == 0) claimed = 2 * (int)gridDim.x + atomicAdd(claims, 1);
         cp::cp_async_commit();
         cp::cp_async_wait<0>();
         __syncthreads();
       }
+      if (!fetched) fetch_item(buf, which ^ 1, work, claimed, total, hkv);  // joins the next item's tile 0
       ncta = locate(params, next, next_number);
       nsrc = key_source(params, ncta, k_cache, v_cache, k_new, v_new);
       nsq = resolve_sequence(nsrc, params, ncta, buf.seq, block_table);
       nrows = row_bounds(params, ncta, nsq.num_keys, alibi_slopes);
       nrange = split_range(params, ncta, nsq.num_keys);
-      which ^= 1;
-      fetch_item(buf, which, work, next_index + step, count);  // joins the next item's tile 0
       make_loader(nsrc, buf, seen_range(nrange, nrows), k_new != nullptr).warm_prologue(issued_ok);
     }
     share_state(st, smem_raw, cta);
     store_rows(cta, smem_raw, out, lse, part_out, part_lse);
     merge_if_last(cta, smem_raw, out, lse, part_out, part_lse, merge_count);
-    if (!more) break;
+    if (!next_real) break;
     cta = ncta;
     src = nsrc;
     sq = nsq;
     rows = nrows;
     range = nrange;
-    index = next_index;
+    which ^= 1;
   }
+  finish_claims(claims);
 #else
 #if RAGGED
   int number = blockIdx.x;  // which CTA of the list this one is (see RAGGED above)

@@ -60,7 +60,7 @@ class Tiles:
         size = ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
                 + (self.stages + id_slots) * self.keys * 4 + 16)
         if persistent:
-            size += (self.stages - 1) * self.keys * 4 + 2 * 32 + 2 * self.warps * ROWS_PER_CTA * 4
+            size += (self.stages - 1) * self.keys * 4 + 2 * 32 + 16 + 2 * self.warps * ROWS_PER_CTA * 4
         return size
 
 

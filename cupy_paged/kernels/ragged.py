@@ -152,6 +152,7 @@ class RaggedLaunch:
         # The persistent kernel (PERSISTENT), made at its first launch: its launcher and CTAs a kv head.
         self._persistent_args = None if trace is not None or head_dim not in PERSISTENT_HEAD_DIMS else params
         self._persistent = None
+        self._claim_ptrs: dict[tuple, int] = {}  # (stream_key, slots) -> merge counts and claim counters
         self.listed_on_device = False  # DeviceListLaunch's: every run passes the list's arguments
         self.errors = word(self.device)
         # (stream_key, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
@@ -185,17 +186,24 @@ class RaggedLaunch:
         pointers = (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0, 0, 0, alibi,
                                   out_ptr, lse_ptr, part_out, part_lse, self.errors, work_ptr, counts))
         if PERSISTENT and not spans and self._persistent_args is not None:
-            launch, per_head, smem, count_span = self._persistent or self._make_persistent()
+            launch, per_head, smem, list_span = self._persistent or self._make_persistent()
             per_head = min(per_head, PERSISTENT_GRID_CAP or per_head)
             if items > per_head or PERSISTENT_GRID_CAP:
-                launch.launch((min(items, per_head) * self.num_kv_heads, 1, 1), self.threads, smem, stream, pointers,
-                              (*count_span, (items,)))
+                # The merge counts, then the CTAs' two claim counters (zeros between launches too).
+                found = self._claim_ptrs.get((stream_key(stream), slots))
+                if found is None:
+                    found = merge_counts(slots * self.num_kv_heads + 2, self.device, stream).data.ptr
+                    self._claim_ptrs[(stream_key(stream), slots)] = found
+                values = pointers[2][:-1] + (found,)
+                launch.launch((min(items, per_head) * self.num_kv_heads, 1, 1), self.threads, smem, stream,
+                              (struct_, at, values), (*list_span, (items, slots)))
                 return
         self.launch.launch((items * self.num_kv_heads, 1, 1), self.threads, self.smem, stream, pointers, *spans)
 
     def _make_persistent(self) -> tuple:
         """The persistent kernel's launcher (the same arguments; the list's length in
-        ``list_max_items``), its CTAs a kv head in one wave, shared memory and the length's span."""
+        ``list_max_items``, its split slots in ``list_max_slots``), its CTAs a kv head in one wave,
+        shared memory and the span of those two."""
         params = self._persistent_args
         tiles = TILES[self.head_dim]
         smem = tiles.smem_bytes(self.head_dim, persistent=True)
@@ -204,7 +212,8 @@ class RaggedLaunch:
         launch.pack(*params, *([0] * (_POINTERS + _LIST_ARGS)))
         per_head = max(1, slots(self.device, self.dtype, self.head_dim, tiles, ragged=True, persistent=True)
                        // self.num_kv_heads)
-        self._persistent = (launch, per_head, smem, launch.span(len(params) + _POINTERS + 8, 1))
+        # list_max_items and list_max_slots: the list's length, and where the claim counters start
+        self._persistent = (launch, per_head, smem, launch.span(len(params) + _POINTERS + 8, 2))
         return self._persistent
 
 
