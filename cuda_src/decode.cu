@@ -1035,13 +1035,13 @@ __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader
     const bool next_loaded = __syncthreads_and(votes.pending[0]);
 #pragma unroll
     for (int i = 0; i + 1 < kStages - 2; ++i) votes.pending[i] = votes.pending[i + 1];
+    const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
+    if (next < num_tiles) votes.pending[kStages - 3] = loader.issue(next);
 #if PERSIST
-    if (tile < 2) hook(tile);
+    if (tile < 2) hook(tile);  // after this item's own tile: its cp.asyncs join the same group
 #else
     (void)hook;
 #endif
-    const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
-    if (next < num_tiles) votes.pending[kStages - 3] = loader.issue(next);
     cp::cp_async_commit();
 
     const int stage = tile % kStages;
@@ -1645,6 +1645,7 @@ __device__ __forceinline__ void finish_claims(int* claims) {
   if (threadIdx.x != 0) return;
   __threadfence();  // this CTA's claims before its count
   if (atomicAdd(claims + 1, 1) == (int)gridDim.x - 1) {
+    __threadfence();  // every CTA's count (and so its claims) before the reset
     claims[0] = 0;
     claims[1] = 0;
   }
@@ -1744,7 +1745,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // drains, before item k's merge and store, which use the last stage (Smem::kMergeStage): the start
   // of an item waits for no round trip of its own.
   (void)list_seqlens, (void)list_cu_q, (void)list_cu_k, (void)list_batch, (void)list_seqlen_q;
-  (void)list_max_seqlen_q, (void)list_key_limit, (void)list_slots_per_head, (void)list_max_slots, (void)list_sync;
+  (void)list_max_seqlen_q, (void)list_key_limit, (void)list_slots_per_head, (void)list_sync;
   // Numbers as in the one-CTA-an-item launch (item n / Hkv, kv head n % Hkv); a CTA starts with
   // blockIdx.x and blockIdx.x + gridDim.x and then claims the next free number during each item's
   // first loop iteration, two items ahead (claims[0]: merge_count past the split slots' counts).

@@ -53,7 +53,7 @@ class Tiles:
     def smem_bytes(self, head_dim: int, persistent: bool = False) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
         16 bytes for the sequence's entries; a persistent ragged kernel adds its next item's first
-        ids, two work items and the merge's m and l.  The one size: :func:`kernel_key` passes it
+        ids, two work items and their CTA numbers, and the merge's m and l.  The one size: :func:`kernel_key` passes it
         to the compiler as ``SMEM_BYTES``, and decode.cu static_asserts that it equals
         ``Smem::kBytes``, so a layout that drifts from this sum fails to build."""
         id_slots = 2 * (self.stages - 1)

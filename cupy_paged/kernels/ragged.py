@@ -59,8 +59,8 @@ BALANCE = None
 # BALANCE is).
 BALANCE_MAX_WAVES = 2
 # Whether host-listed launches (the step plan's) take the persistent kernel (decode.cu PERSIST: a grid
-# of one wave, each CTA taking every P-th item and starting the next item's loads during the current
-# one): True where it serves (head dims of PERSISTENT_HEAD_DIMS, lists of more than one wave of
+# of one wave, each CTA claiming items from a counter and starting the next item's loads during the
+# current one): True where it serves (head dims of PERSISTENT_HEAD_DIMS, lists of more than one wave of
 # items), False never.  Off until measured against the one-CTA-per-item launch on a GPU
 # (benchmarks/NOTES_mixed.md).  Read at every launch.
 PERSISTENT = False
