@@ -1,5 +1,5 @@
 # Session 32, device call 2: the persistent ragged kernel with CTAs that claim their items from a
-# counter (two items ahead) instead of taking every P-th item (call 1, an H100: correct, but 1-22%
+# counter (each claim in an item's last loop iteration) instead of taking every P-th item (call 1, an H100: correct, but 1-22%
 # slower than one CTA an item on every batch of mixed lengths, the static share's imbalance).
 # Its tests (test_ragged.py, the persistent cases among them) and memcheck / racecheck / synccheck of
 # them, then ab_persistent.py (same host lists, alternating, outputs compared) and the plan's mixed

@@ -1001,8 +1001,8 @@ __device__ __forceinline__ void pv_tile(WarpState& st, float (&s)[kGroups][2][4]
 // barrier that also frees the stage refilled next, issues tile t + kStages - 1 into it, and then
 // runs this warp's keys of tile t: S = Q K^T, the score transforms and masks, the online softmax,
 // O += P V.  Returns with the pipeline drained and every warp past it.
-// With PERSIST, `hook(tile)` runs in the first two iterations, after their barrier: every warp then
-// holds Q in registers, so the next item's Q can load (prefetch_next).
+// With PERSIST, `hook(tile)` runs in every iteration, after its barrier and its tile's loads: from the
+// first on every warp holds Q in registers, so the next item's Q can load (prefetch_next).
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
@@ -1038,7 +1038,7 @@ __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader
     const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
     if (next < num_tiles) votes.pending[kStages - 3] = loader.issue(next);
 #if PERSIST
-    if (tile < 2) hook(tile);  // after this item's own tile: its cp.asyncs join the same group
+    hook(tile);  // after this item's own tile: its cp.asyncs join the same group
 #else
     (void)hook;
 #endif
@@ -1739,7 +1739,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if PERSIST
   // A persistent CTA (host-listed work only; a grid of at most one wave): it takes CTA numbers of the
-  // list one after another, claimed from a counter two items ahead, until the list's end
+  // list one after another, each claimed from a counter as the item before the previous one ends, until the list's end
   // (list_max_items) or its first padding item.  Item k + 1's Q and first block ids load during item
   // k's first loop iteration (prefetch_next), and its first tiles are issued as soon as item k's loop
   // drains, before item k's merge and store, which use the last stage (Smem::kMergeStage): the start
@@ -1747,8 +1747,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   (void)list_seqlens, (void)list_cu_q, (void)list_cu_k, (void)list_batch, (void)list_seqlen_q;
   (void)list_max_seqlen_q, (void)list_key_limit, (void)list_slots_per_head, (void)list_sync;
   // Numbers as in the one-CTA-an-item launch (item n / Hkv, kv head n % Hkv); a CTA starts with
-  // blockIdx.x and blockIdx.x + gridDim.x and then claims the next free number during each item's
-  // first loop iteration, two items ahead (claims[0]: merge_count past the split slots' counts).
+  // blockIdx.x and blockIdx.x + gridDim.x and then claims the next free number in each item's last
+  // loop iteration, for the item after the next (claims[0]: merge_count past the split slots' counts).
   const int hkv = params.num_kv_heads, total = list_max_items * hkv;
   int* const claims = merge_count + (long long)list_max_slots * hkv;
   const Buffers buf = buffers(smem_raw);
@@ -1776,22 +1776,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     const bool check_ids = check_indices(src, sq, range, params, cta, ro, buf.seq, errors);
     Votes votes = first_vote(issued_ok);
     report_bad_column(check_ids, buf.seq, cta.b, errors);
-    // The next item (its slot landed with this item's tile 0 at the latest), and thread 0's claim of
-    // the one after it: the atomic in iteration 0, its cp.async in iteration 1, so that the atomic's
-    // round trip overlaps a tile's math (-1: none made).
-    bool next_real = false, fetched = false;
+    // The next item (its slot landed with this item's tile 0 at the latest), prefetched in iteration 0;
+    // and thread 0's claim of the one after it in the last iteration (its round trip overlaps that
+    // tile's math; the work item's cp.async follows the loop), so that a CTA commits to an item only
+    // as its current one ends, as a free slot takes the next CTA of a launch (-1: none made).
+    bool next_real = false;
     int next_number = 0, claimed = -1;
+    const int last_tile = loader.range.num_tiles - 1;
     const auto hook = [&](int tile) {
       if (tile == 0) {
         next_real = read_item(buf, which).q_len > 0;
         next_number = buf.items[16 + which];
-        if (!next_real) return;  // CTA-uniform
-        prefetch_next(params, buf, q, block_table, read_item(buf, which), next_number);
-        if (threadIdx.x == 0) claimed = 2 * (int)gridDim.x + atomicAdd(claims, 1);
-      } else if (next_real) {
-        fetch_item(buf, which ^ 1, work, claimed, total, hkv);
-        fetched = true;
+        if (next_real) prefetch_next(params, buf, q, block_table, read_item(buf, which), next_number);
       }
+      if (tile == last_tile && next_real && threadIdx.x == 0) claimed = 2 * (int)gridDim.x + atomicAdd(claims, 1);
     };
     WarpState st;
     attend(st, votes, loader, buf, cta, rows, mods, ro, sq.first_pos, hook);
@@ -1812,7 +1810,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
         cp::cp_async_wait<0>();
         __syncthreads();
       }
-      if (!fetched) fetch_item(buf, which ^ 1, work, claimed, total, hkv);  // joins the next item's tile 0
+      fetch_item(buf, which ^ 1, work, claimed, total, hkv);  // joins the next item's tile 0
       ncta = locate(params, next, next_number);
       nsrc = key_source(params, ncta, k_cache, v_cache, k_new, v_new);
       nsq = resolve_sequence(nsrc, params, ncta, buf.seq, block_table);
