@@ -295,13 +295,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=None)
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--persistent", action="store_true",
-                        help="host-listed ragged launches on the persistent kernel (kernels.ragged.PERSISTENT)")
     args = parser.parse_args(argv)
-    if args.persistent:
-        from cupy_paged.kernels import ragged
-
-        ragged.PERSISTENT = True
     chosen = bench_calls.select(CASES, args.cases)
     if args.list:
         print("\n".join(chosen))

@@ -1,3 +1,5 @@
+# (Ran as committed; the persistent kernel, ab_persistent.py and bench_mixed --persistent were removed after
+# call 3 refuted it on an H200: `git checkout 9bc613b` has them.)
 # Session 32, device call 1.  On an H200 (where short ragged items run at their CTA's chain, not the
 # memory's rate: NOTES_mixed.md, thirty-first session): the RAGGED kernel's first block ids issued in
 # Q's round trip (the thirtieth session's change, brought back by reverting its revert) tested, then

@@ -1,3 +1,5 @@
+# (Ran as committed; the persistent kernel, ab_persistent.py and bench_mixed --persistent were removed after
+# call 3 refuted it on an H200: `git checkout 9bc613b` has them.)
 # Session 32, device call 2: the persistent ragged kernel with CTAs that claim their items from a
 # counter (each claim in an item's last loop iteration) instead of taking every P-th item (call 1, an H100: correct, but 1-22%
 # slower than one CTA an item on every batch of mixed lengths, the static share's imbalance).

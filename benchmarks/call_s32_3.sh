@@ -1,3 +1,5 @@
+# (Ran as committed; the persistent kernel, ab_persistent.py and bench_mixed --persistent were removed after
+# call 3 refuted it on an H200: `git checkout 9bc613b` has them.)
 # Session 32, device call 3, for an H200 only (on any other card it stops at once): the measurement
 # that decides the persistent ragged kernel (ab_persistent.py; refuted if 512 x 512 gains less than
 # 5%), the phases of 512-key items on this card (trace_list.py, one CTA an item), and then the

@@ -88,14 +88,8 @@
 #ifndef RAGGED
 #define RAGGED 0
 #endif
-#ifndef PERSIST
-#define PERSIST 0
-#endif
 #if RAGGED && ROTARY
 #error "RAGGED does not take ROTARY"
-#endif
-#if PERSIST && (!RAGGED || TRACE || HEAD_DIM > 128)
-#error "PERSIST is a RAGGED kernel's, without TRACE, with Q in registers (HEAD_DIM <= 128)"
 #endif
 
 namespace decode {
@@ -151,20 +145,7 @@ struct Smem {
   static constexpr int kQ = kFlags + kStages * kTileKeys * 4;
   static constexpr int kIds = kQ + Tile::bytes(kRows);
   static constexpr int kSeqlen = kIds + kIdSlots * kTileKeys * 4;  // Seq, 16 bytes
-#if PERSIST
-  // A persistent CTA's next item (below): the block ids of its first kStages - 1 tiles, two work
-  // items (the next one's and the one after, alternating), and the merge's m and l.
-  static constexpr int kHeadIds = kSeqlen + 16;
-  static constexpr int kItems = kHeadIds + (kStages - 1) * kTileKeys * 4;
-  static constexpr int kMergeML = kItems + 2 * 32 + 16;  // two WorkItems, then their CTA numbers
-  static constexpr int kBytes = kMergeML + 2 * kWarps * kRows * 4;
-  // The merge scratch is the last stage's K and V (half the warps' rows in each): the next item's
-  // first tiles fill the other stages meanwhile.
-  static constexpr int kMergeStage = kStages - 1;
-  static_assert((kWarps + 1) / 2 * kRows * kHeadDim * 4 <= kStageBytes, "half the warps' rows fit a stage");
-#else
   static constexpr int kBytes = kSeqlen + 16;
-#endif
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
   static_assert(kMergeBytes <= kFlags, "merge scratch must fit in the pipeline buffers");
 };
@@ -184,12 +165,6 @@ struct Buffers {
   int* flags;          // [kStages][kTileKeys]: 1 = the key was loaded
   const int* ids;      // the id slots
   int* seq;            // the Seq entries
-#if PERSIST
-  u32 head_ids_s;      // the next item's first ids [kStages - 1][kTileKeys]
-  const int* head_ids;
-  u32 items_s;         // two WorkItems, then their CTA numbers (item x Hkv + kv head)
-  int* items;
-#endif
 };
 
 __device__ __forceinline__ Buffers buffers(unsigned char* smem_raw) {
@@ -202,12 +177,6 @@ __device__ __forceinline__ Buffers buffers(unsigned char* smem_raw) {
   buf.flags = reinterpret_cast<int*>(smem_raw + Smem::kFlags);
   buf.ids = reinterpret_cast<const int*>(smem_raw + Smem::kIds);
   buf.seq = reinterpret_cast<int*>(smem_raw + Smem::kSeqlen);
-#if PERSIST
-  buf.head_ids_s = buf.ks + Smem::kHeadIds;
-  buf.head_ids = reinterpret_cast<const int*>(smem_raw + Smem::kHeadIds);
-  buf.items_s = buf.ks + Smem::kItems;
-  buf.items = reinterpret_cast<int*>(smem_raw + Smem::kItems);
-#endif
   return buf;
 }
 
@@ -440,21 +409,6 @@ __device__ __forceinline__ Cta locate(const DecodeParams& params) {
 }
 #endif
 
-// The Q tile [16 rows][D] of the CTA's row group -> shared memory by cp.async (padding rows zero).
-__device__ __forceinline__ void issue_q(const DecodeParams& params, const Cta& cta, const Buffers& buf, const T* q) {
-  const int seqlen_q = seq_len_q(params, cta);
-  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
-    const int r = index / kChunks, c = index % kChunks;
-    const int row = cta.row_group * kRows + r;
-    const bool real = row < seq_rows(params, cta);
-    const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
-    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + sequence_offset(cta, params.q_token, params.q_batch) +
-                                                      (row % seqlen_q) * params.q_token +
-                                                      (cta.kv_head * cta.group + row / seqlen_q) * params.q_head) + c;
-    cp::cp_async_16(buf.qs + Tile::offset(r, c), qp, real);
-  }
-}
-
 // Prologue, first round trip: the sequence's entries (Seq) and the Q tile [16 rows][D] (padding
 // rows zero) -> shared memory by cp.async, all in flight together; waited for.  With RAGGED the
 // work item has already named the sequence and its cached keys, so the first tiles' block ids need
@@ -477,7 +431,17 @@ __device__ __forceinline__ void load_sequence_and_q(const DecodeParams& params, 
 #endif
     buf.seq[kSeqBadColumn] = kNoColumn;
   }
-  issue_q(params, cta, buf, q);
+  const int seqlen_q = seq_len_q(params, cta);
+  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
+    const int r = index / kChunks, c = index % kChunks;
+    const int row = cta.row_group * kRows + r;
+    const bool real = row < seq_rows(params, cta);
+    const cp::Vec8* qp = reinterpret_cast<const cp::Vec8*>(q);
+    if (real) qp = reinterpret_cast<const cp::Vec8*>(q + sequence_offset(cta, params.q_token, params.q_batch) +
+                                                      (row % seqlen_q) * params.q_token +
+                                                      (cta.kv_head * cta.group + row / seqlen_q) * params.q_head) + c;
+    cp::cp_async_16(buf.qs + Tile::offset(r, c), qp, real);
+  }
   cp::cp_async_commit();
 #if !RAGGED
   cp::cp_async_wait<0>();
@@ -664,13 +628,10 @@ struct Loader {
 
   // The block ids of `tile` (in their slot: their group has landed), then the tile; the ids of
   // tile + kStages - 1 join this tile's group.  Returns whether this thread's keys all loaded.
-  __device__ __forceinline__ bool issue(int tile) const { return issue_from(tile, buf.ids + (tile % kIdSlots) * kTileKeys); }
-
-  // issue, with the tile's block ids read from `ids` (its id slot, or a persistent CTA's head ids).
-  __device__ __forceinline__ bool issue_from(int tile, const int* ids) const {
+  __device__ __forceinline__ bool issue(int tile) const {
     const int tile_start = range.start + tile * kTileKeys;
     int blocks[kPasses];
-    read_blocks(src, tile_start, id_limit, ids, blocks);
+    read_blocks(src, tile_start, id_limit, buf.ids + (tile % kIdSlots) * kTileKeys, blocks);
     const int ahead = tile + kStages - 1;
     if (ahead < range.num_tiles)
       issue_ids(src, range.start + ahead * kTileKeys, id_limit, buf.ids_s + (ahead % kIdSlots) * kTileKeys * 4);
@@ -694,20 +655,6 @@ struct Loader {
       cp::cp_async_commit();
     }
   }
-
-#if PERSIST
-  // A persistent CTA's warm start: the first kStages - 1 tiles from the head ids that the previous
-  // item's loop loaded (prefetch_next), one cp.async group each, into stages 0 .. kStages - 2 while
-  // the previous item's merge uses the last one.  The caller's cp.asyncs before it join tile 0's group.
-  __device__ __forceinline__ void warm_prologue(bool (&issued_ok)[kStages - 1]) const {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      issued_ok[s] = false;
-      if (s < range.num_tiles) issued_ok[s] = issue_from(s, buf.head_ids + s * kTileKeys);
-      cp::cp_async_commit();
-    }
-  }
-#endif
 };
 
 // Keys whose block ids are read: the cached keys of the range in the usable columns (a key j >= 0
@@ -1001,15 +948,9 @@ __device__ __forceinline__ void pv_tile(WarpState& st, float (&s)[kGroups][2][4]
 // barrier that also frees the stage refilled next, issues tile t + kStages - 1 into it, and then
 // runs this warp's keys of tile t: S = Q K^T, the score transforms and masks, the online softmax,
 // O += P V.  Returns with the pipeline drained and every warp past it.
-// With PERSIST, `hook(tile)` runs in every iteration, after its barrier and its tile's loads: from the
-// first on every warp holds Q in registers, so the next item's Q can load (prefetch_next).
-struct NoHook {
-  __device__ __forceinline__ void operator()(int) const {}
-};
-template <class Hook = NoHook>
 __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader& loader, const Buffers& buf,
                                        const Cta& cta, const Rows& rows, const ScoreMods& mods, const Rotary& ro,
-                                       int first_pos, const Hook& hook = Hook()) {
+                                       int first_pos) {
   const int num_tiles = loader.range.num_tiles, start = loader.range.start;
   QFrags qa;
   if (kQInRegs) {
@@ -1037,11 +978,6 @@ __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader
     for (int i = 0; i + 1 < kStages - 2; ++i) votes.pending[i] = votes.pending[i + 1];
     const int next = tile + kStages - 1;  // = (tile + 1) + 1 + (kStages - 3): the last flag
     if (next < num_tiles) votes.pending[kStages - 3] = loader.issue(next);
-#if PERSIST
-    hook(tile);  // after this item's own tile: its cp.asyncs join the same group
-#else
-    (void)hook;
-#endif
     cp::cp_async_commit();
 
     const int stage = tile % kStages;
@@ -1072,33 +1008,11 @@ __device__ __forceinline__ void attend(WarpState& st, Votes& votes, const Loader
 // Rows of this CTA's row group that are real (the rest of the 16 are the mma's padding).
 __device__ __forceinline__ int rows_here(const Cta& cta) { return min(kRows, cta.num_rows - cta.row_group * kRows); }
 
-// The merge scratch: row r of warp w's rows [kWarps][kRows][D] (merge_row), then every warp's m and
-// l [kWarps][kRows] each (merge_ml); in the drained pipeline's first bytes, or with PERSIST in the
-// last stage, half the warps' rows in its K and half in its V (Smem::kMergeStage), m and l apart.
-__device__ __forceinline__ float* merge_row(unsigned char* smem_raw, int w, int r) {
-#if PERSIST
-  constexpr int kHalf = (kWarps + 1) / 2;
-  unsigned char* stage = smem_raw + (w < kHalf ? 0 : Smem::kV) + Smem::kMergeStage * Smem::kStageBytes;
-  return reinterpret_cast<float*>(stage) + ((w % kHalf) * kRows + r) * kHeadDim;
-#else
-  return reinterpret_cast<float*>(smem_raw) + (w * kRows + r) * kHeadDim;
-#endif
-}
-__device__ __forceinline__ const float* merge_row(const unsigned char* smem_raw, int w, int r) {
-  return merge_row(const_cast<unsigned char*>(smem_raw), w, r);
-}
-__device__ __forceinline__ float* merge_ml(unsigned char* smem_raw) {
-#if PERSIST
-  return reinterpret_cast<float*>(smem_raw + Smem::kMergeML);
-#else
-  return reinterpret_cast<float*>(smem_raw) + kWarps * kRows * kHeadDim;
-#endif
-}
-
 // Row sums over each row's 4 lanes, then every warp's state -> the merge scratch (the drained
 // pipeline's buffers), published by a barrier.
 __device__ __forceinline__ void share_state(WarpState& st, unsigned char* smem_raw, const Cta& cta) {
-  float* merge_m = merge_ml(smem_raw);                             // [kWarps][kRows]
+  float* merge_o = reinterpret_cast<float*>(smem_raw);             // [kWarps][kRows][D]
+  float* merge_m = merge_o + kWarps * kRows * kHeadDim;            // [kWarps][kRows]
   float* merge_l = merge_m + kWarps * kRows;                       // [kWarps][kRows]
   const int real = rows_here(cta);
 #pragma unroll
@@ -1108,7 +1022,7 @@ __device__ __forceinline__ void share_state(WarpState& st, unsigned char* smem_r
     if (r >= real) continue;  // a padding row: store_rows never reads it
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n)
-      *reinterpret_cast<float2*>(merge_row(smem_raw, cta.warp, r) + n * 8 + 2 * cta.t) =
+      *reinterpret_cast<float2*>(merge_o + (cta.warp * kRows + r) * kHeadDim + n * 8 + 2 * cta.t) =
           make_float2(st.o[n][2 * hr], st.o[n][2 * hr + 1]);
     if (cta.t == 0) {
       merge_m[cta.warp * kRows + r] = st.m[hr];
@@ -1125,7 +1039,8 @@ __device__ __forceinline__ void share_state(WarpState& st, unsigned char* smem_r
 __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* smem_raw, T* out, float* lse,
                                            float* part_out, float* part_lse) {
   constexpr int kVecs = kHeadDim / 8;  // 8-dim vectors per row
-  const float* merge_m = merge_ml(const_cast<unsigned char*>(smem_raw));
+  const float* merge_o = reinterpret_cast<const float*>(smem_raw);
+  const float* merge_m = merge_o + kWarps * kRows * kHeadDim;
   const float* merge_l = merge_m + kWarps * kRows;
   const int seqlen_q = cta.seqlen_q, num_heads = cta.num_heads;
   const long long rows_total = (long long)cta.batch * seqlen_q * num_heads;
@@ -1147,7 +1062,7 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
     for (int w = 0; w < kWarps; ++w) {
       const float weight = exp2f(merge_m[w * kRows + r] - m_max);
       l_all += merge_l[w * kRows + r] * weight;
-      const float4* src = reinterpret_cast<const float4*>(merge_row(smem_raw, w, r) + d);
+      const float4* src = reinterpret_cast<const float4*>(merge_o + (w * kRows + r) * kHeadDim + d);
       const float4 a = src[0], c = src[1];
       o[0] += a.x * weight; o[1] += a.y * weight; o[2] += a.z * weight; o[3] += a.w * weight;
       o[4] += c.x * weight; o[5] += c.y * weight; o[6] += c.z * weight; o[7] += c.w * weight;
@@ -1202,9 +1117,6 @@ __device__ __forceinline__ void store_rows(const Cta& cta, const unsigned char* 
 // that saw no key has weight 0 and a partial row of zeros, so every term is finite.
 constexpr int kMaxSplits = 128;  // kernels/ragged.py MAX_SPLITS; the merge's weights are [kRows][kMaxSplits]
 static_assert((kRows * kMaxSplits + kRows) * 4 <= Smem::kBytes, "the merge's weights fit the dynamic shared memory");
-#if PERSIST
-static_assert((kRows * kMaxSplits + kRows) * 4 <= Smem::kStageBytes, "the merge's weights fit the merge stage's K");
-#endif
 __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* smem_raw, T* out, float* lse,
                                               const float* part_out, const float* part_lse, int* merge_count) {
   if (cta.num_splits <= 1) return;  // CTA-uniform
@@ -1217,8 +1129,7 @@ __device__ __forceinline__ void merge_if_last(const Cta& cta, unsigned char* sme
   if (!last) return;  // CTA-uniform
   __threadfence();
   const int num_splits = min(cta.num_splits, kMaxSplits);
-  // [kRows][kMaxSplits], then the scale of each row: where the merge scratch starts
-  float* weights = merge_row(smem_raw, 0, 0);
+  float* weights = reinterpret_cast<float*>(smem_raw);  // [kRows][kMaxSplits], then the scale of each row
   float* scale = weights + kRows * kMaxSplits;
   const long long split_rows = (long long)cta.num_kv_heads * kRows;  // rows between split s and s + 1
   const long long first = ((long long)cta.slot * cta.num_kv_heads + cta.kv_head) * kRows;
@@ -1611,65 +1522,6 @@ __device__ __forceinline__ int wait_for_list(const ListArgs& a, int slots_per_he
 }
 #endif
 
-#if PERSIST
-// ---------------------------------------------------------------------------- persistent CTAs
-
-// A persistent CTA's work items ride in two shared-memory slots: the next item's, and the one after
-// it, alternating, each with its CTA number (item x Hkv + kv head).  fetch_item: thread 0 copies the
-// list entry of `number` into slot `which` by cp.async (the caller's next commit takes it into a
-// group), or marks the slot as padding past the list (numbers of `total` and more).
-__device__ __forceinline__ void fetch_item(const Buffers& buf, int which, const int* work, int number, int total,
-                                           int num_kv_heads) {
-  if (threadIdx.x != 0) return;
-  const u32 at = buf.items_s + which * 32;
-  buf.items[16 + which] = number;
-  if (number < total) {
-    const int* entry = work + 8 * (long long)(number / num_kv_heads);
-    cp::cp_async_16(at, entry, true);
-    cp::cp_async_16(at + 16, entry + 4, true);
-  } else {
-    buf.items[which * 8 + 5] = 0;  // q_len 0: padding, the end of this CTA's items
-  }
-}
-
-__device__ __forceinline__ WorkItem read_item(const Buffers& buf, int which) {
-  const int4* at = reinterpret_cast<const int4*>(buf.items) + 2 * which;
-  const int4 a = at[0], c = at[1];
-  return WorkItem{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-}
-
-// The CTAs' claims on the list (after the two numbers each starts with, blockIdx.x and blockIdx.x +
-// gridDim.x) and their count of CTAs done, two ints that are zero between launches: the last CTA
-// to finish sets both back.
-__device__ __forceinline__ void finish_claims(int* claims) {
-  if (threadIdx.x != 0) return;
-  __threadfence();  // this CTA's claims before its count
-  if (atomicAdd(claims + 1, 1) == (int)gridDim.x - 1) {
-    __threadfence();  // every CTA's count (and so its claims) before the reset
-    claims[0] = 0;
-    claims[1] = 0;
-  }
-}
-
-// The next item's Q tile and the block ids of its first kStages - 1 tiles (over its split's range:
-// the loader's seen range starts there too and ends no later), issued during this item's first
-// loop iteration, when every warp holds this item's Q in registers; and the next item's bad-column
-// entry reset (this item's was reported before its loop).
-__device__ __forceinline__ void prefetch_next(const DecodeParams& params, const Buffers& buf, const T* q,
-                                              const int* block_table, const WorkItem& nx, int number) {
-  const Cta nc = locate(params, nx, number);
-  issue_q(params, nc, buf, q);
-  KeySource ns = key_source(params, nc, nullptr, nullptr, nullptr, nullptr);
-  const Sequence nsq = resolve_sequence(ns, params, nc, buf.seq, block_table);
-  const KeyRange range = split_range(params, nc, nsq.num_keys);
-  const int id_limit = make_loader(ns, buf, range, false).id_limit;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
-    if (s < range.num_tiles) issue_ids(ns, range.start + s * kTileKeys, id_limit, buf.head_ids_s + s * kTileKeys * 4);
-  if (threadIdx.x == 0) buf.seq[kSeqBadColumn] = kNoColumn;
-}
-#endif
-
 #if TRACE
 // The benchmark's trace row of this CTA (kernels/decode.py TRACE_COLUMNS): start ns, ready ns (its
 // work item known: after a device list's wait, the start elsewhere), end ns, SM, number (the
@@ -1737,100 +1589,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
   // The steps of the header, in order: setup, the block-id prologue and the first tiles, what runs
   // while they fly (Q rotation, fused append, index checks), the K/V loop, the warp merge, the store.
   extern __shared__ __align__(128) unsigned char smem_raw[];
-#if PERSIST
-  // A persistent CTA (host-listed work only; a grid of at most one wave): it takes CTA numbers of the
-  // list one after another, each claimed from a counter as the item before the previous one ends, until the list's end
-  // (list_max_items) or its first padding item.  Item k + 1's Q and first block ids load during item
-  // k's first loop iteration (prefetch_next), and its first tiles are issued as soon as item k's loop
-  // drains, before item k's merge and store, which use the last stage (Smem::kMergeStage): the start
-  // of an item waits for no round trip of its own.
-  (void)list_seqlens, (void)list_cu_q, (void)list_cu_k, (void)list_batch, (void)list_seqlen_q;
-  (void)list_max_seqlen_q, (void)list_key_limit, (void)list_slots_per_head, (void)list_sync;
-  // Numbers as in the one-CTA-an-item launch (item n / Hkv, kv head n % Hkv); a CTA starts with
-  // blockIdx.x and blockIdx.x + gridDim.x and then claims the next free number in each item's last
-  // loop iteration, for the item after the next (claims[0]: merge_count past the split slots' counts).
-  const int hkv = params.num_kv_heads, total = list_max_items * hkv;
-  int* const claims = merge_count + (long long)list_max_slots * hkv;
-  const Buffers buf = buffers(smem_raw);
-  int number = blockIdx.x;
-  const WorkItem first = load_item(work, number / hkv);
-  if (first.q_len <= 0) {  // padding: the whole CTA leaves before any barrier
-    finish_claims(claims);
-    return;
-  }
-  const ScoreMods mods = score_mods(params, alibi_slopes);
-  const Rotary ro = make_rotary(params, rotary_cos, rotary_sin);
-  int which = 0;  // the item slot of the next item
-  Cta cta = locate(params, first, number);
-  fetch_item(buf, which, work, number + gridDim.x, total, hkv);  // joins Q's round trip
-  load_sequence_and_q(params, cta, buf, q, cache_seqlens, cache_batch_idx, cache_leftpad);
-  KeySource src = key_source(params, cta, k_cache, v_cache, k_new, v_new);
-  Sequence sq = resolve_sequence(src, params, cta, buf.seq, block_table);
-  Rows rows = row_bounds(params, cta, sq.num_keys, alibi_slopes);
-  KeyRange range = split_range(params, cta, sq.num_keys);
-  bool issued_ok[kStages - 1];
-  make_loader(src, buf, seen_range(range, rows), k_new != nullptr).prologue(issued_ok);
-  for (;;) {
-    const Loader loader = make_loader(src, buf, seen_range(range, rows), k_new != nullptr);
-    append_new_tokens(src, sq, cta, ro, k_cache_w, v_cache_w);
-    const bool check_ids = check_indices(src, sq, range, params, cta, ro, buf.seq, errors);
-    Votes votes = first_vote(issued_ok);
-    report_bad_column(check_ids, buf.seq, cta.b, errors);
-    // The next item (its slot landed with this item's tile 0 at the latest), prefetched in iteration 0;
-    // and thread 0's claim of the one after it in the last iteration (its round trip overlaps that
-    // tile's math; the work item's cp.async follows the loop), so that a CTA commits to an item only
-    // as its current one ends, as a free slot takes the next CTA of a launch (-1: none made).
-    bool next_real = false;
-    int next_number = 0, claimed = -1;
-    const int last_tile = loader.range.num_tiles - 1;
-    const auto hook = [&](int tile) {
-      if (tile == 0) {
-        next_real = read_item(buf, which).q_len > 0;
-        next_number = buf.items[16 + which];
-        if (next_real) prefetch_next(params, buf, q, block_table, read_item(buf, which), next_number);
-      }
-      if (tile == last_tile && next_real && threadIdx.x == 0) claimed = 2 * (int)gridDim.x + atomicAdd(claims, 1);
-    };
-    WarpState st;
-    attend(st, votes, loader, buf, cta, rows, mods, ro, sq.first_pos, hook);
-    // Drained: the next item's first tiles go out now, its Q and ids already landed.
-    next_real = read_item(buf, which).q_len > 0;
-    next_number = buf.items[16 + which];
-    Cta ncta = cta;
-    KeySource nsrc = src;
-    Sequence nsq = sq;
-    Rows nrows = rows;
-    KeyRange nrange = range;
-    if (next_real) {
-      const WorkItem next = read_item(buf, which);
-      if (loader.range.num_tiles == 0) {  // no loop iteration ran the hook
-        prefetch_next(params, buf, q, block_table, next, next_number);
-        if (threadIdx.x == 0) claimed = 2 * (int)gridDim.x + atomicAdd(claims, 1);
-        cp::cp_async_commit();
-        cp::cp_async_wait<0>();
-        __syncthreads();
-      }
-      fetch_item(buf, which ^ 1, work, claimed, total, hkv);  // joins the next item's tile 0
-      ncta = locate(params, next, next_number);
-      nsrc = key_source(params, ncta, k_cache, v_cache, k_new, v_new);
-      nsq = resolve_sequence(nsrc, params, ncta, buf.seq, block_table);
-      nrows = row_bounds(params, ncta, nsq.num_keys, alibi_slopes);
-      nrange = split_range(params, ncta, nsq.num_keys);
-      make_loader(nsrc, buf, seen_range(nrange, nrows), k_new != nullptr).warm_prologue(issued_ok);
-    }
-    share_state(st, smem_raw, cta);
-    store_rows(cta, smem_raw, out, lse, part_out, part_lse);
-    merge_if_last(cta, smem_raw, out, lse, part_out, part_lse, merge_count);
-    if (!next_real) break;
-    cta = ncta;
-    src = nsrc;
-    sq = nsq;
-    rows = nrows;
-    range = nrange;
-    which ^= 1;
-  }
-  finish_claims(claims);
-#else
 #if RAGGED
   int number = blockIdx.x;  // which CTA of the list this one is (see RAGGED above)
   bool direct = false;      // a level decode list: the item made here, not read (wait_for_list)
@@ -1910,7 +1668,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinCtas) paged_decode(
     row[3] = cp::sm_id();
   }
 #endif
-#endif  // PERSIST
 }
 
 // ---------------------------------------------------------------------------- combine_splits

@@ -413,70 +413,8 @@ def test_gpu_split_head_dims_block_sizes(head_dim, block_size, dtype):
     _run_both([33, 4000, 700, 0], [1, 1, 130, 5], 4, 2, head_dim, block_size, dtype, path="split")
 
 
-@pytest.fixture
-def persistent(request):
-    """Host-listed ragged launches on the persistent kernel (kernels.ragged.PERSISTENT) with a grid of
-    at most ``request.param`` CTAs a kv head (None: one wave), restored afterwards; a param of 0
-    leaves the launch as it is."""
-    from cupy_paged.kernels import ragged
-
-    before = ragged.PERSISTENT, ragged.PERSISTENT_GRID_CAP
-    cap = getattr(request, "param", None)
-    if cap != 0:
-        ragged.PERSISTENT, ragged.PERSISTENT_GRID_CAP = True, cap
-    yield cap
-    ragged.PERSISTENT, ragged.PERSISTENT_GRID_CAP = before
-
-
-# Persistent grids: one CTA a kv head (it takes every item in list order), three, one wave.
-PERSISTENT_CAPS = [1, 3, None]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("persistent", PERSISTENT_CAPS, indirect=True)
-@pytest.mark.parametrize("mix", GPU_MIXES + SPLIT_MIXES)
-@pytest.mark.parametrize("group,kv_heads", [(1, 2), (4, 2), (8, 1), (6, 2)])
-def test_gpu_persistent_ragged_mixes(persistent, mix, group, kv_heads):
-    """The persistent kernel against the CPU reference: each CTA's items of every kind in turn
-    (chunks, decodes, short rows, splits merged by whichever CTA finishes last, items that see no
-    key), the appends compared, into a NaN-poisoned output."""
-    _run_both(*mix, group, kv_heads, 128, 16, "bfloat16")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [2], indirect=True)
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-@pytest.mark.parametrize("block_size", [8, 16, 256])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_persistent_head_dims_block_sizes(persistent, head_dim, block_size, dtype):
-    _run_both([700, 0, 33, 4000, 64, 1], [130, 5, 1, 1, 1, 16], 4, 2, head_dim, block_size, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [1, 4], indirect=True)
-@pytest.mark.parametrize("kwargs", [dict(window_size=(100, 0)), dict(softcap=20.0), dict(alibi=True)])
-def test_gpu_persistent_window_softcap_alibi(persistent, kwargs):
-    import cupy
-
-    if kwargs.pop("alibi", False):
-        kwargs["alibi_slopes"] = cupy.asarray(np.linspace(0.05, 0.4, 8, dtype=np.float32))
-    _run_both([700, 0, 33, 4000, 300, 2], [130, 5, 1, 1, 1, 1], 4, 2, 128, 16, "bfloat16", **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [None], indirect=True)
-def test_gpu_persistent_grid_of_one_wave_over_many_items(persistent):
-    """More items than a wave's CTA slots (the default grid is then one wave): 600 decodes of
-    lengths 1-900 and two chunks, GQA 4, 2 kv heads."""
-    rng = np.random.default_rng(3)
-    cached = [int(n) for n in rng.integers(1, 900, 600)] + [2000, 0]
-    new = [1] * 600 + [64, 200]
-    _run_both(cached, new, 4, 2, 128, 16, "bfloat16")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [0, 3], indirect=True)
-def test_gpu_ragged_step_as_a_cuda_graph_replayed_with_other_mixes(persistent):
+def test_gpu_ragged_step_as_a_cuda_graph_replayed_with_other_mixes():
     """A ragged step captured once over PlanBuffers and replayed with three other mixes of the same
     maxima (8 sequences, 600 tokens): each replay equals an eager call of the step's own plan."""
     import cupy

@@ -50,18 +50,14 @@ class Tiles:
     def label(self) -> str:
         return f"k{self.keys}s{self.stages}" + ("" if self.warps == WARPS else f"w{self.warps}")
 
-    def smem_bytes(self, head_dim: int, persistent: bool = False) -> int:
+    def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K and V stages, one flag per key, the Q tile, the id slots and
-        16 bytes for the sequence's entries; a persistent ragged kernel adds its next item's first
-        ids, two work items and their CTA numbers, and the merge's m and l.  The one size: :func:`kernel_key` passes it
-        to the compiler as ``SMEM_BYTES``, and decode.cu static_asserts that it equals
-        ``Smem::kBytes``, so a layout that drifts from this sum fails to build."""
+        16 bytes for the sequence's entries.  The one size: :func:`kernel_key` passes it to the
+        compiler as ``SMEM_BYTES``, and decode.cu static_asserts that it equals ``Smem::kBytes``,
+        so a layout that drifts from this sum fails to build."""
         id_slots = 2 * (self.stages - 1)
-        size = ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
+        return ((2 * self.stages * self.keys + ROWS_PER_CTA) * smem_row_bytes(head_dim)
                 + (self.stages + id_slots) * self.keys * 4 + 16)
-        if persistent:
-            size += (self.stages - 1) * self.keys * 4 + 2 * 32 + 16 + 2 * self.warps * ROWS_PER_CTA * 4
-        return size
 
 
 # The main shape of each head dim: every variant (plain, rotary, ragged) has it.
@@ -75,33 +71,22 @@ SMALL_TILES = {128: Tiles(TILES[128].keys // 2, TILES[128].stages, TILES[128].wa
 
 
 def kernel_key(dtype, head_dim: int, tiles: Tiles | None = None, rotary: bool = False,
-               trace: bool = False, ragged: bool = False, persistent: bool = False) -> KernelKey:
+               trace: bool = False, ragged: bool = False) -> KernelKey:
     """The specialization for ``dtype`` (float16 or bfloat16), ``head_dim`` and ``tiles``;
     ``rotary``: the variant that rotates q and the new keys (its own code, so that the plain
     kernel's loop carries none of it); ``trace``: the benchmark's variant with a trace buffer;
-    ``ragged``: the work-list kernel of a whole step (``kernels/ragged.py``); ``persistent`` (with
-    ``ragged``, head dims of :data:`PERSISTENT_HEAD_DIMS`): its persistent CTAs, each taking several
-    items of a host-listed step and starting the next one's loads during the current one's."""
+    ``ragged``: the work-list kernel of a whole step (``kernels/ragged.py``)."""
     tiles = tiles or TILES[head_dim]
-    if persistent and (not ragged or trace or head_dim not in PERSISTENT_HEAD_DIMS):
-        raise ValueError(f"no persistent paged_decode for head_dim {head_dim} (ragged={ragged}, trace={trace})")
     params = (("SCALAR_T", cuda_scalar(dtype)), ("HEAD_DIM", head_dim), ("TILE_KEYS", tiles.keys),
-              ("STAGES", tiles.stages), ("WARPS", tiles.warps),
-              ("SMEM_BYTES", tiles.smem_bytes(head_dim, persistent)))
-    flags = (("ROTARY", rotary), ("TRACE", trace), ("RAGGED", ragged), ("PERSIST", persistent))
+              ("STAGES", tiles.stages), ("WARPS", tiles.warps), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
+    flags = (("ROTARY", rotary), ("TRACE", trace), ("RAGGED", ragged))
     return KernelKey(SOURCE, params + tuple((name, 1) for name, on in flags if on))
-
-
-# Head dims with a persistent ragged kernel: those whose Q stays in registers through the K/V loop
-# (decode.cu kQInRegs), so the next item's Q can load into the Q tile during the current item.
-PERSISTENT_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 128)
 
 
 def all_keys():
     return [kernel_key(dtype, d, rotary=r, ragged=g) for r, g in ((False, False), (True, False), (False, True))
             for dtype in KERNEL_DTYPES for d in HEAD_DIMS] + [
-        kernel_key(dtype, d, tiles) for dtype in KERNEL_DTYPES for d, tiles in SMALL_TILES.items()] + [
-        kernel_key(dtype, d, ragged=True, persistent=True) for dtype in KERNEL_DTYPES for d in PERSISTENT_HEAD_DIMS]
+        kernel_key(dtype, d, tiles) for dtype in KERNEL_DTYPES for d, tiles in SMALL_TILES.items()]
 
 
 # --------------------------------------------------------------------------- split count and shape
@@ -150,8 +135,8 @@ def fewer_waves(num_ctas: int, slots: int, small_slots: int) -> bool:
 
 def slots(device: int, dtype, head_dim: int, tiles: Tiles, **variant) -> int:
     """CTAs of one wave of ``tiles``' paged_decode on ``device`` (``variant``: :func:`kernel_key`'s
-    rotary / trace / ragged / persistent flags): what a wave of that launch holds."""
-    smem = tiles.smem_bytes(head_dim, variant.get("persistent", False))
+    rotary / trace / ragged flags): what a wave of that launch holds."""
+    smem = tiles.smem_bytes(head_dim)
     function = get_function(kernel_key(dtype, head_dim, tiles, **variant), "paged_decode", smem)
     return _num_sms(device) * ctas_per_sm(function.num_regs, smem, tiles.threads)
 

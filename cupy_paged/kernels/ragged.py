@@ -25,7 +25,6 @@ from .._core.compiler import get_function
 from ._launch import Launcher
 from .._core.streams import is_capturing, stream_key
 from ._workspace import holds, merge_counts, split_workspace, work_buffer
-from ._decode_shapes import PERSISTENT_HEAD_DIMS
 from .decode import _DECODE_LAYOUT, ROWS_PER_CTA, TILES, kernel_key, slots
 
 # paged_decode's arguments, then the work list and merge counts, then the device list's: the lengths
@@ -58,15 +57,6 @@ BALANCE = None
 # kernel's CTAs (kernels.decode.balances; read when a launch is made, kept by a memoised call as
 # BALANCE is).
 BALANCE_MAX_WAVES = 2
-# Whether host-listed launches (the step plan's) take the persistent kernel (decode.cu PERSIST: a grid
-# of one wave, each CTA claiming items from a counter and starting the next item's loads during the
-# current one): True where it serves (head dims of PERSISTENT_HEAD_DIMS, lists of more than one wave of
-# items), False never.  Off until measured against the one-CTA-per-item launch on a GPU
-# (benchmarks/NOTES_mixed.md).  Read at every launch.
-PERSISTENT = False
-# At most this many persistent CTAs a kv head (None: one wave), so that each CTA takes many items:
-# for tests.
-PERSISTENT_GRID_CAP = None
 
 
 def tile_keys(head_dim: int) -> int:
@@ -149,10 +139,6 @@ class RaggedLaunch:
         self.launch.pack(*params, *([0] * (_POINTERS + _LIST_ARGS)), *(() if trace is None else (trace.data.ptr,)))
         self._pointer_span = self.launch.span(len(params), _POINTERS)
         self._list_span = self.launch.span(len(params) + _POINTERS, _LIST_ARGS)
-        # The persistent kernel (PERSISTENT), made at its first launch: its launcher and CTAs a kv head.
-        self._persistent_args = None if trace is not None or head_dim not in PERSISTENT_HEAD_DIMS else params
-        self._persistent = None
-        self._claim_ptrs: dict[tuple, int] = {}  # (stream_key, slots) -> merge counts and claim counters
         self.listed_on_device = False  # DeviceListLaunch's: every run passes the list's arguments
         self.errors = word(self.device)
         # (stream_key, slots) -> (part_out, part_lse, counts) pointers.  Safe to keep: the buffers are
@@ -183,38 +169,10 @@ class RaggedLaunch:
             part_out, part_lse, counts = (self._split_ptrs.get((stream_key(stream), slots))
                                           or self._split_buffers(slots, stream))
         struct_, at = self._pointer_span
-        pointers = (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0, 0, 0, alibi,
-                                  out_ptr, lse_ptr, part_out, part_lse, self.errors, work_ptr, counts))
-        if PERSISTENT and not spans and self._persistent_args is not None:
-            launch, per_head, smem, list_span = self._persistent or self._make_persistent()
-            per_head = min(per_head, PERSISTENT_GRID_CAP or per_head)
-            if items > per_head or PERSISTENT_GRID_CAP:
-                # The merge counts, then the CTAs' two claim counters (zeros between launches too).
-                found = self._claim_ptrs.get((stream_key(stream), slots))
-                if found is None:
-                    found = merge_counts(slots * self.num_kv_heads + 2, self.device, stream).data.ptr
-                    self._claim_ptrs[(stream_key(stream), slots)] = found
-                values = pointers[2][:-1] + (found,)
-                launch.launch((min(items, per_head) * self.num_kv_heads, 1, 1), self.threads, smem, stream,
-                              (struct_, at, values), (*list_span, (items, slots)))
-                return
-        self.launch.launch((items * self.num_kv_heads, 1, 1), self.threads, self.smem, stream, pointers, *spans)
-
-    def _make_persistent(self) -> tuple:
-        """The persistent kernel's launcher (the same arguments; the list's length in
-        ``list_max_items``, its split slots in ``list_max_slots``), its CTAs a kv head in one wave,
-        shared memory and the span of those two."""
-        params = self._persistent_args
-        tiles = TILES[self.head_dim]
-        smem = tiles.smem_bytes(self.head_dim, persistent=True)
-        key = kernel_key(self.dtype, self.head_dim, ragged=True, persistent=True)
-        launch = Launcher(get_function(key, "paged_decode", smem), _RAGGED_LAYOUT)
-        launch.pack(*params, *([0] * (_POINTERS + _LIST_ARGS)))
-        per_head = max(1, slots(self.device, self.dtype, self.head_dim, tiles, ragged=True, persistent=True)
-                       // self.num_kv_heads)
-        # list_max_items and list_max_slots: the list's length, and where the claim counters start
-        self._persistent = (launch, per_head, smem, launch.span(len(params) + _POINTERS + 8, 2))
-        return self._persistent
+        self.launch.launch((items * self.num_kv_heads, 1, 1), self.threads, self.smem, stream,
+                           (struct_, at, (q, k_cache, v_cache, k_cache, v_cache, k_new, v_new, 0, table, 0, 0,
+                                          0, 0, alibi, out_ptr, lse_ptr, part_out, part_lse, self.errors,
+                                          work_ptr, counts)), *spans)
 
 
 def list_capacities(batch: int, row_groups: int, per_head: int) -> tuple[int, int]:
