@@ -7,6 +7,7 @@
 #   shard NAME CMD...        CMD in the background (limit $SHARD_LIMIT, default 170 s), log $L/shard_NAME.log;
 #   shards_done              waits for them and appends their last lines to $R
 #   gpu_line                 the card, driver and clocks into $R
+#   on_h200                  whether the card is an H200 (the issues' card)
 #   gpu_start                gpu_line, $OUT/ab made, every registered specialization built (step warm)
 #   step_path_tests          the GPU tests of the paths a step plan launches (plan, calls, ragged, balanced) and
 #                            memcheck of the ragged and balanced launches, in shards, waited for
@@ -25,6 +26,7 @@ step() { local name=$1 limit=$2; shift 2; local t=$SECONDS; echo "=== $name: $*"
 shard() { local n=$1; shift; ( t=$SECONDS; timeout "${SHARD_LIMIT:-170}" "$@" >"$L/shard_$n.log" 2>&1; echo "shard $n rc=$? $((SECONDS-t))s $(tail -n1 "$L/shard_$n.log")" >>"$L/shards.txt" ) & }
 shards_done() { wait; cat "$L/shards.txt" >>"$R" 2>/dev/null; pack; }
 gpu_line() { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>"$R"; }
+on_h200() { [[ "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" == *H200* ]]; }
 # uses SIDE ROOT: which package and kernel source the tree ROOT imports (an A/B side's record in $R)
 uses() {
   (cd "$2" && PYTHONPATH="$2" python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import cupy_paged; from cupy_paged._core import compiler; print('$1 uses', cupy_paged.__file__, compiler.source_dir())") >>"$R" 2>&1
@@ -57,7 +59,7 @@ step_path_tests() {
 issue_benchmarks() {
   step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
   step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
-  if [[ "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" == *H200* ]] && [ $SECONDS -lt "${1:-330}" ]; then
+  if on_h200 && [ $SECONDS -lt "${1:-330}" ]; then
     step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
   fi
 }

@@ -133,31 +133,28 @@ class LayerLaunch:
         """Launch this layer; ``alibi_slopes``: the ragged launch's, of the signature it was built
         with; ``ptr``: reads an array's address (the plan's memoised layers pass their kind's)."""
         h = handle(stream, kind, self.device)
-        alloc, stream = alloc_stream(stream, kind, h), h
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k), ptr(v), ptr(k_cache), ptr(v_cache)
         if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
         # A new output as the public calls make theirs: on a named stream from that stream's pool.
         out, out_ptr, _, _ = outputs(kind, q, None if out is None else (out, ptr(out)), None, self.out_shape, (),
-                                     self.launch.dtype, False, self.out_like_q, alloc)
-        out_arg = (out, out_ptr)
+                                     self.launch.dtype, False, self.out_like_q, alloc_stream(stream, kind, h))
         if self.ragged:
             alibi = 0 if alibi_slopes is None else ptr(alibi_slopes)
-            self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], alibi), self.work,
-                            out_arg[1], 0, stream)
+            self.launch.run((q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, self.index_ptrs[0], alibi), self.work, out_ptr, 0, h)
         elif self.decode or self.split is not None:
             seqlens, table = self.index_ptrs
             self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, seqlens, table, 0, 0, 0, 0, 0), 0,
-                            out_arg, None, stream)
+                            (out, out_ptr), None, h)
             if self.split is not None:
                 dq, dk, dv, dout = self.tail_offsets
                 cu_q, cu_k, table, slots = self.tail_ptrs
-                self.write.run((kc_ptr, vc_ptr, k_ptr + dk, v_ptr + dv, slots), stream)
+                self.write.run((kc_ptr, vc_ptr, k_ptr + dk, v_ptr + dv, slots), h)
                 self.split.run(kind, q, (q_ptr + dq, kc_ptr, vc_ptr, cu_q, cu_k, table, 0), self.max_seqlen_q,
-                               (out, out_arg[1] + dout), None, stream)
+                               (out, out_ptr + dout), None, h)
         else:
             cu_q, cu_k, table, slots = self.index_ptrs
-            self.write.run((kc_ptr, vc_ptr, k_ptr, v_ptr, slots), stream)
-            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, cu_q, cu_k, table, 0), self.max_seqlen_q, out_arg,
-                            None, stream)
+            self.write.run((kc_ptr, vc_ptr, k_ptr, v_ptr, slots), h)
+            self.launch.run(kind, q, (q_ptr, kc_ptr, vc_ptr, cu_q, cu_k, table, 0), self.max_seqlen_q, (out, out_ptr),
+                            None, h)
         return out
