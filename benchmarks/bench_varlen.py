@@ -61,7 +61,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
-    128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)),
+    128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True)),
 }
 
 
