@@ -334,6 +334,14 @@ class StepLog:
     """Wall time and batch of every decode step of an engine (wraps its ``step``: a few
     microseconds of Python a step inside ours' timed run, which HF's has no counterpart of).
 
+    A logged time is that of the ``step()`` call which launched the decode step.  With
+    asynchronous scheduling such a call launches one step and then waits for the step launched
+    before it (``Engine.in_flight_kind`` names that step's kind before the call), so the call
+    that launches the first decode step after a prefill or mixed step also waits for the rest of
+    that step's device time.  Each logged step records whether the step it waited for was a
+    decode step, or nothing (without asynchronous scheduling a call waits for the step it
+    launched itself): those are the steady steps, the others the transitions.
+
     Nothing per request is read inside the timed run (summing the running requests' cached
     tokens each step cost about 1.5 us a request, inside the wall time): the mean K/V context of a
     decode row comes afterwards from the prompts and the tokens generated, since request ``r``'s
@@ -341,25 +349,43 @@ class StepLog:
     to ``len(prompt) + j`` tokens, whatever the schedule.
     """
 
+    TRANSITIONS_KEPT = 8  # the transitions' times a summary lists
+
     def __init__(self, engine):
         self.engine, self._step = engine, engine.step
-        self.seconds, self.batches = [], []
+        self.seconds, self.batches, self.steady = [], [], []
         engine.step = self.step
 
     def step(self):
-        batch = len(self.engine.scheduler.running)
-        decodes = self.engine.stats.steps["decode"]
+        engine = self.engine
+        batch = len(engine.scheduler.running)
+        decodes = engine.stats.steps["decode"]
+        settles = engine.in_flight_kind  # the step this call waits for, launched by the call before
         start = time.perf_counter()
         finished = self._step()
         seconds = time.perf_counter() - start
-        if self.engine.stats.steps["decode"] > decodes:
+        if engine.stats.steps["decode"] > decodes:
             self.seconds.append(seconds)
             self.batches.append(batch)
+            self.steady.append(settles is None or settles == "decode")
         return finished
 
     def summary(self, prompts: list, tokens: list, weight_bytes: int | None, kv_bytes: int | None) -> dict:
-        """Mean and median decode-step wall time; with the byte counts, the floor at the mean batch
-        and context, and ``over_floor`` (mean step time over that floor)."""
+        """Decode-step wall times, all of them and the steady ones.
+
+        ``count``, ``mean_ms`` and ``median_ms`` cover every logged decode step; ``mean_batch``,
+        ``max_batch`` and ``mean_context`` describe them.  With the byte counts,
+        ``floor_ms_at_mean`` is the floor at the mean batch and context and ``over_floor`` the
+        mean step time over it.
+
+        A ``step()`` call launches one step and waits for the one launched before it, so the first
+        decode step after a prefill or mixed step carries the rest of that step's device time
+        (several milliseconds against a decode step's one): ``steady_count``, ``steady_mean_ms``
+        and ``steady_median_ms`` cover only the decode steps whose call waited for a decode step
+        (or for its own step, without asynchronous scheduling), ``steady_over_floor`` is the
+        steady mean over the same floor, and ``transition_ms`` lists the wall milliseconds of the
+        others (the first :attr:`TRANSITIONS_KEPT`; ``count - steady_count`` of them in all).
+        """
         if not self.seconds:
             return {"count": 0}
         count, total = len(self.seconds), sum(self.seconds)
@@ -367,12 +393,19 @@ class StepLog:
         rows = sum(max(0, len(t) - 1) for t in tokens)
         attended = sum(len(p) * (len(t) - 1) + len(t) * (len(t) - 1) // 2 for p, t in zip(prompts, tokens) if t)
         mean_context = attended / max(1, rows)
+        steady = [s for s, kept in zip(self.seconds, self.steady) if kept]
+        transitions = [s for s, kept in zip(self.seconds, self.steady) if not kept]
+        steady_mean = statistics.fmean(steady) if steady else None
         out = dict(count=count, mean_ms=round(1e3 * total / count, 4),
                    median_ms=round(1e3 * statistics.median(self.seconds), 4), mean_batch=round(mean_batch, 2),
-                   max_batch=max(self.batches), mean_context=round(mean_context, 1))
+                   max_batch=max(self.batches), mean_context=round(mean_context, 1), steady_count=len(steady),
+                   steady_mean_ms=round(1e3 * steady_mean, 4) if steady else None,
+                   steady_median_ms=round(1e3 * statistics.median(steady), 4) if steady else None,
+                   transition_ms=[round(1e3 * s, 3) for s in transitions[:self.TRANSITIONS_KEPT]])
         if weight_bytes is not None:
             floor = (weight_bytes + mean_batch * mean_context * kv_bytes) / ceiling.read_bytes_per_s()
-            out.update(floor_ms_at_mean=round(1e3 * floor, 4), over_floor=round(total / count / floor, 2))
+            out.update(floor_ms_at_mean=round(1e3 * floor, 4), over_floor=round(total / count / floor, 2),
+                       steady_over_floor=None if steady_mean is None else round(steady_mean / floor, 2))
         return out
 
 
@@ -853,13 +886,17 @@ def print_tables(report: dict) -> None:
         for t in report["targets"]:
             met = {True: "yes", False: "**no**", None: "?"}[t["met"]]
             print(f"| {t['name']} | {_fmt(t['value'], 2)} | {met} |")
-    print("\n| run | decode steps | mean step ms | floor ms at mean | x floor | mean batch | mean context |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    # "steady": the decode steps whose step() call waited for a decode step, not for the rest of
+    # a prefill or mixed step launched before it (StepLog.summary); older results lack them.
+    print("\n| run | decode steps | mean step ms | steady mean ms | floor ms at mean | x floor | steady x floor "
+          "| mean batch | mean context |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in report["cases"]:
         d = c.get("decode_steps")
         if d and d.get("count"):
-            print(f"| {c['name']} | {d['count']} | {d['mean_ms']:.3f} | {_fmt(d.get('floor_ms_at_mean'), 3)} "
-                  f"| {_fmt(d.get('over_floor'), 2)} | {d['mean_batch']:.1f} | {d['mean_context']:.0f} |")
+            print(f"| {c['name']} | {d['count']} | {d['mean_ms']:.3f} | {_fmt(d.get('steady_mean_ms'), 3)} "
+                  f"| {_fmt(d.get('floor_ms_at_mean'), 3)} | {_fmt(d.get('over_floor'), 2)} "
+                  f"| {_fmt(d.get('steady_over_floor'), 2)} | {d['mean_batch']:.1f} | {d['mean_context']:.0f} |")
     tuned = report.get("tuned_products") or {}
     if tuned:  # per decode-graph batch size: a step's products (8 layers of four, the LM head) timed
         layers = report["model"].get("layers", 1)

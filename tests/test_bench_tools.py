@@ -125,3 +125,102 @@ def test_trace_phases_reads_each_ctas_phases(monkeypatch):
     assert got["prologue"] == 3.0 and got["loop_len"] == 5.0 and got["epilogue"] == 0.5
     assert got["span"] == 8.8 and got["stored"][2] == 8.7
     assert abs(got["stream_window"] - (8.3 - 3.15)) < 1e-9
+
+
+def _bench_e2e(monkeypatch):
+    """benchmarks/bench_e2e.py as a module (it puts examples/ on the path, for ``llama``)."""
+    import importlib.util
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS.parent / "examples"))
+    spec = importlib.util.spec_from_file_location("_bench_e2e", BENCHMARKS / "bench_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step_kinds(engine) -> list:
+    """Wrap ``engine.step``: returns a list that gets, per call, the kind of the step it launched
+    (None when it launched none), read from the engine's step counts."""
+    launched, inner = [], engine.step
+
+    def step():
+        before = dict(engine.stats.steps)
+        finished = inner()
+        grown = [k for k, v in engine.stats.steps.items() if v > before.get(k, 0)]
+        assert len(grown) <= 1
+        launched.append(grown[0] if grown else None)
+        return finished
+
+    engine.step = step
+    return launched
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_e2e_step_log_sets_apart_decode_steps_that_waited_for_a_prefill(async_scheduling, monkeypatch):
+    """bench_e2e's StepLog on the CPU engine.  With asynchronous scheduling a ``step()`` call
+    launches a step and then waits for the one the call before launched, so a decode step whose
+    call waited for a prefill or mixed step is a transition, kept out of the steady figures;
+    ``Engine.in_flight_kind`` names the step a call will wait for.  Without it every call waits
+    for its own step and every decode step is steady."""
+    import numpy as np
+
+    bench_e2e = _bench_e2e(monkeypatch)
+    from llama import Engine, GenerationRequest, LlamaConfig, LlamaModel, random_weights
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=50000.0,
+                         rms_norm_eps=1e-6, max_position_embeddings=256)
+    model = LlamaModel(config, random_weights(config, 3), np, np.float32)
+    rng = np.random.default_rng(5)
+    # More requests than run at once, of several lengths: requests finish at different steps and
+    # the waiting ones are admitted between decode steps (prefill and mixed steps mid-run).
+    prompts = [rng.integers(3, 96, int(rng.integers(5, 40))).tolist() for _ in range(10)]
+    requests = [GenerationRequest(i, p, 4 + 3 * (i % 4)) for i, p in enumerate(prompts)]
+    engine = Engine(model, block_size=8, num_blocks=80, max_batch_tokens=48, max_num_seqs=4,
+                    async_scheduling=async_scheduling)
+    assert engine.in_flight_kind is None
+
+    # At a known point: the first call launches a prefill, which is still in flight after the call
+    # with asynchronous scheduling, and read within the call without it.
+    engine.add_request(requests[0])
+    engine.step()
+    assert engine.in_flight_kind == ("prefill" if async_scheduling else None)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.in_flight_kind is None
+    engine.reset_stats()
+
+    log = bench_e2e.StepLog(engine)
+    launched = _step_kinds(engine)  # outside the log: sees the same calls
+    outputs = engine.run(requests[1:])
+    tokens = [outputs[r.request_id] for r in requests[1:]]
+    assert engine.stats.steps["mixed"] + engine.stats.steps["prefill"] >= 3
+
+    # The kind each call waited for: the step the call before launched (async), else its own.
+    waited = [None] + launched[:-1] if async_scheduling else [None] * len(launched)
+    decode_calls = [i for i, kind in enumerate(launched) if kind == "decode"]
+    assert len(log.seconds) == len(log.steady) == len(decode_calls) == engine.stats.steps["decode"]
+    assert log.steady == [waited[i] in (None, "decode") for i in decode_calls]
+    transitions = log.steady.count(False)
+    if async_scheduling:
+        assert transitions >= 2, "decode steps must follow prefill or mixed steps, else this test could not fail"
+    else:
+        assert transitions == 0
+
+    summary = log.summary([r.prompt for r in requests[1:]], tokens, weight_bytes=10**10, kv_bytes=10**5)
+    old = {"count", "mean_ms", "median_ms", "mean_batch", "max_batch", "mean_context", "floor_ms_at_mean",
+           "over_floor"}
+    new = {"steady_count", "steady_mean_ms", "steady_median_ms", "steady_over_floor", "transition_ms"}
+    assert old | new <= set(summary)
+    assert summary["count"] == len(decode_calls)
+    assert summary["steady_count"] == summary["count"] - transitions
+    steady = [s for s, kept in zip(log.seconds, log.steady) if kept]
+    assert summary["steady_mean_ms"] == round(1e3 * sum(steady) / len(steady), 4)
+    assert summary["mean_ms"] == round(1e3 * sum(log.seconds) / len(log.seconds), 4)
+    assert summary["transition_ms"] == [round(1e3 * s, 3) for s, kept in zip(log.seconds, log.steady)
+                                        if not kept][:bench_e2e.StepLog.TRANSITIONS_KEPT]
+    floor_ms = summary["floor_ms_at_mean"]  # a few ms: the ratios keep their digits
+    assert summary["steady_over_floor"] == pytest.approx(summary["steady_mean_ms"] / floor_ms, rel=1e-3, abs=0.006)
+    assert "steady_over_floor" not in log.summary([r.prompt for r in requests[1:]], tokens, None, None)

@@ -36,6 +36,20 @@ from .timing import Timer
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 
+def _plan_rows(plan) -> int:
+    """The sequences a plan runs: a decode graph's plan (built by ``DecodeGraphs.plan``) is padded
+    to its graph's batch, whose real rows ``graph_rows`` names."""
+    rows = getattr(plan, "graph_rows", None)
+    return plan.batch_size if rows is None else rows
+
+
+def _step_kind(plan, rows: int) -> str:
+    """One of :data:`STEP_KINDS`: ``decode`` when every one of the ``rows`` sequences feeds one
+    token, ``prefill`` when none does, else ``mixed``."""
+    decodes = plan.num_decodes
+    return "decode" if decodes == rows else "prefill" if decodes == 0 else "mixed"
+
+
 @dataclasses.dataclass
 class GenerationRequest:
     """One prompt to serve.
@@ -242,6 +256,20 @@ class Engine:
         key = rid % 2**63 if isinstance(rid, int) else zlib.crc32(repr(rid).encode())
         return np.random.default_rng([self.seed, key])
 
+    @property
+    def in_flight_kind(self) -> str | None:
+        """The kind (one of :data:`STEP_KINDS`, as ``stats.steps`` counts it) of the launched step
+        whose tokens are not read yet; None when there is none.
+
+        With asynchronous scheduling the next :meth:`step` launches a step behind this one and then
+        waits for this one's tokens, so that call's wall time includes whatever device time this
+        step has left: the call that launches the first decode step after a prefill or mixed step
+        also waits for that step.  Without asynchronous scheduling it is None between calls (each
+        call waits for the step it launched itself).
+        """
+        record = self._inflight
+        return None if record is None else _step_kind(record.plan, _plan_rows(record.plan))
+
     def has_unfinished(self) -> bool:
         """True while a request waits or runs, or a launched step's tokens are not read yet."""
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -290,7 +318,7 @@ class Engine:
         timer = self._timers[self._flip]
         try:
             graphed = getattr(plan, "graph_rows", None) is not None  # built by self.graphs.plan
-            rows = plan.graph_rows if graphed else plan.batch_size
+            rows = _plan_rows(plan)
             sampling = [self._live[r.request_id] for r in plan.sample_requests]
             params, generators = [g.sampling for _, g, _ in sampling], [rng for _, _, rng in sampling]
             if plan.input_ids_pending:  # the previous step's samples, moved on the device
@@ -373,8 +401,8 @@ class Engine:
     def _count_step(self, plan, rows: int) -> None:
         """Step kind, kernel path, prefix-cache hits and cache use of the step just scheduled
         (``rows``: its sequences, the padding of a graph's plan left out)."""
-        stats, decodes = self.stats, plan.num_decodes
-        stats.steps["decode" if decodes == rows else "prefill" if decodes == 0 else "mixed"] += 1
+        stats = self.stats
+        stats.steps[_step_kind(plan, rows)] += 1
         stats.kernel_paths[plan.path] += 1
         now, before = self.scheduler.stats(), self._stats_before  # O(1): the scheduler keeps the totals
         stats.computed_prompt_tokens = now.prefill_tokens - before.prefill_tokens
