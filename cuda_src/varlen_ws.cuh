@@ -240,10 +240,13 @@ __device__ __forceinline__ void fetch_run_ids(int (&ids)[kRuns], int& own, const
 }
 
 // Thread 0: every box of the K or V tile at n0 -> the tile at s_tile, completing the barrier `bar`.
-// `empty`: the first slot past a paged cache (num_blocks * block_size).
+// `empty`: the first slot past a paged cache (num_blocks * block_size).  The slot may have been
+// written by cp.async (generic proxy) in an earlier round: the proxy fence orders those writes,
+// released to this thread through the slot's free barrier, before the TMA's (async proxy).
 __device__ __forceinline__ void tma_boxes(u32 s_tile, u64 map, u32 bar, const KvSource& src, int n0,
                                           const int (&ids)[kRuns], int kv_head, int empty) {
   const paged::Blocks layout(src.block_shift);
+  cp::fence_proxy_async();
 #pragma unroll
   for (int q = 0; q < kRuns; ++q) {
     const int slot = src.table == nullptr ? src.first_row + n0 + q * kBoxRows
