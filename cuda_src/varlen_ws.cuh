@@ -229,9 +229,11 @@ __device__ __forceinline__ bool tma_tile(const KvSource& src, int n0) {
          paged::Blocks(src.block_shift).column(n0 + Tr::kBlockN - 1) < src.table_width;
 }
 
-// Paged: the block ids of the tile at n0, this thread's row's (`own`) and, in thread 0, each run's.
+// Paged: the block ids of the tile at n0, this thread's row's (`own`) and, in thread 0, each run's,
+// a tile ahead (a lean producer reads them where it uses them: fewer registers).
 __device__ __forceinline__ void fetch_run_ids(int (&ids)[kRuns], int& own, const KvSource& src, int n0) {
   const paged::Blocks layout(src.block_shift);
+  if (WS_LEAN) return;  // a lean producer reads them where it uses them
   own = __ldg(src.table + layout.column(n0 + static_cast<int>(threadIdx.x)));
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -240,36 +242,36 @@ __device__ __forceinline__ void fetch_run_ids(int (&ids)[kRuns], int& own, const
 }
 
 // Thread 0: every box of the K or V tile at n0 -> the tile at s_tile, completing the barrier `bar`.
-// `empty`: the first slot past a paged cache (num_blocks * block_size).  The slot may have been
+// A hole's box starts at the first slot past the paged cache (num_blocks * block_size).  The slot may have been
 // written by cp.async (generic proxy) in an earlier round: the proxy fence orders those writes,
 // released to this thread through the slot's free barrier, before the TMA's (async proxy).
 __device__ __forceinline__ void tma_boxes(u32 s_tile, u64 map, u32 bar, const KvSource& src, int n0,
-                                          const int (&ids)[kRuns], int kv_head, int empty) {
+                                          const int (&ids)[kRuns], int kv_head) {
   const paged::Blocks layout(src.block_shift);
   cp::fence_proxy_async();
-#pragma unroll
+#pragma unroll(WS_LEAN ? 1 : kRuns)
   for (int q = 0; q < kRuns; ++q) {
+    const int id = src.table == nullptr ? 0 : WS_LEAN ? __ldg(src.table + layout.column(n0 + q * kBoxRows)) : ids[q];
     const int slot = src.table == nullptr ? src.first_row + n0 + q * kBoxRows
-                     : paged::is_block(ids[q], src.num_rows)
-                         ? static_cast<int>(layout.slot(ids[q], n0 + q * kBoxRows))
-                         : empty;
+                     : paged::is_block(id, src.num_rows) ? static_cast<int>(layout.slot(id, n0 + q * kBoxRows))
+                                                         : src.num_rows << src.block_shift;
 #pragma unroll
     for (int cb = 0; cb < kColumnBlocks; ++cb)
       cp::tma_load_3d(s_tile + cb * Tr::KVTile::kColumnBytes + q * kBoxRows * 128, map, cb * 64, kv_head, slot, bar);
   }
 }
 
-// produce() with the full tiles copied by the TMA (maps at generic addresses map_k and map_v; the
-// CTA's kv head).  One CTA per query tile: the task's tiles are the CTA's tiles 0, 1, ...
+// produce() with the full tiles copied by the TMA (`maps`: the kernel's parameter, whose address the
+// copies take where they are issued, so that it holds no register across the loop; the CTA's kv
+// head).  One CTA per query tile: the task's tiles are the CTA's tiles 0, 1, ...
 __device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Barriers bars, unsigned char* holes,
-                                            unsigned char* s_loadable, long long q_row, int total_q, u64 map_k,
-                                            u64 map_v, int kv_head) {
+                                            unsigned char* s_loadable, long long q_row, int total_q,
+                                            const cp::TmaMaps& maps, int kv_head) {
   load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
   cp::cp_async_mbar_arrive(bars.q_full());
   if (TRACE && threadIdx.x == 0) WS_STAMP(3, cp::global_ns());
   KvSource src = t.src;
   const bool paged = src.table != nullptr;
-  const int empty = src.num_rows << src.block_shift;
   int ids[kRuns], next_ids[kRuns], own = 0, next_own = 0;
   bool next_tma = tma_tile(src, t.tile_first * Tr::kBlockN);
   if (next_tma && paged) fetch_run_ids(next_ids, next_own, src, t.tile_first * Tr::kBlockN);
@@ -290,12 +292,14 @@ __device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Ba
     cp::mbar_wait(bars.k_free(stage), free_parity);
     int hole;
     if (tma) {
+      if (WS_LEAN && paged)
+        own = __ldg(src.table + paged::Blocks(src.block_shift).column(n0 + static_cast<int>(threadIdx.x)));
       const bool ok = !paged || paged::is_block(own, src.num_rows);
       loadable[threadIdx.x] = ok;
       hole = !ok;
       if (threadIdx.x == 0) {
         cp::mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVBytes);  // this thread's copy arrival
-        tma_boxes(s_k, map_k, bars.k_full(stage), src, n0, ids, kv_head, empty);
+        tma_boxes(s_k, reinterpret_cast<u64>(&maps.k), bars.k_full(stage), src, n0, ids, kv_head);
       } else {
         cp::mbar_arrive(bars.k_full(stage));  // in place of its copy arrival
       }
@@ -310,7 +314,7 @@ __device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Ba
     if (tma) {
       if (threadIdx.x == 0) {
         cp::mbar_arrive_expect_tx(bars.v_full(stage), Tr::kKVBytes);
-        tma_boxes(s_k + Tr::kKVBytes, map_v, bars.v_full(stage), src, n0, ids, kv_head, empty);
+        tma_boxes(s_k + Tr::kKVBytes, reinterpret_cast<u64>(&maps.v), bars.v_full(stage), src, n0, ids, kv_head);
       } else {
         cp::mbar_arrive(bars.v_full(stage));
       }
@@ -653,8 +657,7 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
         WS_STAMP(11, t.num_tiles);
       }
 #if TMA
-      produce_tma(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, reinterpret_cast<u64>(&tma_maps.k),
-                  reinterpret_cast<u64>(&tma_maps.v), blockIdx.y / group_size);
+      produce_tma(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, tma_maps, blockIdx.y / group_size);
 #else
       produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, 0, 0);
 #endif
