@@ -22,7 +22,11 @@ import bench_varlen as bv  # noqa: E402
 from cupy_paged.kernels.varlen_wgmma import WgmmaTiles  # noqa: E402
 
 TMA = WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True)
-VARIANTS = (TMA,)
+# The same with v12's softmax under P V (a lean producer, 72 registers, and 216 for the consumers):
+# v12 lost to its cp.async producer's slowness, which the TMA takes off the full tiles.
+TMA_OVERLAP = WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True, tma=True)
+VARIANTS = (TMA, TMA_OVERLAP)
+TMA_64 = WgmmaTiles(128, 2, producer=True, tma=True)  # the registered D = 64 shape with the TMA
 CASES = (
     ("causal_8x4096", [4096] * 8, {}),
     ("causal_8x2048", [2048] * 8, {}),
@@ -43,11 +47,14 @@ def main() -> int:
     import cupy
 
     bv.WGMMA_SWEEP[128] = VARIANTS  # the sweep's variants: the TMA shapes alone
+    bv.WGMMA_SWEEP[64] = (TMA_64,)
     rows = []
     for name, lens, options in CASES:
         lens = lens or bv.lognormal_lengths()
         row = bv.sweep_case(name, lens, 128, args.reps, **options)
         rows.append(row)
+    d64 = [bv.sweep_case(name, lens, 64, args.reps, **options) for name, lens, options in (
+        ("d64_causal_16x2048", [2048] * 16, {}), ("d64_paged_bs16_16x2048", [2048] * 16, dict(block_size=16)))]
     peers = {}
     for name, lens in (("causal_8x2048", [2048] * 8), ("causal_8x4096", [4096] * 8)):
         batch = bv.Batch(lens, lens, 128)
@@ -60,7 +67,7 @@ def main() -> int:
         del batch
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     result = dict(device=props["name"].decode(), date=datetime.date.today().isoformat(),
-                  variants=[t.label() for t in VARIANTS], rows=rows, peers=peers)
+                  variants=[t.label() for t in VARIANTS], rows=rows, d64=d64, peers=peers)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     labels = [t.label() for t in VARIANTS]
@@ -77,6 +84,10 @@ def main() -> int:
             return r["registered"] if label == "registered" else r["variants"][label]["tflops"]
         print(f"chunk after 32k, paged / contiguous ({label}): "
               f"{tf('chunk512_after_32k_bs16') / tf('chunk512_after_32k'):.3f}")
+    for row in d64:
+        v = row["variants"][TMA_64.label()]
+        print(f"{row['name']}: registered {row['registered']}, {TMA_64.label()} {v['tflops']} "
+              f"({v['tflops'] / row['registered']:.3f}, maxdiff {v['maxdiff']:.1e})")
     print("peers (TFLOP/s):", json.dumps(peers))
     return 0
 

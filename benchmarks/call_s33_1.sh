@@ -7,10 +7,10 @@
 CALL_LOGS=s33logs1 . benchmarks/call_lib.sh
 gpu_line
 mkdir -p $OUT/ab
-step tma_tests 150 $P tests/test_varlen_gpu.py -k "wgmma_candidates and s2pot"
+step tma_tests 150 $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
 if grep -q "^=== tma_tests rc=0" $R; then
   step ab_tma 120 python3 benchmarks/ab_tma.py --out $OUT/ab/ab_tma.json
-  CUPY_PAGED_SANITIZER=memcheck step memcheck 150 $MEMCHECK $P tests/test_varlen_gpu.py -k "wgmma_candidates and s2pot"
+  CUPY_PAGED_SANITIZER=memcheck step memcheck 150 $MEMCHECK $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
 fi
 pack
 grep -h -E "^=== .* rc=" $R

@@ -262,8 +262,11 @@ __device__ __forceinline__ void tma_boxes(u32 s_tile, u64 map, u32 bar, const Kv
 }
 
 // produce() with the full tiles copied by the TMA (`maps`: the kernel's parameter, whose address the
-// copies take where they are issued, so that it holds no register across the loop; the CTA's kv
-// head).  One CTA per query tile: the task's tiles are the CTA's tiles 0, 1, ...
+// copies take where they are issued; the CTA's kv head).  One CTA per query tile: the task's tiles
+// are the CTA's tiles 0, 1, ...  Tiles are visited downwards and a tile the TMA copies has every
+// tile below it copied so too (tma_tile's bounds only grow more true as n0 falls), so the tiles
+// the cp.async loader takes come first, in a loop of their own (two loops hold fewer registers
+// than one that can take either kind).
 __device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Barriers bars, unsigned char* holes,
                                             unsigned char* s_loadable, long long q_row, int total_q,
                                             const cp::TmaMaps& maps, int kv_head) {
@@ -271,56 +274,58 @@ __device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Ba
   cp::cp_async_mbar_arrive(bars.q_full());
   if (TRACE && threadIdx.x == 0) WS_STAMP(3, cp::global_ns());
   KvSource src = t.src;
-  const bool paged = src.table != nullptr;
-  int ids[kRuns], next_ids[kRuns], own = 0, next_own = 0;
-  bool next_tma = tma_tile(src, t.tile_first * Tr::kBlockN);
-  if (next_tma && paged) fetch_run_ids(next_ids, next_own, src, t.tile_first * Tr::kBlockN);
-  for (int it = 0; it < t.num_tiles; ++it) {
+  int it = 0;
+  for (; it < t.num_tiles; ++it) {
+    const int n0 = (t.tile_first - it) * Tr::kBlockN;
+    if (tma_tile(src, n0)) break;
     asm volatile("" : "+r"(src.k_row), "+r"(src.v_row), "+l"(src.k_lane), "+l"(src.v_lane));
     const int stage = it % Tr::kStages;
     const u32 free_parity = round_parity(it) ^ 1u;  // the previous round's release (a fresh slot: at once)
-    const int n0 = (t.tile_first - it) * Tr::kBlockN;
     const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
     unsigned char* loadable = s_loadable + stage * Tr::kBlockN;
-    const bool tma = next_tma;
-    own = next_own;
-#pragma unroll
-    for (int q = 0; q < kRuns; ++q) ids[q] = next_ids[q];
-    // The next tile's block ids, loaded now: the wait for the next free slot covers them.
-    next_tma = it + 1 < t.num_tiles && tma_tile(src, n0 - Tr::kBlockN);
-    if (next_tma && paged) fetch_run_ids(next_ids, next_own, src, n0 - Tr::kBlockN);
     cp::mbar_wait(bars.k_free(stage), free_parity);
-    int hole;
-    if (tma) {
-      if (WS_LEAN && paged)
-        own = __ldg(src.table + paged::Blocks(src.block_shift).column(n0 + static_cast<int>(threadIdx.x)));
-      const bool ok = !paged || paged::is_block(own, src.num_rows);
-      loadable[threadIdx.x] = ok;
-      hole = !ok;
-      if (threadIdx.x == 0) {
-        cp::mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVBytes);  // this thread's copy arrival
-        tma_boxes(s_k, reinterpret_cast<u64>(&maps.k), bars.k_full(stage), src, n0, ids, kv_head);
-      } else {
-        cp::mbar_arrive(bars.k_full(stage));  // in place of its copy arrival
-      }
-    } else {
-      hole = load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
-      cp::cp_async_mbar_arrive(bars.k_full(stage));
-    }
+    const int hole = load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
+    cp::cp_async_mbar_arrive(bars.k_full(stage));
     const bool warp_hole = __any_sync(0xffffffffu, hole);
     if ((threadIdx.x & 31) == 0) holes[4 * stage + (threadIdx.x >> 5)] = warp_hole;
     cp::mbar_arrive(bars.k_full(stage));
     cp::mbar_wait(bars.v_free(stage), free_parity);
-    if (tma) {
-      if (threadIdx.x == 0) {
-        cp::mbar_arrive_expect_tx(bars.v_full(stage), Tr::kKVBytes);
-        tma_boxes(s_k + Tr::kKVBytes, reinterpret_cast<u64>(&maps.v), bars.v_full(stage), src, n0, ids, kv_head);
-      } else {
-        cp::mbar_arrive(bars.v_full(stage));
-      }
+    load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
+    cp::cp_async_mbar_arrive(bars.v_full(stage));
+  }
+  const bool paged = src.table != nullptr;
+  int ids[kRuns], next_ids[kRuns], own = 0, next_own = 0;
+  if (it < t.num_tiles && paged) fetch_run_ids(next_ids, next_own, src, (t.tile_first - it) * Tr::kBlockN);
+  for (; it < t.num_tiles; ++it) {
+    const int stage = it % Tr::kStages;
+    const u32 free_parity = round_parity(it) ^ 1u;
+    const int n0 = (t.tile_first - it) * Tr::kBlockN;
+    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
+    own = next_own;
+#pragma unroll
+    for (int q = 0; q < kRuns; ++q) ids[q] = next_ids[q];
+    // The next tile's block ids, loaded now: the wait for the next free slot covers them.
+    if (it + 1 < t.num_tiles && paged) fetch_run_ids(next_ids, next_own, src, n0 - Tr::kBlockN);
+    cp::mbar_wait(bars.k_free(stage), free_parity);
+    if (WS_LEAN && paged)
+      own = __ldg(src.table + paged::Blocks(src.block_shift).column(n0 + static_cast<int>(threadIdx.x)));
+    const bool ok = !paged || paged::is_block(own, src.num_rows);
+    s_loadable[stage * Tr::kBlockN + threadIdx.x] = ok;
+    if (threadIdx.x == 0) {
+      cp::mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVBytes);  // this thread's copy arrival
+      tma_boxes(s_k, reinterpret_cast<u64>(&maps.k), bars.k_full(stage), src, n0, ids, kv_head);
     } else {
-      load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
-      cp::cp_async_mbar_arrive(bars.v_full(stage));
+      cp::mbar_arrive(bars.k_full(stage));  // in place of its copy arrival
+    }
+    const bool warp_hole = __any_sync(0xffffffffu, !ok);
+    if ((threadIdx.x & 31) == 0) holes[4 * stage + (threadIdx.x >> 5)] = warp_hole;
+    cp::mbar_arrive(bars.k_full(stage));
+    cp::mbar_wait(bars.v_free(stage), free_parity);
+    if (threadIdx.x == 0) {
+      cp::mbar_arrive_expect_tx(bars.v_full(stage), Tr::kKVBytes);
+      tma_boxes(s_k + Tr::kKVBytes, reinterpret_cast<u64>(&maps.v), bars.v_full(stage), src, n0, ids, kv_head);
+    } else {
+      cp::mbar_arrive(bars.v_full(stage));
     }
   }
   if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());

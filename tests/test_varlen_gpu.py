@@ -37,12 +37,13 @@ MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
 }
 WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, staged_store=True),
-         WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
+         WgmmaTiles(128, 2, producer=True, pv_overlap=True), WgmmaTiles(128, 2, producer=True, tma=True)),
     128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True),
           WgmmaTiles(128, 2, producer=True, persistent=True), WgmmaTiles(128, 2, producer=True),
           WgmmaTiles(128, 3, producer=True, staged_store=True),
           WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
-          WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True)),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True, tma=True)),
 }
 
 
