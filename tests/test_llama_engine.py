@@ -450,7 +450,8 @@ def test_fused_kernels_compile_without_spills(dtype):
             kernels = parse_ptxas_log(nvrtc.getProgramLog(program))
         finally:
             nvrtc.destroyProgram(program)
-        assert {k.kernel for k in kernels} == {"add_rms_norm", "rotary_split", "swiglu", "embed_rows", "argmax_rows"}
+        assert {k.kernel for k in kernels} == {"add_rms_norm", "rotary_split", "swiglu", "embed_rows", "argmax_rows",
+                                                "prefetch_l2"}
         assert all(k.spill_stores == k.spill_loads == 0 for k in kernels), kernels
 
 
@@ -880,3 +881,33 @@ def test_decode_rotary_in_the_attention_launch_equals_rotary_split():
     for layer, (a, b) in enumerate(zip(got_keys, want_keys)):
         a, b = a.astype(np.float64), b.astype(np.float64)
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), layer
+
+
+@pytest.mark.gpu
+def test_l2_prefetch_changes_no_token_and_joins_its_side_stream():
+    """The decode steps' weight prefetch (``LlamaModel.prefetch``, on a side stream forked and
+    joined inside each captured decode graph and eager step) writes nothing: a graphed run of
+    greedy and sampled requests with it gives every request the tokens of the same run without
+    it, and it was forked at every point of every layer."""
+    import cupy_paged
+    from llama.fused import L2Prefetch
+
+    model, _, _ = _gpu_engines(graph_sizes=[2, 8])
+    kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32,
+                  cuda_graphs=True, graph_sizes=[2, 8])
+    want = Engine(model, **kwargs).run(_graph_requests())
+    prefetch = L2Prefetch(model.dtype, attention_mb=1, gate_up_mb=0.5, down_mb=1, evict_last=True, blocks=2)
+    points = []
+    fork = prefetch.fork
+    prefetch.fork = lambda point, weights: (points.append(point), fork(point, weights))[1]
+    model.prefetch = prefetch
+    try:
+        engine = Engine(model, **kwargs)
+        got = engine.run(_graph_requests())
+    finally:
+        model.prefetch = None
+    cupy_paged.check_errors()
+    assert got == want
+    layers = model.config.num_hidden_layers
+    assert engine.graphs.replays >= MIN_REPLAYS and len(points) >= 3 * layers
+    assert points[:3 * layers] == ["attention", "gate_up", "down"] * layers

@@ -128,3 +128,77 @@ def argmax_rows(logits):
     if rows:
         _argmax_kernel()((rows,), (1024,), (logits, out, np.int32(vocab)))
     return out
+
+
+class L2Prefetch:
+    """Weights of a decode step's next products fetched into the L2 on a side stream, beside the
+    kernels that leave memory bandwidth unused (the attention launch, the down product), so a
+    product starts on weights already in the L2 instead of waiting on memory.
+
+    The model calls :meth:`fork` before the kernel to overlap: the side stream waits for what the
+    current stream has queued so far and launches ``prefetch_l2`` over the leading bytes of each
+    given weight; :meth:`join` makes the current stream wait for the side stream (once per
+    forward, so a CUDA graph captured over the step has its branches joined).  Nothing is written,
+    so the step's results are those without it.
+
+    Parameters
+    ----------
+    dtype : dtype
+        The weights' dtype (selects ``fused.cu``'s module).
+    attention_mb, gate_up_mb, down_mb : float
+        Megabytes to fetch at each point of a layer: beside the attention (the ``out`` weight, then
+        the leading rows of ``gate_up``), beside the ``gate_up`` product (the leading rows of
+        ``down``), beside the ``down`` product (the next layer's ``qkv``, or the LM head's leading
+        rows after the last layer).  0 fetches nothing there.
+    evict_last : bool
+        Mark the fetched lines to stay longer in the L2 than the streamed data beside them.
+    blocks : int
+        CTAs of each prefetch launch (32 threads each; a thread asks for 16 KB at a time).
+    max_rows : int
+        Steps of more tokens fetch nothing (their products are not held by memory).
+    """
+
+    def __init__(self, dtype, attention_mb: float = 24.0, gate_up_mb: float = 0.0, down_mb: float = 16.0,
+                 evict_last: bool = False, blocks: int = 16, max_rows: int = 256):
+        import cupy
+
+        self.cupy = cupy
+        self.budget = {"attention": attention_mb, "gate_up": gate_up_mb, "down": down_mb}
+        self.evict_last, self.blocks, self.max_rows = int(bool(evict_last)), blocks, max_rows
+        self._kernel = _module(np.dtype(dtype)).get_function("prefetch_l2")
+        self.side = cupy.cuda.Stream(non_blocking=True)
+        self._events: list = []
+        self._used = 0
+        self._forked = False
+
+    def _event(self):
+        if self._used == len(self._events):
+            self._events.append(self.cupy.cuda.Event(block=False, disable_timing=True))
+        self._used += 1
+        return self._events[self._used - 1]
+
+    def fork(self, point: str, weights) -> None:
+        """Before the kernel at ``point`` ("attention", "gate_up" or "down"): fetch up to that
+        point's budget of bytes, taken from ``weights`` in order (each from its start)."""
+        left = int(self.budget[point] * 2**20)
+        if left <= 0:
+            return
+        current = self.cupy.cuda.get_current_stream()
+        ready = self._event()
+        ready.record(current)
+        self.side.wait_event(ready)
+        for w in weights:
+            size = min(left, w.nbytes) // 16 * 16
+            if size <= 0:
+                break
+            self._kernel((self.blocks,), (32,), (w, np.uint64(size), np.int32(self.evict_last)), stream=self.side)
+            left -= size
+        self._forked = True
+
+    def join(self) -> None:
+        """The current stream waits for every fetch launched since the last join."""
+        if self._forked:
+            done = self._event()
+            done.record(self.side)
+            self.cupy.cuda.get_current_stream().wait_event(done)
+        self._used, self._forked = 0, False

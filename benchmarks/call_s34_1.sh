@@ -1,0 +1,34 @@
+# Session 34, device call 1.
+# 1. profile_engine.py --prefetch: a decode step's graph (64 rows, the engine's default mix, served to
+#    the steady decode phase) with the next products' weights fetched into the L2 on a side stream,
+#    in each of PREFETCH_VARIANTS, against none; logits compared bit for bit.
+#    Then the GPU test that the prefetch changes no token.
+# 2. The thirty-third session's TMA loader (call_s33_1.sh's first steps): the candidates' GPU tests,
+#    the A/B against the registered shapes, and when a TMA shape wins (register_from_ab.py) the
+#    registered path's varlen and plan tests and memcheck, while time lasts.  At most about 560 s.
+CALL_LOGS=s34logs1 . benchmarks/call_lib.sh
+gpu_line
+mkdir -p $OUT/ab
+step prefetch 110 python3 benchmarks/profile_engine.py --prefetch --out $OUT/ab/prefetch.json
+step prefetch_test 80 $P tests/test_llama_engine.py -k "l2_prefetch"
+step tma_tests 150 $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
+if grep -q "^=== tma_tests rc=0" $R; then
+  step ab_tma 130 python3 benchmarks/ab_tma.py --out $OUT/ab/ab_tma.json
+  step register 20 python3 benchmarks/register_from_ab.py $OUT/ab/ab_tma.json
+  if grep -q "registered wg" $R && [ $SECONDS -lt 420 ]; then
+    grep -n "registered from the A/B" cupy_paged/kernels/varlen_wgmma.py >> $R
+    SHARD_LIMIT=120
+    shard varlen $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
+    shard calls $P tests/test_calls_gpu.py tests/test_plan.py -k "varlen or plan or torch or stream"
+    CUPY_PAGED_SANITIZER=memcheck shard memcheck $MEMCHECK $P tests/test_varlen_gpu.py -k "sanitize or (wgmma_candidates and s2pot)"
+    shards_done
+  elif [ $SECONDS -lt 430 ]; then
+    CUPY_PAGED_SANITIZER=memcheck step memcheck 110 $MEMCHECK $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
+  fi
+fi
+pack
+grep -h -E "^=== .* rc=|^shard " $R
+grep -h -A12 "^decode step of" $R
+grep -h -A6 "^| case | registered" $R | head -14
+grep -h -E "^chunk after|^d64_|^peers|^D = " $R
+grep -h "ERROR SUMMARY" $R | tail -3
