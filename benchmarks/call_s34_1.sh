@@ -7,6 +7,7 @@
 #    the A/B against the registered shapes, and when a TMA shape wins (register_from_ab.py) the
 #    registered path's varlen and plan tests and memcheck, while time lasts.  At most about 560 s.
 CALL_LOGS=s34logs1 . benchmarks/call_lib.sh
+END=${END:-560}  # seconds this call may take: the last steps start only while they fit
 gpu_line
 mkdir -p $OUT/ab
 step prefetch 110 python3 benchmarks/profile_engine.py --prefetch --out $OUT/ab/prefetch.json
@@ -15,14 +16,14 @@ step tma_tests 150 $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot o
 if grep -q "^=== tma_tests rc=0" $R; then
   step ab_tma 130 python3 benchmarks/ab_tma.py --out $OUT/ab/ab_tma.json
   step register 20 python3 benchmarks/register_from_ab.py $OUT/ab/ab_tma.json
-  if grep -q "registered wg" $R && [ $SECONDS -lt 420 ]; then
+  if grep -q "registered wg" $R && [ $SECONDS -lt $((END - 140)) ]; then
     grep -n "registered from the A/B" cupy_paged/kernels/varlen_wgmma.py >> $R
     SHARD_LIMIT=120
     shard varlen $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
     shard calls $P tests/test_calls_gpu.py tests/test_plan.py -k "varlen or plan or torch or stream"
     CUPY_PAGED_SANITIZER=memcheck shard memcheck $MEMCHECK $P tests/test_varlen_gpu.py -k "sanitize or (wgmma_candidates and s2pot)"
     shards_done
-  elif [ $SECONDS -lt 430 ]; then
+  elif [ $SECONDS -lt $((END - 130)) ]; then
     CUPY_PAGED_SANITIZER=memcheck step memcheck 110 $MEMCHECK $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
   fi
 fi
