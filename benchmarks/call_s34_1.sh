@@ -10,11 +10,11 @@ CALL_LOGS=s34logs1 . benchmarks/call_lib.sh
 END=${END:-560}  # seconds this call may take: the last steps start only while they fit
 gpu_line
 mkdir -p $OUT/ab
-step prefetch 110 python3 benchmarks/profile_engine.py --prefetch --out $OUT/ab/prefetch.json
-step prefetch_test 80 $P tests/test_llama_engine.py -k "l2_prefetch"
-step tma_tests 150 $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
+step prefetch 90 python3 benchmarks/profile_engine.py --prefetch --out $OUT/ab/prefetch.json
+step prefetch_test 60 $P tests/test_llama_engine.py -k "l2_prefetch"
+step tma_tests 130 $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
 if grep -q "^=== tma_tests rc=0" $R; then
-  step ab_tma 130 python3 benchmarks/ab_tma.py --out $OUT/ab/ab_tma.json
+  step ab_tma 110 python3 benchmarks/ab_tma.py --reps ${AB_REPS:-30} --out $OUT/ab/ab_tma.json
   step register 20 python3 benchmarks/register_from_ab.py $OUT/ab/ab_tma.json
   if grep -q "registered wg" $R && [ $SECONDS -lt $((END - 140)) ]; then
     grep -n "registered from the A/B" cupy_paged/kernels/varlen_wgmma.py >> $R
