@@ -13,7 +13,7 @@ mkdir -p $OUT/ab
 step prefetch 90 python3 benchmarks/profile_engine.py --prefetch --out $OUT/ab/prefetch.json
 step prefetch_test 60 $P tests/test_llama_engine.py -k "l2_prefetch"
 step tma_tests 130 $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
-if grep -q "^=== tma_tests rc=0" $R; then
+if grep -q "^=== tma_tests rc=0" $R && [ $SECONDS -lt $((END - 100)) ]; then
   step ab_tma 110 python3 benchmarks/ab_tma.py --reps ${AB_REPS:-30} --out $OUT/ab/ab_tma.json
   step register 20 python3 benchmarks/register_from_ab.py $OUT/ab/ab_tma.json
   if grep -q "registered wg" $R && [ $SECONDS -lt $((END - 140)) ]; then
