@@ -455,6 +455,74 @@ def test_fused_kernels_compile_without_spills(dtype):
         assert all(k.spill_stores == k.spill_loads == 0 for k in kernels), kernels
 
 
+def test_l2_prefetch_forks_budgets_and_joins(monkeypatch):
+    """``llama.fused.L2Prefetch`` on stand-ins for CuPy's streams, events and kernel: each fork
+    makes the side stream wait for an event recorded on the current stream before its launches,
+    splits its point's budget over the weights in order (whole 16-byte multiples, the first ones
+    whole), fetches nothing at a point of budget 0, and a join makes the current stream wait for an
+    event recorded on the side stream after every launch, once, with no wait when nothing forked."""
+    import cupy
+    from llama import fused
+
+    log = []
+
+    class Stream:
+        def __init__(self, name="side", **_):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.recorded_on))
+
+    class Event:
+        def __init__(self, **_):
+            self.recorded_on = None
+
+        def record(self, stream):
+            self.recorded_on = stream.name
+            log.append(("record", stream.name))
+
+    class Kernel:
+        def __call__(self, grid, block, args, stream=None):
+            log.append(("launch", stream.name, args[0].name, int(args[1]), int(args[2]), grid, block))
+
+    class Module:
+        def get_function(self, name):
+            assert name == "prefetch_l2"
+            return Kernel()
+
+    class Weight:
+        def __init__(self, name, nbytes):
+            self.name, self.nbytes = name, nbytes
+
+    main = Stream("main")
+    monkeypatch.setattr(cupy.cuda, "Stream", Stream)
+    monkeypatch.setattr(cupy.cuda, "Event", Event)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: main)
+    monkeypatch.setattr(fused, "_module", lambda dtype: Module())
+    mb = 2**20
+    prefetch = fused.L2Prefetch(BF16, attention_mb=3, gate_up_mb=0, down_mb=0.5, evict_last=True, blocks=4)
+    prefetch.join()
+    assert log == []  # nothing forked: no event, no wait
+    out, gate_up, down, qkv = Weight("out", 2 * mb + 8), Weight("gate_up", 10 * mb), Weight("down", 5 * mb), \
+        Weight("qkv", mb // 4 + 40)
+    prefetch.fork("attention", (out, gate_up))
+    prefetch.fork("gate_up", (down,))
+    prefetch.fork("down", (qkv,))
+    prefetch.join()
+    assert log == [
+        ("record", "main"), ("wait", "side", "main"),
+        ("launch", "side", "out", 2 * mb, 1, (4,), (32,)),  # 2 MB + 8: rounded down to 16 bytes
+        ("launch", "side", "gate_up", mb, 1, (4,), (32,)),  # the rest of the 3 MB
+        ("record", "main"), ("wait", "side", "main"),
+        ("launch", "side", "qkv", mb // 4 + 32, 1, (4,), (32,)),  # all of it under the 0.5 MB
+        ("record", "side"), ("wait", "main", "side"),
+    ]
+    log.clear()
+    prefetch.fork("down", (qkv,))
+    prefetch.join()
+    assert [entry[0] for entry in log] == ["record", "wait", "launch", "record", "wait"]
+
+
 # --------------------------------------------------------------------------- GPU
 
 
