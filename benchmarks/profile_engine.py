@@ -232,6 +232,7 @@ PREFETCH_VARIANTS = {  # name -> llama.fused.L2Prefetch arguments (None: off)
     "attn24+down12+qkv": dict(attention_mb=24, gate_up_mb=12, down_mb=16),
     "attn40+down12+qkv": dict(attention_mb=40, gate_up_mb=12, down_mb=16),
     "attn24+qkv last": dict(attention_mb=24, gate_up_mb=0, down_mb=16, evict_last=True),
+    "attn24+qkv 64 CTAs": dict(attention_mb=24, gate_up_mb=0, down_mb=16, blocks=64),
     "attn40+down12+qkv last": dict(attention_mb=40, gate_up_mb=12, down_mb=16, evict_last=True),
     "off again": None,
 }
