@@ -163,6 +163,41 @@ def ncu_step(args, model) -> dict:
                 graph_attention=args.graph_attention)
 
 
+def _steady_step(args, model):
+    """An engine (synchronous steps) serving the mix until every request runs and
+    ``args.ncu_after`` graphs were replayed; returns it, the last decode step's padded plan and
+    what that step was (rows, running requests, mean and longest context)."""
+    engine = _engine(args, model, async_scheduling=False)
+    graphs, seen = engine.graphs, {}
+    replay = graphs.replay
+
+    def recording(plan):
+        seen["plan"] = plan
+        return replay(plan)
+
+    graphs.replay = recording
+    contexts = _serve_until_steady(args, model, engine)
+    plan = seen["plan"]
+    return engine, plan, {"batch": plan.batch_size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
+                          "max_context": int(max(contexts))}
+
+
+def _capture(pool, stream, body):
+    """``body()`` once eagerly, then captured on ``stream`` (allocating from ``pool``); returns the
+    graph and what the captured call returned."""
+    import cupy
+
+    with cupy.cuda.using_allocator(pool.malloc):
+        body()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            result = body()
+        finally:
+            graph = stream.end_capture()
+    return graph, result
+
+
 def pieces_step(args, model) -> dict:
     """Serve the mix (synchronous steps) until every request runs and ``args.ncu_after`` graphs
     were replayed; then, over the last decode step's padded plan, replay and time apart
@@ -174,32 +209,12 @@ def pieces_step(args, model) -> dict:
     from llama.sampling import row_argmax
     from llama.timing import NoTimer
 
-    engine = _engine(args, model, async_scheduling=False)
-    graphs, seen = engine.graphs, {}
-    replay = graphs.replay
-
-    def recording(plan):
-        seen["plan"] = plan
-        return replay(plan)
-
-    graphs.replay = recording
-    contexts = _serve_until_steady(args, model, engine)
-    plan, stream, c = seen["plan"], engine.stream, model.config
-    size = plan.batch_size
-    out = {"batch": size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
-           "max_context": int(max(contexts))}
+    engine, plan, out = _steady_step(args, model)
+    graphs, stream, c, size = engine.graphs, engine.stream, model.config, plan.batch_size
     keep = []  # what the captured graphs write, alive while they replay
 
     def capture(body):
-        with cupy.cuda.using_allocator(graphs.pool.malloc):
-            body()
-            stream.synchronize()
-            stream.begin_capture()
-            try:
-                body()
-            finally:
-                graph = stream.end_capture()
-        return graph
+        return _capture(graphs.pool, stream, body)[0]
 
     def attention_only():
         for i in range(c.num_hidden_layers):
@@ -250,45 +265,28 @@ def prefetch_step(args, model) -> dict:
     from llama.sampling import row_argmax
     from llama.timing import NoTimer
 
-    engine = _engine(args, model, async_scheduling=False)
-    graphs, seen = engine.graphs, {}
-    replay = graphs.replay
+    engine, plan, out = _steady_step(args, model)
+    stream, out["variants"] = engine.stream, {}
 
-    def recording(plan):
-        seen["plan"] = plan
-        return replay(plan)
+    def step():
+        logits = model.forward(plan, engine.cache, NoTimer(), all_rows=True)
+        return logits, row_argmax(logits)  # the argmax's output kept alive with the graph
 
-    graphs.replay = recording
-    contexts = _serve_until_steady(args, model, engine)
-    plan, stream = seen["plan"], engine.stream
-    out = {"batch": plan.batch_size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
-           "max_context": int(max(contexts)), "variants": {}}
     captured = {}
     with stream:
         stream.synchronize()
         for name, kwargs in PREFETCH_VARIANTS.items():
             model.prefetch = None if kwargs is None else L2Prefetch(model.dtype, **kwargs)
-            with cupy.cuda.using_allocator(graphs.pool.malloc):
-                row_argmax(model.forward(plan, engine.cache, NoTimer(), all_rows=True))
-                stream.synchronize()
-                stream.begin_capture()
-                try:
-                    logits = model.forward(plan, engine.cache, NoTimer(), all_rows=True)
-                    tokens = row_argmax(logits)
-                finally:
-                    graph = stream.end_capture()
-            captured[name] = (graph, logits, tokens)
+            captured[name] = _capture(engine.graphs.pool, stream, step)
         model.prefetch = None
-        results = {}
-        for graph, logits, _ in captured.values():
+        logits = {}
+        for name, (graph, (written, _)) in captured.items():
             graph.launch(stream)
-            stream.synchronize()
-            results[id(graph)] = cupy.asnumpy(logits)
-        base = results[id(captured["off"][0])]
-        for round_ in range(2):
-            for name, (graph, _, _) in captured.items():
-                row = out["variants"].setdefault(name, {"us": [], "bitwise_equal_off":
-                                                        bool(np.array_equal(results[id(graph)], base))})
+            logits[name] = cupy.asnumpy(written)  # in stream order: after this replay
+        for _ in range(2):
+            for name, (graph, _) in captured.items():
+                row = out["variants"].setdefault(
+                    name, {"us": [], "bitwise_equal_off": bool(np.array_equal(logits[name], logits["off"]))})
                 row["us"].append(graph_us(lambda g=graph: g.launch(stream), args.reps, 1))
     off = np.mean(out["variants"]["off"]["us"] + out["variants"]["off again"]["us"])
     for row in out["variants"].values():

@@ -291,8 +291,7 @@ class LlamaModel:
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         rotary_decode = self.rotary_in_attention and plan.path == "decode"
         prefetch = self.prefetch if self.prefetch is not None and tokens <= self.prefetch.max_rows else None
-        nexts = [layer.qkv for layer in self.layers[1:]] + [self.lm_head]
-        for index, (layer, next_norm, next_weight) in enumerate(zip(self.layers, norms, nexts)):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             qkv = self.matmul(h, layer.qkv)
             if prefetch is not None:
                 prefetch.fork("attention", (layer.out, layer.gate_up))
@@ -310,7 +309,8 @@ class LlamaModel:
                 prefetch.fork("gate_up", (layer.down,))
             hidden = f.swiglu(self.matmul(h, layer.gate_up))
             if prefetch is not None:
-                prefetch.fork("down", (next_weight,))
+                last = index + 1 == len(self.layers)
+                prefetch.fork("down", (self.lm_head if last else self.layers[index + 1].qkv,))
             x, h = f.add_rms_norm(x, self.matmul(hidden, layer.down), next_norm, out=x)
         if not all_rows:
             rows = xp.asarray(plan.logits_indices)
