@@ -3,10 +3,11 @@
 # argument offsets after an optional map field, spans built per call; CPU-tested only until now).
 # 1. profile_engine.py --prefetch: the steady decode step's graph (64 rows) with each PREFETCH_VARIANTS
 #    entry against none, logits compared bit for bit (timed alone on the GPU).
-# 2. In parallel shards: the prefetch's GPU test, the TMA candidates' tests, the registered varlen
-#    tests, the calls / plan tests of the varlen and plan-layer launches.
+# 2. In parallel shards: the prefetch's GPU test, the TMA candidates' tests and their memcheck, the
+#    registered varlen tests, the calls / plan tests of the varlen and plan-layer launches.
 # 3. If the candidates pass: ab_tma.py, register_from_ab.py; when a TMA shape is registered, the
-#    registered varlen tests again and memcheck; else memcheck of the candidates.  END bounds it.
+#    registered varlen tests again and memcheck of the registered path.  END bounds it (420 is
+#    enough for steps 1-3 without the retests).
 CALL_LOGS=s35logs1 . benchmarks/call_lib.sh
 END=${END:-560}  # seconds this call may take: the last steps start only while they fit
 gpu_line
@@ -17,19 +18,18 @@ shard prefetch_test $P tests/test_llama_engine.py -k "l2_prefetch"
 shard tma $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
 shard varlen $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
 shard calls $P tests/test_calls_gpu.py tests/test_plan.py -k "varlen or plan or torch or stream"
+CUPY_PAGED_SANITIZER=memcheck shard memcheck_tma $MEMCHECK $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
 shards_done
 if grep -q "^shard tma rc=0" $R && [ $SECONDS -lt $((END - 130)) ]; then
   step ab_tma 110 python3 benchmarks/ab_tma.py --reps ${AB_REPS:-30} --out $OUT/ab/ab_tma.json
   step register 20 python3 benchmarks/register_from_ab.py $OUT/ab/ab_tma.json
   if grep -q "registered wg" $R && [ $SECONDS -lt $((END - 140)) ]; then
     grep -n "registered from the A/B" cupy_paged/kernels/varlen_wgmma.py >> $R
-    SHARD_LIMIT=120
+    SHARD_LIMIT=$((END - SECONDS - 10))
     rm -f $L/shards.txt
     shard varlen_reg $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
     CUPY_PAGED_SANITIZER=memcheck shard memcheck $MEMCHECK $P tests/test_varlen_gpu.py -k "sanitize or (wgmma_candidates and s2pot)"
     shards_done
-  elif [ $SECONDS -lt $((END - 120)) ]; then
-    CUPY_PAGED_SANITIZER=memcheck step memcheck 110 $MEMCHECK $P tests/test_varlen_gpu.py -k "wgmma_candidates and (s2pot or s2poxt or d64-wg128x128s2pt)"
   fi
 fi
 pack
