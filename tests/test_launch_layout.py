@@ -127,3 +127,62 @@ def test_device_list_constants_match_the_kernel_source():
     found = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", source)}
     assert (found["kListMinTiles"], found["kListWaves"], found["kMaxSplits"], found["kRows"]) == (
         ragged.MIN_SPLIT_TILES, ragged.WAVES, ragged.MAX_SPLITS, ragged.ROWS)
+
+
+def binary_parameters(cubin: bytes, kernel: str) -> list[tuple[int, int]]:
+    """``(offset, size)`` of each parameter of ``kernel`` as its cubin records them (the
+    ``EIATTR_KPARAM_INFO`` entries of ``.nv.info.<kernel>``): where the driver puts each argument of
+    a launch by parameter pointers, and where a launch by buffer must have put it."""
+    section_at = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, section_at + i * entry_size) for i in range(count)]
+    names = sections[names_index][4]
+
+    def name(offset):
+        return cubin[names + offset:cubin.index(b"\0", names + offset)].decode()
+
+    (info,) = [s for s in sections if name(s[0]) == f".nv.info.{kernel}"]
+    body, found, i = cubin[info[4]:info[4] + info[5]], {}, 0
+    while i < len(body):
+        form, attribute = body[i], body[i + 1]
+        if form != 4:  # EIFMT_SVAL carries a 16-bit size; the others' values are 0 or 2 bytes long
+            i += 2 if form == 1 else 4
+            continue
+        size = struct.unpack_from("<H", body, i + 2)[0]
+        if attribute == 0x17:  # EIATTR_KPARAM_INFO: index, ordinal, offset, flags (size in bits 18..31)
+            _, ordinal, offset, flags = struct.unpack_from("<IHHI", body, i + 4)
+            found[ordinal] = (offset, flags >> 18)
+        i += 4 + size
+    return [found[o] for o in range(len(found))]
+
+
+def test_launch_buffers_are_the_binary_parameter_layout():
+    """A launch by buffer hands the kernel its C layout, so every kernel launched so must record
+    exactly that layout in its binary; the TMA shape's 64-byte aligned maps move its parameters 48
+    bytes on (sm_90), so its launcher goes by parameter pointers, each at its argument's place in
+    the buffer.  Read from cubins NVRTC builds without a GPU (the registered wgmma shape and the TMA
+    candidate, D = 64, and the decode kernel with its 160-byte parameter struct)."""
+    from cupy_paged._core.nvrtc import nvrtc_compile
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels._launch import Launcher
+
+    tma_tiles = varlen_wgmma.WgmmaTiles(128, 2, producer=True, tma=True)
+    cases = [(varlen.specialization(BF16, 64, varlen_wgmma.WGMMA_TILES[64]), varlen._LAYOUT, False),
+             (varlen.specialization(BF16, 64, tma_tiles), "256s" + varlen._LAYOUT, True),
+             ((decode.kernel_key(BF16, 128), "paged_decode"), decode._DECODE_LAYOUT, False)]
+    for (key, kernel), layout, pointers in cases:
+        recorded = binary_parameters(nvrtc_compile(key, "sm_90a" if "wgmma" in key.source else "sm_90")[1], kernel)
+        launcher = Launcher(_FakeFunction(), layout, param_pointers=pointers)
+        codes = launcher._codes
+        if kernel == "paged_decode":  # DecodeParams is one parameter of the kernel, many fields here
+            codes = [f"{struct.calcsize('<' + decode._PARAMS_LAYOUT)}s"] + codes[len(expand(decode._PARAMS_LAYOUT)):]
+            launcher = Launcher(_FakeFunction(), "".join(codes), param_pointers=pointers)
+        c_layout = [(launcher._offset(i), struct.calcsize("@" + code)) for i, code in enumerate(codes)]
+        assert [size for _, size in recorded] == [size for _, size in c_layout], key
+        if not pointers:
+            assert recorded == c_layout, f"{key}: a launch by buffer would misplace its arguments"
+            assert launcher._kernel_params == 0 and launcher._extra_ptr != 0
+        else:
+            assert recorded[0][0] == 48 and recorded != c_layout, key
+            assert launcher._extra_ptr == 0 and list(launcher._params) == [
+                launcher._buffer.ctypes.data + offset for offset, _ in c_layout]

@@ -149,9 +149,10 @@ class VarlenLaunch:
         if isinstance(tiles, WgmmaTiles) and tiles.tma and self._maps is None:
             self.tiles = tiles = dataclasses.replace(tiles, tma=False)  # K/V no map describes: cp.async
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
-        # The TMA shape takes the K and V tensor maps (256 bytes) before the other parameters.
+        # The TMA shape takes the K and V tensor maps (256 bytes, 64-byte aligned) before the other
+        # parameters, which puts them past the buffer's C layout: launched by parameter pointers.
         self._first = 1 if self._maps is not None else 0
-        self.launch = Launcher(function, ("256s" if self._first else "") + _LAYOUT)
+        self.launch = Launcher(function, ("256s" if self._first else "") + _LAYOUT, param_pointers=bool(self._first))
         self.total_q = total_q = int(p.q.shape[0])
         self.out_shape = (total_q, num_heads, head_dim)
         self.lse_shape = (num_heads, total_q)
