@@ -20,9 +20,7 @@ Configurations (``--configs``, keys in brackets):
   kernel instead of inside the decode kernel (``LlamaModel.rotary_in_attention = False``);
   ``ours graphs tuned`` [ours-graphs-tuned] captures the decode graphs with the fastest of
   cuBLASLt's candidates timed per batch size for each product (``Engine(tune_products=True)``)
-  instead of cuBLAS's default kernels (the other configurations run on those even after it);
-  ``ours graphs l2-prefetch`` [ours-graphs-prefetch] fetches each decode step's next products'
-  weights into the L2 on a side stream (``LlamaModel.prefetch = llama.fused.L2Prefetch(...)``).
+  instead of cuBLAS's default kernels (the other configurations run on those even after it).
 * ``hf sdpa graphs`` / ``hf sdpa no-graphs`` [hf-sdpa-graphs, hf-sdpa]: ``generate_batch`` with
   ``attn_implementation="paged|sdpa"``.
 * ``hf cupy_paged graphs`` / ``hf cupy_paged no-graphs`` [hf-cupy_paged-graphs, hf-cupy_paged]:
@@ -130,7 +128,6 @@ class Spec:
     graph_attention: str = "decode"  # ours: the decode graphs' attention (Engine(graph_attention=))
     rotary_in_attention: bool = True  # ours: decode steps rotate inside the decode kernel (False: rotary_split)
     tune_products: bool = False  # ours: the decode graphs' products on the fastest timed cuBLAS kernel
-    l2_prefetch: bool = False  # ours: the next products' weights into the L2 beside the kernels (LlamaModel.prefetch)
 
 
 SPECS = {s.key: s for s in (
@@ -140,7 +137,6 @@ SPECS = {s.key: s for s in (
     Spec("ours-graphs-rotary-split", "ours graphs rotary-split", "ours", True, prior_tok_s=55000,
          rotary_in_attention=False),
     Spec("ours-graphs-tuned", "ours graphs tuned", "ours", True, prior_tok_s=55000, tune_products=True),
-    Spec("ours-graphs-prefetch", "ours graphs l2-prefetch", "ours", True, prior_tok_s=55000, l2_prefetch=True),
     Spec("ours", "ours no-graphs", "ours", False, prior_tok_s=3000),
     Spec("hf-cupy_paged-graphs", "hf cupy_paged graphs", "hf", True, "paged|flash_attention_2", 8200),
     Spec("hf-sdpa-graphs", "hf sdpa graphs", "hf", True, "paged|sdpa", 1860),
@@ -417,17 +413,12 @@ def run_ours(bench, spec: Spec, n: int, prompts: list) -> Run:
     """Serve ``prompts`` with ``llama.Engine`` after its warm-up; every request at once."""
     model = bench.ours
     model.rotary_in_attention = spec.rotary_in_attention and model.fused is not None
-    if spec.l2_prefetch and model.fused is not None:
-        from llama.fused import L2Prefetch
-
-        model.prefetch = L2Prefetch(model.dtype)
     untuned = model.gemm.defaults() if model.gemm is not None and not spec.tune_products else contextlib.nullcontext()
     try:
         with untuned:  # products tuned by an earlier configuration are set aside for this one
             return _serve(bench, spec, n, prompts)
     finally:
         model.rotary_in_attention = model.fused is not None
-        model.prefetch = None
 
 
 def _serve(bench, spec: Spec, n: int, prompts: list) -> Run:

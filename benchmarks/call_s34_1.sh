@@ -1,3 +1,5 @@
+# (Ran as committed up to ff33026; the L2 prefetch it measures (profile_engine.py --prefetch, llama.fused.L2Prefetch
+# and its tests) was removed after the thirty-fifth session refuted it: `git show ff33026` has them.)
 # Session 34, device call 1.
 # 1. profile_engine.py --prefetch: a decode step's graph (64 rows, the engine's default mix, served to
 #    the steady decode phase) with the next products' weights fetched into the L2 on a side stream,

@@ -1,3 +1,5 @@
+# (Ran as committed up to ff33026; the L2 prefetch it measures (profile_engine.py --prefetch, llama.fused.L2Prefetch
+# and its tests) was removed after the thirty-fifth session refuted it: `git show ff33026` has them.)
 # Session 34, device call 2 (the device time left after failed starts fits one short call): the L2
 # prefetch of call_s34_1.sh alone -- profile_engine.py --prefetch and the GPU test that it changes no
 # token -- then, while END allows, the TMA candidates' GPU tests.

@@ -1,3 +1,5 @@
+# (Ran as committed up to ff33026; the L2 prefetch it measures (profile_engine.py --prefetch, llama.fused.L2Prefetch
+# and its tests) was removed after the thirty-fifth session refuted it: `git show ff33026` has them.)
 # Session 35, device call 1: call_s34_1.sh's measurements, with the registered varlen path's GPU tests
 # run whatever the A/B says (its host launch code changed with the thirty-third session's TMA loader:
 # argument offsets after an optional map field, spans built per call; CPU-tested only until now).

@@ -18,10 +18,6 @@ been replayed, then profile one step (its one graph replay) between ``cudaProfil
 ``--pieces``: serve the same mix to the same point, then time (graph replays, CUDA events) the last
 decode step's graph, that step captured without its attention (each layer's attention output a
 fixed array), and its eight attention launches alone, and exit (``--out`` gets the figures).
-
-``--prefetch``: serve the same mix to the same point, then time the last decode step's graph
-captured with each of :data:`PREFETCH_VARIANTS` (``llama.fused.L2Prefetch``: the next products'
-weights fetched into the L2 on a side stream), two rounds, logits compared bit for bit, and exit.
 """
 from __future__ import annotations
 
@@ -239,61 +235,6 @@ def pieces_step(args, model) -> dict:
     return out
 
 
-PREFETCH_VARIANTS = {  # name -> llama.fused.L2Prefetch arguments (None: off)
-    "off": None,
-    "out": dict(attention_mb=8.5, gate_up_mb=0, down_mb=0),
-    "attn24": dict(attention_mb=24, gate_up_mb=0, down_mb=0),
-    "attn24+qkv": dict(attention_mb=24, gate_up_mb=0, down_mb=16),
-    "attn24+down12+qkv": dict(attention_mb=24, gate_up_mb=12, down_mb=16),
-    "attn40+down12+qkv": dict(attention_mb=40, gate_up_mb=12, down_mb=16),
-    "attn24+qkv last": dict(attention_mb=24, gate_up_mb=0, down_mb=16, evict_last=True),
-    "attn24+qkv 64 CTAs": dict(attention_mb=24, gate_up_mb=0, down_mb=16, blocks=64),
-    "attn40+down12+qkv last": dict(attention_mb=40, gate_up_mb=12, down_mb=16, evict_last=True),
-    "off again": None,
-}
-
-
-def prefetch_step(args, model) -> dict:
-    """Serve the mix (synchronous steps) until every request runs and ``args.ncu_after`` graphs
-    were replayed; then capture the last decode step's forward (and argmax) once per
-    :data:`PREFETCH_VARIANTS` entry (``LlamaModel.prefetch``: weights into the L2 on a side stream)
-    and time each graph's replays (``bench_decode.graph_us``), in two rounds; every variant's
-    logits must equal the variant "off"'s bit for bit (a prefetch writes nothing)."""
-    import cupy
-    from bench_decode import graph_us
-    from llama.fused import L2Prefetch
-    from llama.sampling import row_argmax
-    from llama.timing import NoTimer
-
-    engine, plan, out = _steady_step(args, model)
-    stream, out["variants"] = engine.stream, {}
-
-    def step():
-        logits = model.forward(plan, engine.cache, NoTimer(), all_rows=True)
-        return logits, row_argmax(logits)  # the argmax's output kept alive with the graph
-
-    captured = {}
-    with stream:
-        stream.synchronize()
-        for name, kwargs in PREFETCH_VARIANTS.items():
-            model.prefetch = None if kwargs is None else L2Prefetch(model.dtype, **kwargs)
-            captured[name] = _capture(engine.graphs.pool, stream, step)
-        model.prefetch = None
-        logits = {}
-        for name, (graph, (written, _)) in captured.items():
-            graph.launch(stream)
-            logits[name] = cupy.asnumpy(written)  # in stream order: after this replay
-        for _ in range(2):
-            for name, (graph, _) in captured.items():
-                row = out["variants"].setdefault(
-                    name, {"us": [], "bitwise_equal_off": bool(np.array_equal(logits[name], logits["off"]))})
-                row["us"].append(graph_us(lambda g=graph: g.launch(stream), args.reps, 1))
-    off = np.mean(out["variants"]["off"]["us"] + out["variants"]["off again"]["us"])
-    for row in out["variants"].values():
-        row["vs_off"] = off / min(row["us"])
-    return out
-
-
 def served_run(args, model, graph_attention: str = "decode", profile: bool = True):
     """Serve the default mix greedily with decode graphs (the graphs' attention on
     ``graph_attention``), under cProfile when ``profile``; the device time of a graph replay is the
@@ -328,8 +269,6 @@ def main(argv=None) -> int:
     p.add_argument("--ncu-after", type=int, default=32, help="graph replays before the profiled step")
     p.add_argument("--pieces", action="store_true",
                    help="time a decode step's graph, the step without attention and the attention alone, then exit")
-    p.add_argument("--prefetch", action="store_true",
-                   help="time a decode step's graph with each of PREFETCH_VARIANTS (weights into the L2), then exit")
     p.add_argument("--graph-attention", choices=("decode", "ragged"), default="decode", help="with --ncu")
     p.add_argument("--force-splits", type=int, default=0,
                    help="an experiment: the decode kernel's split count where the heuristic chooses (0: the heuristic)")
@@ -348,15 +287,6 @@ def main(argv=None) -> int:
     model.rotary_in_attention = model.rotary_in_attention and not args.rotary_split
     if args.ncu:
         print(json.dumps(ncu_step(args, model)))
-        return 0
-    if args.prefetch:
-        result = prefetch_step(args, model)
-        print(f"decode step of {result['batch']} rows, mean context {result['mean_context']:.0f}, "
-              f"longest {result['max_context']}: graph replay us (two rounds), off / variant, logits equal")
-        for name, row in result["variants"].items():
-            print(f"  {name:<26} {row['us'][0]:8.1f} {row['us'][1]:8.1f}  {row['vs_off']:6.3f}  {row['bitwise_equal_off']}")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     if args.pieces:
         result = pieces_step(args, model)

@@ -450,77 +450,8 @@ def test_fused_kernels_compile_without_spills(dtype):
             kernels = parse_ptxas_log(nvrtc.getProgramLog(program))
         finally:
             nvrtc.destroyProgram(program)
-        assert {k.kernel for k in kernels} == {"add_rms_norm", "rotary_split", "swiglu", "embed_rows", "argmax_rows",
-                                                "prefetch_l2"}
+        assert {k.kernel for k in kernels} == {"add_rms_norm", "rotary_split", "swiglu", "embed_rows", "argmax_rows"}
         assert all(k.spill_stores == k.spill_loads == 0 for k in kernels), kernels
-
-
-def test_l2_prefetch_forks_budgets_and_joins(monkeypatch):
-    """``llama.fused.L2Prefetch`` on stand-ins for CuPy's streams, events and kernel: each fork
-    makes the side stream wait for an event recorded on the current stream before its launches,
-    splits its point's budget over the weights in order (whole 16-byte multiples, the first ones
-    whole), fetches nothing at a point of budget 0, and a join makes the current stream wait for an
-    event recorded on the side stream after every launch, once, with no wait when nothing forked."""
-    import cupy
-    from llama import fused
-
-    log = []
-
-    class Stream:
-        def __init__(self, name="side", **_):
-            self.name = name
-
-        def wait_event(self, event):
-            log.append(("wait", self.name, event.recorded_on))
-
-    class Event:
-        def __init__(self, **_):
-            self.recorded_on = None
-
-        def record(self, stream):
-            self.recorded_on = stream.name
-            log.append(("record", stream.name))
-
-    class Kernel:
-        def __call__(self, grid, block, args, stream=None):
-            log.append(("launch", stream.name, args[0].name, int(args[1]), int(args[2]), grid, block))
-
-    class Module:
-        def get_function(self, name):
-            assert name == "prefetch_l2"
-            return Kernel()
-
-    class Weight:
-        def __init__(self, name, nbytes):
-            self.name, self.nbytes = name, nbytes
-
-    main = Stream("main")
-    monkeypatch.setattr(cupy.cuda, "Stream", Stream)
-    monkeypatch.setattr(cupy.cuda, "Event", Event)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: main)
-    monkeypatch.setattr(fused, "_module", lambda dtype: Module())
-    mb = 2**20
-    prefetch = fused.L2Prefetch(BF16, attention_mb=3, gate_up_mb=0, down_mb=0.5, evict_last=True, blocks=4)
-    prefetch.join()
-    assert log == []  # nothing forked: no event, no wait
-    out, gate_up, down, qkv = Weight("out", 2 * mb + 8), Weight("gate_up", 10 * mb), Weight("down", 5 * mb), \
-        Weight("qkv", mb // 4 + 40)
-    prefetch.fork("attention", (out, gate_up))
-    prefetch.fork("gate_up", (down,))
-    prefetch.fork("down", (qkv,))
-    prefetch.join()
-    assert log == [
-        ("record", "main"), ("wait", "side", "main"),
-        ("launch", "side", "out", 2 * mb, 1, (4,), (32,)),  # 2 MB + 8: rounded down to 16 bytes
-        ("launch", "side", "gate_up", mb, 1, (4,), (32,)),  # the rest of the 3 MB
-        ("record", "main"), ("wait", "side", "main"),
-        ("launch", "side", "qkv", mb // 4 + 32, 1, (4,), (32,)),  # all of it under the 0.5 MB
-        ("record", "side"), ("wait", "main", "side"),
-    ]
-    log.clear()
-    prefetch.fork("down", (qkv,))
-    prefetch.join()
-    assert [entry[0] for entry in log] == ["record", "wait", "launch", "record", "wait"]
 
 
 # --------------------------------------------------------------------------- GPU
@@ -949,33 +880,3 @@ def test_decode_rotary_in_the_attention_launch_equals_rotary_split():
     for layer, (a, b) in enumerate(zip(got_keys, want_keys)):
         a, b = a.astype(np.float64), b.astype(np.float64)
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), layer
-
-
-@pytest.mark.gpu
-def test_l2_prefetch_changes_no_token_and_joins_its_side_stream():
-    """The decode steps' weight prefetch (``LlamaModel.prefetch``, on a side stream forked and
-    joined inside each captured decode graph and eager step) writes nothing: a graphed run of
-    greedy and sampled requests with it gives every request the tokens of the same run without
-    it, and it was forked at every point of every layer."""
-    import cupy_paged
-    from llama.fused import L2Prefetch
-
-    model, _, _ = _gpu_engines(graph_sizes=[2, 8])
-    kwargs = dict(block_size=16, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, max_prefill_chunk=32,
-                  cuda_graphs=True, graph_sizes=[2, 8])
-    want = Engine(model, **kwargs).run(_graph_requests())
-    prefetch = L2Prefetch(model.dtype, attention_mb=1, gate_up_mb=0.5, down_mb=1, evict_last=True, blocks=2)
-    points = []
-    fork = prefetch.fork
-    prefetch.fork = lambda point, weights: (points.append(point), fork(point, weights))[1]
-    model.prefetch = prefetch
-    try:
-        engine = Engine(model, **kwargs)
-        got = engine.run(_graph_requests())
-    finally:
-        model.prefetch = None
-    cupy_paged.check_errors()
-    assert got == want
-    layers = model.config.num_hidden_layers
-    assert engine.graphs.replays >= MIN_REPLAYS and len(points) >= 3 * layers
-    assert points[:3 * layers] == ["attention", "gate_up", "down"] * layers

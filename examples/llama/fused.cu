@@ -170,31 +170,3 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, long lo
         if (lane == 0) out[blockIdx.x] = index;
     }
 }
-
-// Ask the L2 to fetch bytes [base, base + bytes) of a weight from memory (base 16-byte aligned,
-// bytes a multiple of 16), in chunks of CHUNK bytes spread over the grid's threads; nothing is
-// read into the SM, and the kernel ends once its requests are issued.  A decode step launches it on
-// a side stream beside a kernel that leaves memory bandwidth unused (model.py's L2Prefetch), so a
-// later product finds the start of its weight in the L2.  evict_last: the lines are marked to stay
-// longer than the streamed data beside them.  Before sm_90 (no bulk prefetch) a thread asks for
-// each 128-byte line of its chunk.
-extern "C" __global__ void prefetch_l2(const char* __restrict__ base, unsigned long long bytes, int evict_last) {
-    constexpr unsigned long long CHUNK = 16384;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x * CHUNK;
-    for (unsigned long long at = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) * CHUNK; at < bytes;
-         at += step) {
-        const unsigned size = (unsigned)(bytes - at < CHUNK ? bytes - at : CHUNK);
-#if __CUDA_ARCH__ >= 900
-        if (evict_last) {
-            unsigned long long policy;
-            asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-            asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
-                         :: "l"(base + at), "r"(size), "l"(policy) : "memory");
-        } else {
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + at), "r"(size) : "memory");
-        }
-#else
-        for (unsigned line = 0; line < size; line += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(base + at + line));
-#endif
-    }
-}

@@ -154,9 +154,6 @@ class LlamaModel:
             self.rotary_tables_q = (cos_q, sin_q)
         # Decode steps on the fused path: rotary inside the attention launch (False: rotary_split).
         self.rotary_in_attention = self.fused is not None
-        # A llama.fused.L2Prefetch (fused path): steps of few rows fetch their next products' weights
-        # into the L2 on a side stream beside the attention and the MLP's products (None: off).
-        self.prefetch = None
 
     def tune_products(self, rows: int) -> dict:
         """Time the candidate cuBLAS kernels of each of a step's products at ``rows`` tokens
@@ -290,11 +287,8 @@ class LlamaModel:
         tokens = x.shape[0]
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         rotary_decode = self.rotary_in_attention and plan.path == "decode"
-        prefetch = self.prefetch if self.prefetch is not None and tokens <= self.prefetch.max_rows else None
         for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             qkv = self.matmul(h, layer.qkv)
-            if prefetch is not None:
-                prefetch.fork("attention", (layer.out, layer.gate_up))
             if rotary_decode:
                 with timer.span("attention"):
                     attended = self._decode_attention(qkv, plan, *cache.layer(index))
@@ -305,21 +299,11 @@ class LlamaModel:
                     attended = plan.attention(q, k, v, *cache.layer(index))
             x, h = f.add_rms_norm(x, self.matmul(attended.reshape(tokens, c.q_size), layer.out), layer.post_norm,
                                   out=x)
-            if prefetch is not None:
-                prefetch.fork("gate_up", (layer.down,))
             hidden = f.swiglu(self.matmul(h, layer.gate_up))
-            if prefetch is not None:
-                last = index + 1 == len(self.layers)
-                prefetch.fork("down", (self.lm_head if last else self.layers[index + 1].qkv,))
             x, h = f.add_rms_norm(x, self.matmul(hidden, layer.down), next_norm, out=x)
         if not all_rows:
             rows = xp.asarray(plan.logits_indices)
             if rows.shape[0] == 0:
-                if prefetch is not None:
-                    prefetch.join()
                 return xp.empty((0, c.vocab_size), self.acc)
             h = h[rows]
-        logits = self.matmul(h, self.lm_head, out_dtype=np.float32)
-        if prefetch is not None:
-            prefetch.join()
-        return logits
+        return self.matmul(h, self.lm_head, out_dtype=np.float32)
