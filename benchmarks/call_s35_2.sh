@@ -1,7 +1,7 @@
 # Session 35, device call 2 (after call 1's decisions are committed): the GPU tests of the paths the
 # TMA loader's host code touches and of the engine, in shards, then every issue's benchmark on the
-# tree as committed (bench_calls, bench_mixed, and bench_e2e with what time is left; its default
-# configurations include ours-graphs-prefetch beside ours-graphs).  END bounds it (about 560 s).
+# tree as committed (bench_calls, bench_mixed, and bench_e2e with what time is left).  END bounds it
+# (about 560 s).
 CALL_LOGS=s35logs2 . benchmarks/call_lib.sh
 END=${END:-560}
 gpu_line
