@@ -13,6 +13,7 @@
 #                            memcheck of the ragged and balanced launches, in shards, waited for
 #   issue_benchmarks [S]     bench_calls and bench_mixed into $OUT/ab, and on an H200 while fewer than S
 #                            seconds (default 330) have passed bench_e2e: every issue's benchmark
+#   issue_tables             the step rc lines and the tables issue_benchmarks printed, from $R
 export PYTHONUNBUFFERED=1
 R=$OUT/run.log; L=/tmp/${CALL_LOGS:-calllogs}; mkdir -p "$L"
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
@@ -62,4 +63,11 @@ issue_benchmarks() {
   if on_h200 && [ $SECONDS -lt "${1:-330}" ]; then
     step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
   fi
+}
+issue_tables() {
+  grep -h -E "^=== .* rc=|^shard " $R
+  grep -h -A16 "^| case | ours GPU" $R | cut -c1-200 | head -18
+  grep -h -A18 "^| case | path | ours ms" $R | cut -c1-200 | head -40
+  grep -h -A14 "^| requests | configuration" $R | cut -c1-200 | head -16
+  grep -h -A8 "^| target | value" $R | cut -c1-200 | head -10
 }

@@ -159,41 +159,6 @@ def ncu_step(args, model) -> dict:
                 graph_attention=args.graph_attention)
 
 
-def _steady_step(args, model):
-    """An engine (synchronous steps) serving the mix until every request runs and
-    ``args.ncu_after`` graphs were replayed; returns it, the last decode step's padded plan and
-    what that step was (rows, running requests, mean and longest context)."""
-    engine = _engine(args, model, async_scheduling=False)
-    graphs, seen = engine.graphs, {}
-    replay = graphs.replay
-
-    def recording(plan):
-        seen["plan"] = plan
-        return replay(plan)
-
-    graphs.replay = recording
-    contexts = _serve_until_steady(args, model, engine)
-    plan = seen["plan"]
-    return engine, plan, {"batch": plan.batch_size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
-                          "max_context": int(max(contexts))}
-
-
-def _capture(pool, stream, body):
-    """``body()`` once eagerly, then captured on ``stream`` (allocating from ``pool``); returns the
-    graph and what the captured call returned."""
-    import cupy
-
-    with cupy.cuda.using_allocator(pool.malloc):
-        body()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            result = body()
-        finally:
-            graph = stream.end_capture()
-    return graph, result
-
-
 def pieces_step(args, model) -> dict:
     """Serve the mix (synchronous steps) until every request runs and ``args.ncu_after`` graphs
     were replayed; then, over the last decode step's padded plan, replay and time apart
@@ -205,12 +170,32 @@ def pieces_step(args, model) -> dict:
     from llama.sampling import row_argmax
     from llama.timing import NoTimer
 
-    engine, plan, out = _steady_step(args, model)
-    graphs, stream, c, size = engine.graphs, engine.stream, model.config, plan.batch_size
+    engine = _engine(args, model, async_scheduling=False)
+    graphs, seen = engine.graphs, {}
+    replay = graphs.replay
+
+    def recording(plan):
+        seen["plan"] = plan
+        return replay(plan)
+
+    graphs.replay = recording
+    contexts = _serve_until_steady(args, model, engine)
+    plan, stream, c = seen["plan"], engine.stream, model.config
+    size = plan.batch_size
+    out = {"batch": size, "running": len(contexts), "mean_context": float(np.mean(contexts)),
+           "max_context": int(max(contexts))}
     keep = []  # what the captured graphs write, alive while they replay
 
     def capture(body):
-        return _capture(graphs.pool, stream, body)[0]
+        with cupy.cuda.using_allocator(graphs.pool.malloc):
+            body()
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                body()
+            finally:
+                graph = stream.end_capture()
+        return graph
 
     def attention_only():
         for i in range(c.num_hidden_layers):

@@ -169,15 +169,12 @@ def test_launch_buffers_are_the_binary_parameter_layout():
     tma_tiles = varlen_wgmma.WgmmaTiles(128, 2, producer=True, tma=True)
     cases = [(varlen.specialization(BF16, 64, varlen_wgmma.WGMMA_TILES[64]), varlen._LAYOUT, False),
              (varlen.specialization(BF16, 64, tma_tiles), "256s" + varlen._LAYOUT, True),
-             ((decode.kernel_key(BF16, 128), "paged_decode"), decode._DECODE_LAYOUT, False)]
+             # DecodeParams is one parameter of the kernel, its fields one struct entry here
+             ((decode.kernel_key(BF16, 128), "paged_decode"), _decode_layout(decode._DECODE_LAYOUT), False)]
     for (key, kernel), layout, pointers in cases:
         recorded = binary_parameters(nvrtc_compile(key, "sm_90a" if "wgmma" in key.source else "sm_90")[1], kernel)
         launcher = Launcher(_FakeFunction(), layout, param_pointers=pointers)
-        codes = launcher._codes
-        if kernel == "paged_decode":  # DecodeParams is one parameter of the kernel, many fields here
-            codes = [f"{struct.calcsize('<' + decode._PARAMS_LAYOUT)}s"] + codes[len(expand(decode._PARAMS_LAYOUT)):]
-            launcher = Launcher(_FakeFunction(), "".join(codes), param_pointers=pointers)
-        c_layout = [(launcher._offset(i), struct.calcsize("@" + code)) for i, code in enumerate(codes)]
+        c_layout = [(launcher._offset(i), struct.calcsize("@" + code)) for i, code in enumerate(launcher._codes)]
         assert [size for _, size in recorded] == [size for _, size in c_layout], key
         if not pointers:
             assert recorded == c_layout, f"{key}: a launch by buffer would misplace its arguments"

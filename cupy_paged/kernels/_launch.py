@@ -107,7 +107,6 @@ class Launcher:
         self._ptr = getattr(function, "kernel", function).ptr
         self._struct = struct.Struct("@" + layout)
         self._buffer = np.zeros(max(self._struct.size, 8), np.uint8)
-        self._size = np.array([self._struct.size], np.uint64)
         self._lock = threading.Lock()
         self._codes = [code for count, code in re.findall(r"(\d*)([a-zA-Z])", layout)
                        for code in ([f"{count}s"] if code == "s" else [code] * int(count or 1))]
@@ -116,6 +115,7 @@ class Launcher:
                                     np.uint64)
             self._kernel_params, self._extra_ptr = int(self._params.ctypes.data), 0
         else:
+            self._size = np.array([self._struct.size], np.uint64)
             self._extra = np.array([_LAUNCH_PARAM_BUFFER_POINTER, self._buffer.ctypes.data,
                                     _LAUNCH_PARAM_BUFFER_SIZE, self._size.ctypes.data, _LAUNCH_PARAM_END], np.uint64)
             self._kernel_params, self._extra_ptr = 0, int(self._extra.ctypes.data)
