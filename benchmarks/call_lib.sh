@@ -48,7 +48,7 @@ store_path_tests() {
 }
 gpu_start() { mkdir -p "$OUT/ab"; gpu_line; step warm 90 python3 -m cupy_paged warm --jobs 16; }
 step_path_tests() {
-  local SHARD_LIMIT=150
+  local SHARD_LIMIT=${SHARD_LIMIT:-150}
   shard plan $P tests/test_plan.py tests/test_worked_examples.py tests/test_merge.py tests/test_arrays.py
   shard calls $P tests/test_calls_gpu.py -k "torch or memo or cupy or stream or balanced"
   shard ragged $P tests/test_ragged.py
