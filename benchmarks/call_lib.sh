@@ -14,6 +14,8 @@
 #   issue_benchmarks [S]     bench_calls and bench_mixed into $OUT/ab, and on an H200 while fewer than S
 #                            seconds (default 330) have passed bench_e2e: every issue's benchmark
 #   issue_tables             the step rc lines and the tables issue_benchmarks printed, from $R
+#   e2e_in_time              bench_e2e (about 230 s) where at least 400 s of END are left
+#   shard_limit              SHARD_LIMIT set to what END leaves (10 s kept), at most 150 s
 export PYTHONUNBUFFERED=1
 R=$OUT/run.log; L=/tmp/${CALL_LOGS:-calllogs}; mkdir -p "$L"
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
@@ -71,3 +73,8 @@ issue_tables() {
   grep -h -A14 "^| requests | configuration" $R | cut -c1-200 | head -16
   grep -h -A8 "^| target | value" $R | cut -c1-200 | head -10
 }
+e2e_in_time() {
+  [ $SECONDS -lt $((END - 400)) ] && step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
+  return 0
+}
+shard_limit() { SHARD_LIMIT=$((END - 10 - SECONDS)); [ $SHARD_LIMIT -gt 150 ] && SHARD_LIMIT=150; return 0; }

@@ -1,3 +1,5 @@
+# (Ran as committed or never ran; ab_tma.py, register_from_ab.py and the TMA candidates were removed in the
+# thirty-sixth session after call 3 of the thirty-fifth refuted them: `git checkout 74cb9ff` has them.)
 # Session 33, device call 1: the varlen wgmma kernel's TMA loader (WgmmaTiles(..., tma=True)).
 # 1. The GPU tests of the three TMA candidates (D = 128 with and without the softmax under P V, D = 64):
 #    every wgmma candidate case and the TMA cases, under a time limit (a wrong transaction count

@@ -1,3 +1,4 @@
+# (Ran as committed up to 74cb9ff; its TMA step selects nothing since the candidates were removed.)
 # (Ran as committed up to ff33026; the L2 prefetch it measures (profile_engine.py --prefetch, llama.fused.L2Prefetch
 # and its tests) was removed after the thirty-fifth session refuted it: `git show ff33026` has them.)
 # Session 34, device call 2 (the device time left after failed starts fits one short call): the L2

@@ -1,3 +1,5 @@
+# (Ran as committed or never ran; ab_tma.py, register_from_ab.py and the TMA candidates were removed in the
+# thirty-sixth session after call 3 of the thirty-fifth refuted them: `git checkout 74cb9ff` has them.)
 # (Ran as committed up to ff33026; the L2 prefetch it measures (profile_engine.py --prefetch, llama.fused.L2Prefetch
 # and its tests) was removed after the thirty-fifth session refuted it: `git show ff33026` has them.)
 # Session 35, device call 1: call_s34_1.sh's measurements, with the registered varlen path's GPU tests

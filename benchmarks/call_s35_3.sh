@@ -1,3 +1,5 @@
+# (Ran as committed or never ran; ab_tma.py, register_from_ab.py and the TMA candidates were removed in the
+# thirty-sixth session after call 3 of the thirty-fifth refuted them: `git checkout 74cb9ff` has them.)
 # Session 35, device call 3: the TMA candidates again after the launch fix (3292c9d: parameter
 # pointers, the maps 48 bytes into the parameter space), their tests and memcheck in parallel, then
 # the A/B against the registered shapes and register_from_ab.py while END allows (about 300 s).

@@ -6,10 +6,9 @@ END=${END:-560}
 gpu_start
 step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
 step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
-[ $SECONDS -lt $((END - 400)) ] && step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
+e2e_in_time
 if [ $SECONDS -lt $((END - 150)) ]; then
-  SHARD_LIMIT=$((END - 10 - SECONDS))
-  [ $SHARD_LIMIT -gt 150 ] && SHARD_LIMIT=150
+  shard_limit
   shard varlen $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
   shard engine $P tests/test_llama_engine.py
   step_path_tests
