@@ -2,10 +2,14 @@
 # to call 1's, tools/cubin_digests.py; the varlen launcher lost its parameter-pointer mode).  On an H200
 # (the issues' card): every issue's benchmark first on a quiet GPU, then the GPU tests as in call 1.  On
 # any other card: the GPU tests of the varlen path and the calls, and bench_calls alone (the host figures).
+# On both, beside bench_calls: the eager floor of this host (eager_floor.py) and the host path's parts
+# (profile_host.py), about 15 s.
 CALL_LOGS=s36logs2 . benchmarks/call_lib.sh
 END=${END:-560}
 gpu_start
 step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
+step eager_floor 40 python3 benchmarks/eager_floor.py --out $OUT/ab/eager_floor.json
+step profile 40 python3 benchmarks/profile_host.py
 if on_h200; then
   step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
   e2e_in_time
