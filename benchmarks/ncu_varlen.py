@@ -5,7 +5,10 @@ time goes (memory traffic, L2 hit rate, warp stalls) beside another's on the sam
 
 Each (batch, shape) pair runs once untimed (module load, warm caches), then once inside
 ``cudaProfilerStart`` / ``cudaProfilerStop``, so ncu sees exactly one launch of each.  The shapes are
-the registered one of head dim 128 and the persistent candidate of the GPU tests (NOTES_varlen.md, v10).
+the registered one of head dim 128 and the persistent candidate of the GPU tests (NOTES_varlen.md, v10);
+``--shapes`` picks some.  ``--peers`` profiles torch's FlashAttention-2 varlen and cuDNN SDPA on the same
+batch the same way (bench_varlen's peer calls; cuDNN's on the dense batch with K/V repeated to every
+query head, as its call there).
 """
 from __future__ import annotations
 
@@ -28,19 +31,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lens", nargs="+", default=["1024x16", "4096x8"],
                         help="causal batches as LENGTHxCOUNT (default 1024x16 4096x8)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="our tile shapes to profile (default all)")
+    parser.add_argument("--peers", action="store_true", help="also torch FA2 varlen and cuDNN SDPA")
     args = parser.parse_args()
     for spec in args.lens:
         length, count = map(int, spec.split("x"))
         batch = bench_varlen.Batch([length] * count, [length] * count, 128)
-        for name, tiles in SHAPES.items():
-            call = batch.ours(tiles)
+        calls = [(name, batch.ours(SHAPES[name]), SHAPES[name].label()) for name in args.shapes]
+        if args.peers:
+            calls += [(name, call, "") for name, call in (("torch_fa2_varlen", bench_varlen.torch_fa2(batch)),
+                                                          ("cudnn_sdpa", bench_varlen.torch_cudnn(batch)))
+                      if call is not None]
+        for name, call, label in calls:
             call()
             cupy.cuda.Device().synchronize()
             cupy.cuda.runtime.profilerStart()
             call()
             cupy.cuda.Device().synchronize()
             cupy.cuda.runtime.profilerStop()
-            print(f"profiled {spec} {name} {tiles.label()}", flush=True)
+            print(f"profiled {spec} {name} {label}", flush=True)
 
 
 if __name__ == "__main__":
