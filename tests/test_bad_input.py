@@ -819,3 +819,15 @@ def test_compile_rejects_a_bad_arch_before_nvrtc(arch, capsys):
     assert info.value.code == 2
     assert f"--arch must name a CUDA architecture as sm_NN or sm_NNa (sm_80, sm_90a); got {arch!r}" in \
         capsys.readouterr().err
+
+
+def test_warm_without_a_gpu_says_so_in_one_line(monkeypatch, capsys):
+    """``python -m cupy_paged warm`` where no CUDA device answers: one line naming ``compile`` (which
+    needs none), exit status 1, and no process pool started."""
+    from cupy_paged._core import arrays
+    from cupy_paged.kernels import registry
+
+    monkeypatch.setattr(arrays, "gpu_available", lambda: False)
+    assert registry.warm(2) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err and "python -m cupy_paged compile" in err

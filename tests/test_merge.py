@@ -82,3 +82,24 @@ def test_merge_into_out_and_bad_input():
         merge_attention_states(oa, la, oa[:2], la)
     with pytest.raises(TypeError, match="lse_b"):
         merge_attention_states(oa, la, oa, la.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merge_of_torch_cpu_tensors_returns_torch_tensors(dtype):
+    """Torch CPU tensors in, torch CPU tensors out (the caller's ``out`` itself where given), the
+    same values as from NumPy."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    oa, ob = randn(rng, (5, 2, 32), np.float32), randn(rng, (5, 2, 32), np.float32)
+    la, lb = randn(rng, (2, 5), np.float32), randn(rng, (2, 5), np.float32)
+    want, want_lse = merge_attention_states(oa, la, ob, lb)
+    ta, tb = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (oa, ob))
+    got, got_lse = merge_attention_states(ta, torch.from_numpy(la), tb, torch.from_numpy(lb))
+    assert isinstance(got, torch.Tensor) and isinstance(got_lse, torch.Tensor)
+    assert got.dtype == ta.dtype and got_lse.dtype == torch.float32
+    tol = 2e-2 if dtype == "bfloat16" else 1e-6
+    np.testing.assert_allclose(got.float().numpy(), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_lse.numpy(), want_lse, rtol=1e-6)
+    out = torch.full_like(ta, float("nan"))
+    result, _ = merge_attention_states(ta, torch.from_numpy(la), tb, torch.from_numpy(lb), out=out)
+    assert result is out and torch.equal(out, got)

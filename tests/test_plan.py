@@ -103,6 +103,40 @@ def _two_sequence_plans(path: str, layers: int, heads: int, kv_heads: int, dim: 
     return cache, host, plan, build_plan(host, ["a", "b"], lens), lens
 
 
+def _cpu_step(path: str):
+    """A CPU cache with "a" (5 tokens cached, one new) and, except on the decode path, "b" (a
+    3-token prompt), and the plan of that step forced onto ``path``."""
+    cache = PagedAttentionCache(1, 2, 32, block_size=8, num_blocks=8, dtype="float32", device="cpu")
+    cache.allocate("a", list(range(6)))
+    cache.mark_computed(["a"], [5])
+    seqs, lens = (["a"], [1]) if path == "decode" else (["a", "b"], [1, 3])
+    if path != "decode":
+        cache.allocate("b", list(range(3)))
+    return cache, build_plan(cache, seqs, lens, num_heads=4 if path == "ragged" else None, path=path), sum(lens)
+
+
+@pytest.mark.parametrize("caches", ["numpy", "torch"])
+@pytest.mark.parametrize("path", ["decode", "varlen", "split", "ragged"])
+def test_torch_cpu_layers_run_the_cpu_backend_on_every_path(path, caches):
+    """q, k, v as torch CPU tensors (beside NumPy caches or torch views of them): every path of the
+    plan runs the CPU backend and returns a torch tensor (``out`` itself where given), equal to the
+    all-NumPy layer, with the same cache writes."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(12)
+    (cache, plan, tokens), (host, host_plan, _) = _cpu_step(path), _cpu_step(path)
+    assert plan.path == path
+    for given_out in (False, True):
+        q, k, v = (rng.standard_normal((tokens, n, 32)).astype(np.float32) for n in (4, 2, 2))
+        want = host_plan.attention(q, k, v, *host.layer(0))
+        layer = cache.layer(0) if caches == "numpy" else tuple(torch.from_numpy(c) for c in cache.layer(0))
+        out = torch.full((tokens, 4, 32), float("nan")) if given_out else None
+        got = plan.attention(*(torch.from_numpy(x) for x in (q, k, v)), *layer, out=out)
+        assert isinstance(got, torch.Tensor) and (got is out if given_out else True)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(cache.layer(0)[0], host.layer(0)[0])
+        np.testing.assert_array_equal(cache.layer(0)[1], host.layer(0)[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
 def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):

@@ -386,10 +386,12 @@ def test_abort_in_every_state_leaks_no_block():
     assert scheduler.waiting and scheduler.waiting[-1].request_id == "later"
     cached_before = scheduler.cache.pool.num_cached
     # A decoding request, a request mid-prompt, a waiting one, an unknown id and a finished one.
+    assert [r.request_id for r in scheduler.abort("dec")] == ["dec"]  # a string is one id, not its letters
     aborted = scheduler.abort(["dec", "chunked", "later", "nobody"])
-    assert [r.request_id for r in aborted] == ["dec", "chunked", "later"]
+    assert [r.request_id for r in aborted] == ["chunked", "later"]
     assert all(r.status is RequestStatus.ABORTED and r.finish_reason == "abort" for r in aborted)
     assert scheduler.abort(["dec"]) == []  # twice: nothing more to do
+    assert scheduler.abort("dec") == [] and scheduler.abort(7) == []  # one id, not an iterable of ids
     assert scheduler.cache.pool.num_cached >= cached_before >= 1  # the full computed blocks stay cached
     assert [r.request_id for r in scheduler.running + scheduler.waiting] == ["waits"]
     finished = run_to_completion(scheduler, lambda b: [2] * len(b.sample_requests))

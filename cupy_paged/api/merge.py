@@ -12,7 +12,7 @@ from .. import kernels, reference
 from .._core.arrays import CUDA, as_array, backend_of, empty, kind_of
 from .._core.streams import handle
 from .._core.types import BF16, check_out
-from ._call import alloc_stream
+from ._call import alloc_stream, host_result
 
 _FLOAT_OUT = (np.dtype(np.float16), BF16, np.dtype(np.float32))  # cuda_src/merge.cu's entry points
 
@@ -101,6 +101,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, *, stream=None)
         kernels.merge.run(out_a, lse_a, out_b, lse_b, as_array(result, "out"), as_array(lse_obj, "lse"), tokens, seqlen,
                           h)
         return result, lse_obj
-    return reference.merge.run(out_a, lse_a, out_b, lse_b, np.empty(out_a.shape, out_a.dtype) if out is None else out)
+    merged, merged_lse = reference.merge.run(out_a, lse_a, out_b, lse_b, out)  # check_out made a host out
+    # Torch CPU tensors in, torch CPU tensors out (the caller's own out where given).
+    return (host_result(merged, kind) if out_obj is None else out_obj), host_result(merged_lse, kind)
 
 

@@ -42,6 +42,12 @@ def warm(jobs: int, filter_text: str = "") -> int:
     import multiprocessing
     import time
 
+    from .._core.arrays import gpu_available
+
+    if not gpu_available():
+        print("warm: no CUDA device answers here; `python -m cupy_paged compile` builds every "
+              "specialization through NVRTC without one", file=sys.stderr)
+        return 1
     keys = [str(k) for k in all_keys() if filter_text in str(k)]
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:

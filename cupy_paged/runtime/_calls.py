@@ -14,7 +14,7 @@ import numpy as np
 
 from .._core.arrays import CUPY, NUMPY, TORCH, empty, read
 from .._core.streams import handle
-from ..api._call import alloc_stream, on_device
+from ..api._call import alloc_stream, host_result, on_device
 from ..api.decode import flash_attn_with_kvcache
 from ..api.kv_write import write_kv_cache
 from ..api.varlen import flash_attn_varlen_func, prepare_varlen
@@ -28,8 +28,8 @@ def layer_through_calls(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, ou
         return decode_rows(plan, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
     if plan.path == SPLIT and kind in (NUMPY, CUPY, TORCH):
         return split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
-    if plan.path == RAGGED and kind is NUMPY:
-        return ragged_reference(plan, q, k, v, k_cache, v_cache, softmax_scale, out, options)
+    if plan.path == RAGGED and (kind is NUMPY or kind is TORCH and not q.is_cuda):
+        return ragged_reference(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, options)
     write_kv_cache(k_cache, v_cache, k, v, plan.slot_mapping, check_values=False, stream=stream)
     return flash_attn_varlen_func(q, k_cache, v_cache, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                   plan.max_seqlen_k, softmax_scale=softmax_scale, causal=True,
@@ -59,10 +59,10 @@ def split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream
     if slopes is not None and len(slopes.shape) == 2 and slopes.shape[0] == plan.batch_size > 1:
         head["alibi_slopes"], tail["alibi_slopes"] = slopes[:ns], slopes[ns:]
     if out is None:
-        if kind is NUMPY:
-            out = np.empty(q.shape, q.dtype)
+        aq = read(q, "q")
+        if isinstance(aq, np.ndarray):  # the CPU backend: a NumPy array, or a torch CPU tensor's memory
+            out = host_result(np.empty(aq.shape, aq.dtype), kind)
         else:
-            aq = read(q, "q")
             with on_device(aq.device):
                 out = empty(kind, q, tuple(aq.shape), aq.dtype,
                             alloc_stream(stream, kind, handle(stream, kind, aq.device)))
@@ -76,14 +76,15 @@ def split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream
     return out
 
 
-def ragged_reference(plan, q, k, v, k_cache, v_cache, softmax_scale, out, options):
+def ragged_reference(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, options):
     """The ragged launch on the CPU backend: the K/V write, then the varlen reference with each
-    sequence's new tokens read from ``k``/``v``."""
+    sequence's new tokens read from ``k``/``v``; a new output in the caller's ``kind`` (NumPy or a
+    torch CPU tensor)."""
     from .. import reference
 
     p = prepare_varlen(q, k_cache, v_cache, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                        plan.max_seqlen_k, softmax_scale, True, options.get("window_size", (-1, -1)),
                        options.get("softcap", 0.0), options.get("alibi_slopes"), plan.block_table, False, out, False)
     write_kv_cache(k_cache, v_cache, k, v, plan.slot_mapping, check_values=False)
-    reference.varlen.run(p, new_k=np.asarray(k), new_v=np.asarray(v))
-    return p.out if out is None else out
+    reference.varlen.run(p, new_k=read(k, "k"), new_v=read(v, "v"))
+    return host_result(p.out, kind) if out is None else out

@@ -183,7 +183,8 @@ class StepPlan:
         (5, 1, 32)
         """
         kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
-        fast = kind is TORCH or kind is CUPY
+        # The launch path takes CUDA arrays; torch CPU tensors run the CPU backend, as NumPy arrays do.
+        fast = kind is CUPY or (kind is TORCH and q.is_cuda)
         alibi = kwargs.get("alibi_slopes")
         if kwargs and not _STEP_OPTIONS.issuperset(kwargs):
             raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(set(kwargs) - _STEP_OPTIONS)}"

@@ -203,14 +203,17 @@ class Scheduler(StepsInFlight):
 
         Parameters
         ----------
-        request_ids : iterable
-            Request ids; finished, aborted and unknown ones are skipped.
+        request_ids : request id or iterable of request ids
+            One id (a string is one id) or an iterable of them; finished, aborted and unknown ones
+            are skipped.
 
         Returns
         -------
         list of Request
             The requests (branches) aborted, status ``ABORTED``.
         """
+        if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
+            request_ids = [request_ids]  # one id: a string is an id, not its characters
         aborted = []
         self._detach()
         for request_id in request_ids:
