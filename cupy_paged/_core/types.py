@@ -134,7 +134,7 @@ def check_head_dim(head_dim: int, name: str) -> None:
 
 def check_block_size(block_size: int, name: str) -> None:
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{name} has block size {block_size}; supported: powers of two "
+        raise ValueError(f"{name}: block size {block_size} is not supported; block sizes are powers of two "
                          f"from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}")
 
 

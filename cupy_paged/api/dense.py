@@ -82,6 +82,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     out : array ``[batch_size, seqlen_q, num_heads, head_dim]`` of the caller's kind, or
     ``(out, lse, None)`` with ``return_attn_probs``.
 
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, for any shape, dtype or host value that does not fit.
+
     Examples
     --------
     >>> import numpy as np, cupy_paged

@@ -76,6 +76,9 @@ class StepPlan:
         sample reads (a prompt of ``n`` parallel samples is read ``n`` times); None: each once.
     num_split : int
         On the ``"split"`` path, the leading one-token rows the decode kernel takes; else 0.
+    read_index : numpy.ndarray
+        ``[sum(seqlens_k)]`` int32 cache slot of every key of every sequence, in order: the
+        ``read_index`` of ``PagedAttentionCache.update`` (built on first use).
     tail_cu_seqlens_q : array
         ``[batch + 1 - num_split]`` int32 prefix sums of the query lengths of the rows after the
         first ``num_split``, from 0 (``cu_seqlens_q`` itself when ``num_split`` is 0).
