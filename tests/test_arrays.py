@@ -196,6 +196,8 @@ def test_memo_lookup_reads_keys_and_falls_back(monkeypatch):
 class _TorchLike:
     """Quacks like a torch tensor for the memoised path's readers, without torch."""
 
+    requires_grad = False
+
     def __init__(self, shape):
         self.shape, self.dtype = shape, np.dtype(np.float16)
 

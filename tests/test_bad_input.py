@@ -1,5 +1,6 @@
 """Bad input raises ValueError/TypeError naming the argument, before any work is done."""
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -792,9 +793,12 @@ def test_empty_batches_are_served_on_the_gpu_without_a_launch(monkeypatch):
     assert DENSE(*(cupy.zeros((2, 0, 8, 64), F16),) * 3).shape == (2, 0, 8, 64)
 
 
-def test_torch_cpu_bfloat16_and_requires_grad_are_read():
+def test_torch_cpu_bfloat16_and_requires_grad_are_read(monkeypatch):
     """torch CPU bfloat16 tensors are read as NumPy bfloat16 (through their bits); tensors that
-    require grad are read through .detach() (FA2 inference callers pass them)."""
+    require grad are read through .detach() (FA2 inference callers pass them), with one warning a
+    process that no gradient flows back (none under torch.no_grad())."""
+    from cupy_paged._core import arrays
+
     torch = pytest.importorskip("torch")
     args = varlen_args()
     q, k, v = (torch.from_numpy(args[n].astype(np.float32)) for n in ("q", "k", "v"))
@@ -805,7 +809,15 @@ def test_torch_cpu_bfloat16_and_requires_grad_are_read():
     assert out.dtype == torch.bfloat16
     np.testing.assert_array_equal(out.view(torch.int16).numpy(), expected.view(np.int16))
     grad_q = q.clone().requires_grad_(True)
-    out = VARLEN(grad_q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 3, 5)
+    monkeypatch.setattr(arrays, "_NO_GRAD_WARNED", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            VARLEN(grad_q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 3, 5)
+    with pytest.warns(UserWarning, match="no gradient flows back") as caught:
+        out = VARLEN(grad_q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 3, 5)
+        VARLEN(grad_q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 3, 5)
+    assert len(caught) == 1 and caught[0].filename == __file__ and not out.requires_grad
     np.testing.assert_array_equal(out.numpy(), VARLEN(q.numpy(), k.numpy(), v.numpy(), args["cu_seqlens_q"],
                                                       args["cu_seqlens_k"], 3, 5))
 

@@ -189,6 +189,26 @@ READERS = {kind: (FAST_READERS[kind], (signature, data_ptr)) for kind in FAST_RE
 _MIXED: set = set()
 
 
+_NO_GRAD_WARNED = False
+
+
+def warn_no_grad(tensor) -> None:
+    """Warn once a process that a torch input wants gradients (``requires_grad`` with grad mode
+    on): the package computes the forward pass only, so its outputs are detached and nothing flows
+    back through attention.  The call itself goes on (inference without ``torch.no_grad()`` is
+    common and correct); training through it is what the warning stops being silent."""
+    global _NO_GRAD_WARNED
+    if _NO_GRAD_WARNED or not _torch().is_grad_enabled():
+        return
+    import warnings
+
+    _NO_GRAD_WARNED = True
+    warnings.warn("cupy_paged computes attention's forward pass only: a torch input requires grad, but the "
+                  "output is detached and no gradient flows back through it (run under torch.no_grad() or "
+                  "torch.inference_mode(), or detach the inputs, to say that is intended)", UserWarning,
+                  stacklevel=4)
+
+
 def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
     """``(key, found, ptr)`` of a memoised call whose first array is of ``kind`` (CuPy or torch):
     ``key = key_of(signature_reader, *args)`` read with that kind's readers, else (an array of
@@ -196,6 +216,8 @@ def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
     that matches; ``key`` None (and ``found`` None) when no memo can key the call: an unhashable
     argument, or an array that is neither a CuPy array nor a torch tensor.  Where a call of this
     ``key_of`` and ``kind`` needed each array's own reader, later calls start with it."""
+    if kind is TORCH and args[0].requires_grad:
+        warn_no_grad(args[0])
     readers = READERS[kind]
     if _MIXED and (key_of, kind) in _MIXED:
         readers = readers[1:]
@@ -236,6 +258,8 @@ def read(obj, name: str):
         return Array(obj, CUPY, obj.data.ptr, obj.shape, tuple(s // obj.itemsize for s in obj.strides),
                      obj.dtype, obj.data.device_id)
     if kind is TORCH:
+        if obj.requires_grad:
+            warn_no_grad(obj)
         device = obj.get_device()
         if device < 0:
             try:
