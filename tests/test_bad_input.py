@@ -797,7 +797,7 @@ def test_torch_cpu_bfloat16_and_requires_grad_are_read(monkeypatch):
     """torch CPU bfloat16 tensors are read as NumPy bfloat16 (through their bits); tensors that
     require grad are read through .detach() (FA2 inference callers pass them), with one warning a
     process that no gradient flows back (none under torch.no_grad())."""
-    from cupy_paged._core import arrays
+    from cupy_paged._core import grad
 
     torch = pytest.importorskip("torch")
     args = varlen_args()
@@ -809,7 +809,7 @@ def test_torch_cpu_bfloat16_and_requires_grad_are_read(monkeypatch):
     assert out.dtype == torch.bfloat16
     np.testing.assert_array_equal(out.view(torch.int16).numpy(), expected.view(np.int16))
     grad_q = q.clone().requires_grad_(True)
-    monkeypatch.setattr(arrays, "_NO_GRAD_WARNED", False)
+    monkeypatch.setattr(grad, "_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():
@@ -818,6 +818,11 @@ def test_torch_cpu_bfloat16_and_requires_grad_are_read(monkeypatch):
         out = VARLEN(grad_q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 3, 5)
         VARLEN(grad_q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 3, 5)
     assert len(caught) == 1 and caught[0].filename == __file__ and not out.requires_grad
+    # Through a path that reads its arrays without the memo (flash_attn_func): the caller's line too.
+    monkeypatch.setattr(grad, "_warned", False)
+    with pytest.warns(UserWarning, match="no gradient flows back") as caught:
+        DENSE(grad_q[None, :3], k[None, :3], v[None, :3])
+    assert [w.filename for w in caught] == [__file__]
     np.testing.assert_array_equal(out.numpy(), VARLEN(q.numpy(), k.numpy(), v.numpy(), args["cu_seqlens_q"],
                                                       args["cu_seqlens_k"], 3, 5))
 
@@ -839,7 +844,24 @@ def test_warm_without_a_gpu_says_so_in_one_line(monkeypatch, capsys):
     from cupy_paged._core import arrays
     from cupy_paged.kernels import registry
 
+    import multiprocessing
+
     monkeypatch.setattr(arrays, "gpu_available", lambda: False)
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: pytest.fail("a process pool was started"))
     assert registry.warm(2) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA device" in err and "python -m cupy_paged compile" in err
+
+
+def test_an_unsupported_block_size_is_named():
+    """A block size that is not a power of two from 8 to 256: the cache's argument, or the cache
+    array's axis 1, named before any work."""
+    from cupy_paged.serving.kv_cache import PagedAttentionCache
+
+    message = r"^block_size 12 is not supported; block sizes are powers of two from 8 to 256$"
+    with pytest.raises(ValueError, match=message):
+        PagedAttentionCache(1, 1, 32, block_size=12, num_blocks=4, dtype="float32", device="cpu")
+    cache = np.zeros((4, 12, 1, 32), np.float16)
+    with pytest.raises(ValueError, match=r"^k_cache's block size \(axis 1\) 12 is not supported"):
+        DECODE(np.zeros((1, 1, 2, 32), np.float16), cache, cache, cache_seqlens=np.array([3], np.int32),
+               block_table=np.zeros((1, 1), np.int32))

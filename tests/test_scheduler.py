@@ -667,7 +667,9 @@ def test_abort_a_request_of_parallel_samples_aborts_every_branch():
     scheduler.update(batch, [1, 2, 3])
     assert sorted(map(str, scheduler.cache.seq_ids())) == sorted(map(str, ["p", ("p", 1), ("p", 2)]))
     assert [r.request_id for r in scheduler.abort([("p", 2)])] == [("p", 2)]
-    assert sorted(r.sample_index for r in scheduler.abort(["p"])) == [0, 1]
+    assert scheduler.abort(("p", 2)) == [] and scheduler.abort(("p", 9)) == []  # one branch id each, not "p"
+    assert [r.request_id for r in scheduler.abort(("p", 1))] == [("p", 1)]
+    assert [r.sample_index for r in scheduler.abort(["p"])] == [0]
     assert not scheduler.has_unfinished() and no_block_held(scheduler.cache)
 
 

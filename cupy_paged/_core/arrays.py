@@ -12,10 +12,13 @@ NumPy inputs.  Mixing host and device arrays in one call raises.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 
 import ml_dtypes
 import numpy as np
+
+from .grad import warn_no_grad
 
 try:  # CuPy is an extra: the package works on the CPU without it.
     import cupy
@@ -53,10 +56,7 @@ class Array:
 
     @property
     def size(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return functools.reduce(operator.mul, self.shape, 1)
 
     def c_contiguous(self) -> bool:
         """Row-major dense (axes of length 1 and empty arrays do not count)."""
@@ -189,26 +189,6 @@ READERS = {kind: (FAST_READERS[kind], (signature, data_ptr)) for kind in FAST_RE
 _MIXED: set = set()
 
 
-_NO_GRAD_WARNED = False
-
-
-def warn_no_grad(tensor) -> None:
-    """Warn once a process that a torch input wants gradients (``requires_grad`` with grad mode
-    on): the package computes the forward pass only, so its outputs are detached and nothing flows
-    back through attention.  The call itself goes on (inference without ``torch.no_grad()`` is
-    common and correct); training through it is what the warning stops being silent."""
-    global _NO_GRAD_WARNED
-    if _NO_GRAD_WARNED or not _torch().is_grad_enabled():
-        return
-    import warnings
-
-    _NO_GRAD_WARNED = True
-    warnings.warn("cupy_paged computes attention's forward pass only: a torch input requires grad, but the "
-                  "output is detached and no gradient flows back through it (run under torch.no_grad() or "
-                  "torch.inference_mode(), or detach the inputs, to say that is intended)", UserWarning,
-                  stacklevel=4)
-
-
 def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
     """``(key, found, ptr)`` of a memoised call whose first array is of ``kind`` (CuPy or torch):
     ``key = key_of(signature_reader, *args)`` read with that kind's readers, else (an array of
@@ -217,7 +197,7 @@ def memo_lookup(memo: dict, kind: str, key_of, *args) -> tuple:
     argument, or an array that is neither a CuPy array nor a torch tensor.  Where a call of this
     ``key_of`` and ``kind`` needed each array's own reader, later calls start with it."""
     if kind is TORCH and args[0].requires_grad:
-        warn_no_grad(args[0])
+        warn_no_grad()
     readers = READERS[kind]
     if _MIXED and (key_of, kind) in _MIXED:
         readers = readers[1:]
@@ -250,7 +230,7 @@ def _torch_host(obj):
 
 def read(obj, name: str):
     """``obj`` as a NumPy array (host) or an :class:`Array` (device); ``TypeError`` naming
-    ``name`` for anything else."""
+    ``name`` for anything else (a torch tensor that requires grad warns once: ``warn_no_grad``)."""
     kind = kind_of(obj)
     if kind is NUMPY:
         return obj
@@ -259,7 +239,7 @@ def read(obj, name: str):
                      obj.dtype, obj.data.device_id)
     if kind is TORCH:
         if obj.requires_grad:
-            warn_no_grad(obj)
+            warn_no_grad()
         device = obj.get_device()
         if device < 0:
             try:

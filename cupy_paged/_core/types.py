@@ -134,7 +134,8 @@ def check_head_dim(head_dim: int, name: str) -> None:
 
 def check_block_size(block_size: int, name: str) -> None:
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{name}: block size {block_size} is not supported; block sizes are powers of two "
+        what = "block_size" if name == "block_size" else f"{name}'s block size (axis 1)"
+        raise ValueError(f"{what} {block_size} is not supported; block sizes are powers of two "
                          f"from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}")
 
 

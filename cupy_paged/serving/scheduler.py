@@ -204,16 +204,16 @@ class Scheduler(StepsInFlight):
         Parameters
         ----------
         request_ids : request id or iterable of request ids
-            One id (a string is one id) or an iterable of them; finished, aborted and unknown ones
-            are skipped.
+            One id (a string, a number, or a branch's ``(id, k)`` tuple) or a list, set or other
+            iterable of them; finished, aborted and unknown ones are skipped.
 
         Returns
         -------
         list of Request
             The requests (branches) aborted, status ``ABORTED``.
         """
-        if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
-            request_ids = [request_ids]  # one id: a string is an id, not its characters
+        if isinstance(request_ids, (str, bytes, tuple)) or not hasattr(request_ids, "__iter__"):
+            request_ids = [request_ids]  # one id: a string is not its characters, a tuple is a branch
         aborted = []
         self._detach()
         for request_id in request_ids:
