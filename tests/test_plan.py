@@ -137,6 +137,19 @@ def test_torch_cpu_layers_run_the_cpu_backend_on_every_path(path, caches):
         np.testing.assert_array_equal(cache.layer(0)[1], host.layer(0)[1])
 
 
+@pytest.mark.parametrize("path", ["varlen", "split", "ragged"])
+def test_an_out_the_attention_refuses_is_refused_before_the_cache_write(path):
+    """On the paths that write the K/V before attending, a non-contiguous ``out`` raises naming
+    ``out`` with the cache untouched (bad input before any work)."""
+    cache, plan, tokens = _cpu_step(path)
+    before = [c.copy() for c in cache.layer(0)]
+    q, k, v = (np.ones((tokens, n, 32), np.float32) for n in (4, 2, 2))
+    with pytest.raises(ValueError, match="^out must be C-contiguous"):
+        plan.attention(q, k, v, *cache.layer(0), out=np.zeros((tokens, 4, 64), np.float32)[..., ::2])
+    for now, then in zip(cache.layer(0), before):
+        np.testing.assert_array_equal(now, then)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
 def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._core.arrays import CUPY, NUMPY, TORCH, empty, read
 from .._core.streams import handle
+from .._core.types import check_out
 from ..api._call import alloc_stream, host_result, on_device
 from ..api.decode import flash_attn_with_kvcache
 from ..api.kv_write import write_kv_cache
@@ -26,6 +27,9 @@ def layer_through_calls(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, ou
     checked keyword arguments)."""
     if plan.path == DECODE:
         return decode_rows(plan, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
+    if out is not None:  # the other paths write the cache first: an out the attention refuses is refused before
+        aq = read(q, "q")
+        check_out(read(out, "out"), "out", tuple(aq.shape), aq.dtype, None)
     if plan.path == SPLIT and kind in (NUMPY, CUPY, TORCH):
         return split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
     if plan.path == RAGGED and (kind is NUMPY or kind is TORCH and not q.is_cuda):
