@@ -109,7 +109,7 @@ def test_sized_by_a_fraction_of_free_memory(monkeypatch):
     (dict(), ValueError, "exactly one of num_blocks and memory_fraction"),
     (dict(memory_fraction=1.5), ValueError, r"memory_fraction must be in \(0, 1\]"),
     (dict(num_blocks=0), ValueError, "num_blocks must be >= 1"),
-    (dict(num_blocks=4, block_size=12), ValueError, "block size 12"),
+    (dict(num_blocks=4, block_size=12), ValueError, "block_size 12 is not supported"),
     (dict(num_blocks=4, dtype="int8"), TypeError, "dtype must be one of"),
     (dict(num_blocks=4, device="tpu"), ValueError, "device must be 'cpu' or 'cuda'"),
 ])
