@@ -27,12 +27,12 @@ def layer_through_calls(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, ou
     checked keyword arguments)."""
     if plan.path == DECODE:
         return decode_rows(plan, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
+    aq = read(q, "q")  # a NumPy array on the CPU backend (a torch CPU tensor's memory too), else an Array
     if out is not None:  # the other paths write the cache first: an out the attention refuses is refused before
-        aq = read(q, "q")
         check_out(read(out, "out"), "out", tuple(aq.shape), aq.dtype, None)
     if plan.path == SPLIT and kind in (NUMPY, CUPY, TORCH):
-        return split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
-    if plan.path == RAGGED and (kind is NUMPY or kind is TORCH and not q.is_cuda):
+        return split_rows(plan, kind, aq, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
+    if plan.path == RAGGED and isinstance(aq, np.ndarray) and kind in (NUMPY, TORCH):
         return ragged_reference(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, options)
     write_kv_cache(k_cache, v_cache, k, v, plan.slot_mapping, check_values=False, stream=stream)
     return flash_attn_varlen_func(q, k_cache, v_cache, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
@@ -52,7 +52,7 @@ def decode_rows(plan, q, k, v, k_cache, v_cache, softmax_scale, out, stream, opt
     return result[:, 0] if out is None else out
 
 
-def split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options):
+def split_rows(plan, kind, aq, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options):
     """The split path: the leading ``plan.num_split`` one-token rows through
     ``flash_attn_with_kvcache``, the rest through ``write_kv_cache`` and ``flash_attn_varlen_func``
     (what the two launches of ``_layer.LayerLaunch._split`` do).  ALiBi slopes ``[batch, heads]``
@@ -63,7 +63,6 @@ def split_rows(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream
     if slopes is not None and len(slopes.shape) == 2 and slopes.shape[0] == plan.batch_size > 1:
         head["alibi_slopes"], tail["alibi_slopes"] = slopes[:ns], slopes[ns:]
     if out is None:
-        aq = read(q, "q")
         if isinstance(aq, np.ndarray):  # the CPU backend: a NumPy array, or a torch CPU tensor's memory
             out = host_result(np.empty(aq.shape, aq.dtype), kind)
         else:

@@ -186,8 +186,7 @@ class StepPlan:
         (5, 1, 32)
         """
         kind = _KIND_OF_TYPE.get(type(q)) or kind_of(q)
-        # The launch path takes CUDA arrays; torch CPU tensors run the CPU backend, as NumPy arrays do.
-        fast = kind is CUPY or (kind is TORCH and q.is_cuda)
+        fast = kind is TORCH or kind is CUPY
         alibi = kwargs.get("alibi_slopes")
         if kwargs and not _STEP_OPTIONS.issuperset(kwargs):
             raise TypeError(f"StepPlan.attention got unexpected keyword arguments {sorted(set(kwargs) - _STEP_OPTIONS)}"
@@ -197,7 +196,9 @@ class StepPlan:
         if fast and (not kwargs or self.path == RAGGED):
             key, layer, ptr = memo_lookup(self._layers, kind, _layer_key, q, k, v, k_cache, v_cache, out,
                                           softmax_scale, kwargs)
-            if layer is None and key is not None:
+            # Launches take CUDA arrays: a torch CPU tensor (its key's device -1 never finds one) takes
+            # the CPU backend below, as NumPy arrays do; the test is paid once per resolved launch.
+            if layer is None and key is not None and (kind is CUPY or q.is_cuda):
                 layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
             if layer is not None:
@@ -205,7 +206,7 @@ class StepPlan:
         # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
         # check nothing on the host.  Arguments that key no memo (and the CPU backend) take the
         # public functions, path by path (_calls.py).
-        if self.path == RAGGED and fast:
+        if self.path == RAGGED and fast and (kind is CUPY or q.is_cuda):
             return LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs).run(
                 kind, q, k, v, k_cache, v_cache, out, stream, alibi)
         return layer_through_calls(self, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, kwargs)
