@@ -1081,17 +1081,25 @@ def test_sanitize_debug_mode_raises_at_the_call():
     assert cupy_paged.check_errors() is None
 
 
+# The valid value each wrongly typed one below equals.
+_GOOD_SCALAR = dict(window_size=(8, 0), softmax_scale=1.0, softcap=0.0, dropout_p=0.0)
+
+
 @pytest.mark.parametrize("name", ["varlen", "varlen_paged", "decode"])
-@pytest.mark.parametrize("bad", [dict(causal=1), dict(window_size=(8.0, 0))])
+@pytest.mark.parametrize("bad", [dict(causal=1), dict(window_size=(8.0, 0)), dict(softmax_scale=True),
+                                 dict(softcap=False), dict(dropout_p=False)], ids=str)
 def test_a_memoised_call_still_refuses_a_wrongly_typed_equal_scalar(name, bad):
-    """After a valid call (memoised), ``causal=1`` or ``window_size=(8.0, 0)`` -- equal to the valid
-    ``True`` / ``(8, 0)`` -- is refused with a TypeError naming the argument, as on a first call."""
+    """After a valid call (memoised), ``causal=1``, ``window_size=(8.0, 0)``, ``softmax_scale=True``,
+    ``softcap=False`` or ``dropout_p=False`` -- equal to the valid ``True``, ``(8, 0)``, ``1.0``, ``0.0``
+    -- is refused with a TypeError naming the argument, as on a first call."""
+    argument = next(iter(bad))
+    if argument == "dropout_p" and name == "decode":
+        pytest.skip("flash_attn_with_kvcache has no dropout_p")
     rng = _rng(name, "memo-types")
     call = CALLS[name](rng)
     args = device_args(call.args, "cupy")
-    good = dict(args, window_size=(8, 0)) if "window_size" in bad else args
+    good = dict(args, **{argument: _GOOD_SCALAR[argument]}) if argument in _GOOD_SCALAR else args
     call.fn(**good)
     call.fn(**good)  # memoised now
-    argument = next(iter(bad))
     with pytest.raises(TypeError, match=argument):
         call.fn(**dict(good, **bad))

@@ -173,6 +173,27 @@ def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):
     assert len(plan._layers) == 1, list(plan._layers)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
+def test_a_resolved_layer_still_refuses_a_wrongly_typed_equal_scalar(path):
+    """After a layer resolved with ``softmax_scale=1.0`` (and on the ragged path ``softcap=0.0``),
+    ``softmax_scale=True`` / ``softcap=False`` -- equal values of the wrong type -- are refused with a
+    TypeError naming the argument, as on a first call."""
+    import cupy
+
+    rng = np.random.default_rng(13)
+    cache, _, plan, _, lens = _two_sequence_plans(path, 1, 8, 2, 64)
+    q, k, v = (cupy.asarray(rng.standard_normal((sum(lens), n, 64)).astype(np.float16)) for n in (8, 2, 2))
+    options = dict(softcap=0.0) if path == "ragged" else {}
+    plan.attention(q, k, v, *cache.layer(0), 1.0, **options)
+    plan.attention(q, k, v, *cache.layer(0), 1.0, **options)  # resolved now
+    with pytest.raises(TypeError, match="^softmax_scale"):
+        plan.attention(q, k, v, *cache.layer(0), True, **options)
+    if options:
+        with pytest.raises(TypeError, match="^softcap"):
+            plan.attention(q, k, v, *cache.layer(0), 1.0, softcap=False)
+
+
 def _segment_stream(torch, ptr: int):
     """The stream torch's caching allocator gave the memory at ``ptr`` out on, or None when its
     snapshot does not say."""

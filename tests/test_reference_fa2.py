@@ -539,3 +539,27 @@ def test_flash_attn_func_positional_equals_keyword(seed):
                                            slopes=slopes[b])
         assert_close(by_position[0][b], ref_out, np.float64, f"out of sequence {b}", rtol=1e-10)
         assert_close(by_position[1][b], ref_lse, np.float64, f"lse of sequence {b}", rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_varlen_rows_past_the_last_sequence_are_padding(dtype):
+    """q and k/v longer than ``cu_seqlens_q[-1]`` / ``cu_seqlens_k[-1]`` (a CUDA-graph batch padded to its
+    captured size), as FlashAttention-2 takes them: the sequences' rows equal the unpadded call's, the
+    padding rows of ``out`` and the LSE are not written, the padding keys not read (NaN there)."""
+    rng = _rng("padded-varlen", dtype)
+    dt = DTYPES[dtype]
+    cu_q, cu_k = np.array([0, 10, 13, 14], np.int32), np.array([0, 0, 1, 8], np.int32)
+    q = randn(rng, (17, 4, 64), dt)
+    k, v = randn(rng, (11, 2, 64), dt), randn(rng, (11, 2, 64), dt)
+    k[8:] = v[8:] = np.nan  # padding keys: never read
+    out, lse = poisoned(q.shape, dt), np.full((4, 17), 7.0, np.float32)
+    got = cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 10, 7, causal=True, out=out, lse_out=lse,
+                                            return_softmax_lse=True)
+    assert got[0] is out and got[1] is lse
+    want_out, want_lse = cupy_paged.flash_attn_varlen_func(q[:14], k[:8], v[:8], cu_q, cu_k, 10, 7, causal=True,
+                                                           return_softmax_lse=True)
+    assert_same_bits(out[:14], want_out, "the sequences' rows")
+    assert_same_bits(lse[:, :14], want_lse, "the sequences' LSE")
+    assert np.isnan(out[14:]).all() and (lse[:, 14:] == 7.0).all(), "padding rows written"
+    ref_out, _ = _naive_varlen(q[:14], k[:8], v[:8], cu_q, cu_k, 1 / 8, True, (-1, -1), 0.0, None)
+    assert_close(out[:14], ref_out, dt, rtol=_tol(dt)[0])

@@ -132,9 +132,10 @@ def _memo_key(s, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             None if block_table is None else s(block_table), softmax_scale, causal, window_size, softcap,
             rotary_interleaved, None if alibi_slopes is None else s(alibi_slopes), num_splits,
             return_softmax_lse, None if out is None else s(out), None if lse_out is None else s(lse_out),
-            # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+            # Types too: causal=1 equals True, (1.0, 0) equals (1, 0) and softcap=False equals 0.0,
+            # which the checks refuse.
             causal.__class__, rotary_interleaved.__class__, return_softmax_lse.__class__,
-            num_splits.__class__, *map(type, window_size))
+            num_splits.__class__, softmax_scale.__class__, softcap.__class__, *map(type, window_size))
 
 
 def serves_step(batch_size: int, num_tokens: int, max_seqlen_q: int) -> bool:

@@ -5,8 +5,10 @@ import numpy as np
 
 from .. import kernels, reference
 from .._core import errors
-from .._core.arrays import CPU, CUPY, NUMPY, TORCH, Array, cupy_stream, kind_of, on_stream, read
+from .._core.arrays import CPU, CUDA, CUPY, NUMPY, TORCH, Array, cupy_stream, kind_of, on_stream, read
 from .._core.streams import handle, is_capturing, stream_key
+from .._core.types import (c_contiguous, check_bool, check_float, check_head_dim, check_heads, check_same_dtype,
+                           check_same_shape, check_scalars, check_window)
 from ._call import (FAST_KINDS, alloc_stream, check_fa2_flags, device_copy, host_result, on_device, readable,
                     reshaped, served_empty)
 from .varlen import prepare_varlen
@@ -105,8 +107,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     batch, seqlen_q = int(aq.shape[0]), int(aq.shape[1])
     if int(ak.shape[0]) != batch:
         raise ValueError(f"k must have batch_size {batch} like q; got {tuple(ak.shape)}")
+    check_same_shape(ak, av, "k [batch_size, seqlen_k, num_kv_heads, head_dim]", "v")
     seqlen_k = int(ak.shape[1])
     device = aq.device if isinstance(aq, Array) else None
+    # What the shapes, dtypes and scalars decide is checked before any work: the index arrays below
+    # may launch a kernel and q/k/v with unmergeable strides are copied (prepare_varlen checks again).
+    for name, array in (("q", aq), ("k", ak), ("v", av)):
+        check_float(array, name, CPU if device is None else CUDA)
+    check_same_dtype(aq, "q", k=ak, v=av)
+    check_head_dim(int(aq.shape[3]), "q")
+    if int(ak.shape[3]) != int(aq.shape[3]):
+        raise ValueError(f"k must have head dim {int(aq.shape[3])} like q; got {int(ak.shape[3])}")
+    check_heads(int(aq.shape[2]), int(ak.shape[2]), "q", "k")
+    check_window(window_size, check_bool(causal, "causal"))
+    check_scalars(softmax_scale, softcap, int(aq.shape[3]))
     h = None if device is None else handle(stream, kind, device)
     cu_q = _uniform_cu_seqlens(batch, seqlen_q, device, h)
     cu_k = _uniform_cu_seqlens(batch, seqlen_k, device, h)
@@ -114,6 +128,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if arrays["out"] is not None:
         if tuple(arrays["out"].shape) != tuple(aq.shape):
             raise ValueError(f"out must have shape {list(aq.shape)}; got {tuple(arrays['out'].shape)}")
+        if not c_contiguous(arrays["out"]):  # flattened, it would be a copy the caller never sees
+            raise ValueError("out must be C-contiguous")
         flat_out = _flatten_batch(arrays["out"], "out", h)
     if device is None:
         args = (aq.reshape(-1, *aq.shape[2:]), ak.reshape(-1, *ak.shape[2:]), av.reshape(-1, *av.shape[2:]))

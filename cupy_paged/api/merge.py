@@ -34,7 +34,7 @@ def _lse_layout(out_shape: tuple, lse_shape: tuple) -> tuple[int, int]:
     return tokens, seqlen
 
 
-def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, *, stream=None):
+def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, stream=None):
     """Combine two attentions of the same queries over disjoint key sets.
 
     With ``w_x = exp(lse_x - lse)`` and ``lse = log(exp(lse_a) + exp(lse_b))`` the result is
@@ -49,7 +49,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, *, stream=None)
         both the same shape and dtype.
     lse_a, lse_b : array, float32, ``[num_heads, tokens]`` (varlen) or ``[batch, num_heads,
         seqlen_q]`` (decode): the natural-log LSE that ``return_softmax_lse=True`` returns.
-    out : array, optional
+    out : array, optional, keyword only
         Where to write the merged output (shape and dtype of ``out_a``, C-contiguous).  It may be
         ``out_a`` or ``out_b`` itself.
     stream : optional, keyword only: as in :func:`flash_attn_varlen_func` (default torch's current

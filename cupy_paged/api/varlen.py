@@ -33,7 +33,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     k, v : array, ``[total_k, num_kv_heads, head_dim]`` (or ``[1, total_k, ...]``); with
         ``block_table``, paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``
         with ``block_size`` a power of two from 8 to 256.  ``num_heads % num_kv_heads == 0``.
-    cu_seqlens_q, cu_seqlens_k : int32 array, ``[batch_size + 1]``, starting at 0, non-decreasing
+    cu_seqlens_q, cu_seqlens_k : int32 array, ``[batch_size + 1]``, starting at 0, non-decreasing,
+        the last entry at most q's (k's) token count: rows of q past it (padding) are not written,
+        as in FlashAttention-2
     max_seqlen_q, max_seqlen_k : int, at least the longest query / key sequence
     dropout_p : float, must be 0 (inference only)
     softmax_scale : float, default ``1 / sqrt(head_dim)``
@@ -112,9 +114,11 @@ def _memo_key(s, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
             None if block_table is None else s(block_table), None if alibi_slopes is None else s(alibi_slopes),
             None if out is None else s(out), None if lse_out is None else s(lse_out), dropout_p,
             softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, return_softmax_lse,
-            # Types too: causal=1 equals True and (1.0, 0) equals (1, 0), which the checks refuse.
+            # Types too: causal=1 equals True, (1.0, 0) equals (1, 0) and softcap=False equals 0.0,
+            # which the checks refuse.
             causal.__class__, deterministic.__class__, return_attn_probs.__class__,
-            return_softmax_lse.__class__, *map(type, window_size))
+            return_softmax_lse.__class__, dropout_p.__class__, softmax_scale.__class__, softcap.__class__,
+            *map(type, window_size))
 
 
 def _varlen_result(result, q, want_lse: bool, return_attn_probs: bool):
@@ -234,12 +238,14 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                 short = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
                 raise ValueError(f"{short} = {max_len} is less than the longest sequence "
                                  f"({int(lengths.max())}) in {name}")
-        if int(host_q[-1]) != total_q:
-            raise ValueError(f"cu_seqlens_q[-1] = {int(host_q[-1])} must equal q's token count {total_q}")
+        # Trailing rows past the last sequence (a CUDA-graph batch padded to a captured size) are
+        # allowed, as FlashAttention-2 allows them: q's are not written, k's and v's not read.
+        if int(host_q[-1]) > total_q:
+            raise ValueError(f"cu_seqlens_q[-1] = {int(host_q[-1])} exceeds q's token count {total_q}")
         if paged:
             check_block_table_values(to_host(block_table), np.diff(host_k), int(k.shape[1]), int(k.shape[0]))
-        elif int(host_k[-1]) != int(k.shape[0]):
-            raise ValueError(f"cu_seqlens_k[-1] = {int(host_k[-1])} must equal k's token count {int(k.shape[0])}")
+        elif int(host_k[-1]) > int(k.shape[0]):
+            raise ValueError(f"cu_seqlens_k[-1] = {int(host_k[-1])} exceeds k's token count {int(k.shape[0])}")
 
     left, right = check_window(window_size, causal)
     scale, softcap = check_scalars(softmax_scale, softcap, head_dim)

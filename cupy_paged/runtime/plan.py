@@ -217,10 +217,15 @@ class StepPlan:
 
 
 def _layer_key(s, q, k, v, k_cache, v_cache, out, softmax_scale, kwargs) -> tuple:
-    """What decides a layer's launches, its arrays read by ``s`` (``memo_lookup``)."""
-    options = () if not kwargs else tuple((name, s(value) if name == "alibi_slopes" and value is not None else value)
-                                          for name, value in sorted(kwargs.items()))
-    return s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale, options
+    """What decides a layer's launches, its arrays read by ``s`` (``memo_lookup``); the scalars'
+    types too (``softmax_scale=True`` equals 1.0 and ``window_size=(8.0, 0)`` equals ``(8, 0)``, which
+    the checks refuse)."""
+    options = () if not kwargs else tuple(
+        (name, s(value) if name == "alibi_slopes" and value is not None else value, value.__class__,
+         tuple(map(type, value)) if isinstance(value, tuple) else ())
+        for name, value in sorted(kwargs.items()))
+    return (s(q), s(k), s(v), s(k_cache), s(v_cache), None if out is None else s(out), softmax_scale,
+            softmax_scale.__class__, options)
 
 
 def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, rows=None,
