@@ -108,7 +108,9 @@ def decode_case(rng, dtype, cache_lens, seqlen_q, seqlen_new, *, num_heads=4, nu
     before_v = v_cache.reshape(slots, num_kv_heads, head_dim).astype(np.float64)
     expect_k, expect_v = before_k.copy(), before_v.copy()
     written = np.zeros(slots, bool)
-    per_token = causal or tuple(window) != (-1, -1)
+    # FlashAttention-2: q tokens rotate at their own positions when causal or local, and a window side
+    # as wide as the cache's capacity bounds nothing, so it is not local.
+    per_token = causal or any(0 <= side < capacity for side in window)
     scale_used = 1.0 / np.sqrt(head_dim) if scale is None else scale
     outs, lses = [], []
     for b in range(batch):
@@ -229,6 +231,29 @@ def test_decode_rotary_with_window_rotates_q_per_token(dtype, layout):
     case = decode_case(rng, DTYPES[dtype], [3, 12, 20], 3, 2, block_size=8 if layout == "paged8" else None,
                        rotary_dim=32, interleaved=False, window=(6, 2))
     run_decode(case)
+
+
+@pytest.mark.parametrize("layout", ["paged8", "contiguous"])
+@pytest.mark.parametrize("wide", [True, False], ids=["capacity", "capacity-1"])
+def test_decode_rotary_window_as_wide_as_the_cache_is_not_local(layout, wide):
+    """Not causal, both window sides as wide as the cache's capacity: no bound, so every query token
+    rotates at ``cache_seqlens`` and the call equals one without a window; one key narrower, the
+    call is local and token i rotates at ``cache_seqlens + i`` (FlashAttention-2's rule), so the
+    outputs differ though the window masks no key."""
+    def case(window):
+        rng = _rng("rotary-wide-window", layout)  # the same inputs for every window
+        return decode_case(rng, np.float64, [3, 12, 20], 3, 2, block_size=8 if layout == "paged8" else None,
+                           rotary_dim=32, interleaved=False, window=window)
+
+    kw = case((-1, -1)).kwargs()
+    capacity = (kw["block_table"].shape[1] * 8) if layout == "paged8" else kw["k_cache"].shape[1]
+    side = capacity if wide else capacity - 1
+    windowed, _, _ = run_decode(case((side, side)))
+    unbounded, _, _ = run_decode(case((-1, -1)))
+    if wide:
+        assert_same_bits(windowed, unbounded, "a window as wide as the cache")
+    else:
+        assert not np.allclose(windowed, unbounded), "a local call rotates q per token"
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

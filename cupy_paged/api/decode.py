@@ -40,7 +40,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k, v : array ``[batch_size, seqlen_new, num_kv_heads, head_dim]``, optional new tokens
     rotary_cos, rotary_sin : array ``[seqlen_ro, rotary_dim / 2]`` (q's dtype), optional: rotate q
         and the new k (written rotated into the cache) at their positions ``cache_seqlens[b] + t``;
-        q at ``cache_seqlens[b] + i`` when causal or windowed, else all at ``cache_seqlens[b]``.
+        q at ``cache_seqlens[b] + i`` when causal or local (a window side narrower than the cache's
+        capacity, as FlashAttention-2 decides it), else all at ``cache_seqlens[b]``.
         ``rotary_dim`` a multiple of 16, at most ``head_dim``; needs ``k``/``v``
     cache_seqlens : int or int32 array ``[batch_size]``, tokens cached before the append (the end
         position, ``cache_leftpad`` included); default: the full contiguous cache less the new tokens
@@ -261,10 +262,13 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
     slopes = check_alibi(alibi_slopes, num_heads, batch)
     out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, backend)
     lse, want_lse = check_lse(lse_out, (batch, num_heads, seqlen_q), backend, return_softmax_lse)
+    # Rotary positions per query token when causal or local, as FlashAttention-2 decides it: a window
+    # side as wide as the cache's capacity is no bound there, so it does not make the call local.
+    capacity = int(block_table.shape[1]) * int(k_cache.shape[1]) if paged else int(k_cache.shape[1])
+    local = any(0 <= int(side) < capacity for side in window_size)
     return DecodeProblem(backend, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                          (left, right), softcap, slopes, num_splits, out, lse, rotary_cos, rotary_sin,
-                         rotary_interleaved, causal or tuple(window_size) != (-1, -1), cache_batch_idx,
-                         cache_leftpad, want_lse)
+                         rotary_interleaved, causal or local, cache_batch_idx, cache_leftpad, want_lse)
 
 
 def _check_query_and_caches(q, k_cache, v_cache, k, v, paged: bool, backend: str) -> tuple[int, ...]:
