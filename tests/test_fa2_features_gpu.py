@@ -84,6 +84,16 @@ def test_rotary_with_splits_and_window(dtype, head_dim):
     compare(case, rotary_cos=cos, rotary_sin=sin, window_size=(700, 0), num_splits=5, rotary_interleaved=False)
 
 
+@pytest.mark.parametrize("side", [96, 95], ids=["capacity", "capacity-1"])
+def test_rotary_window_as_wide_as_the_cache(side):
+    """Not causal, three query tokens, a window (side, side) on a contiguous cache of 96 keys: as wide
+    as the cache it bounds nothing and q rotates at cache_seqlens; one narrower, per token."""
+    rng = np.random.default_rng(side)
+    case = decode_case(rng, BF16, 128, 8, 2, [0, 17, 70, 63], 3, 3, block_size=None, cache_len=96)
+    cos, sin = rotary_tables(rng, 100, 128, BF16)
+    compare(case, rotary_cos=cos, rotary_sin=sin, window_size=(side, side), rotary_interleaved=False)
+
+
 @pytest.mark.parametrize("seqlen_new", [0, 1, 3])
 @pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (F16, 64)])
 def test_cache_batch_idx_and_leftpad(seqlen_new, dtype, head_dim):
