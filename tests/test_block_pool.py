@@ -172,3 +172,42 @@ def test_prefix_cache_matches_whole_blocks_and_never_the_last_token():
     assert prefix.num_cached_tokens([1, 9, 3, 4, 5]) == 0  # a changed first block breaks the chain
     disabled = PrefixCache(block_size=2, enabled=False)
     assert disabled.register_blocks(tokens, [7, 8], 0, 2, None) is None and disabled.num_cached == 0
+
+
+def _state(pool: BlockPool):
+    return pool.ref_counts.tolist(), pool.num_free, pool.num_cached_free, sorted(pool._free.tolist())
+
+
+@pytest.mark.parametrize("call", ["release", "share"])
+@pytest.mark.parametrize("bad", [[-1], [4], [0, 9]])
+def test_block_ids_outside_the_pool_are_refused_and_change_nothing(call, bad):
+    """A negative id (which NumPy would read from the pool's end) or one past it: a ValueError
+    naming ``blocks``, the pool as it was, and every block still allocatable after a full release."""
+    pool = BlockPool(4)
+    owned = pool.allocate(4)
+    before = _state(pool)
+    with pytest.raises(ValueError, match="^blocks must be block ids in \\[0, 4\\)"):
+        getattr(pool, call)(bad)
+    assert _state(pool) == before
+    pool.release(owned[::-1])
+    assert sorted(pool.allocate(4).tolist()) == [0, 1, 2, 3]
+
+
+def test_a_refused_share_takes_no_cached_block_out_of_the_cache():
+    """share([cached free, plain free]) is refused as a whole: the cached block stays cached and
+    free (not lost with no owner and off the free list), and duplicates are refused too."""
+    cache = PrefixCache(block_size=2)
+    pool = BlockPool(4, cache)
+    a, b = pool.allocate(2).tolist()
+    cache.register(a, chain_hash(None, (1, 2)), (1, 2))
+    pool.release([b, a])
+    before = _state(pool)
+    with pytest.raises(ValueError, match=f"^block {b} is free and not cached"):
+        pool.share([a, b])
+    assert _state(pool) == before and cache.unowned(a)
+    assert len(pool.allocate(4)) == 4
+    pool = BlockPool(2)
+    pool.allocate(1)
+    with pytest.raises(ValueError, match="^blocks must be distinct"):
+        pool.share([0, 0])
+    assert pool.ref_counts.tolist() == [1, 0]

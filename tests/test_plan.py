@@ -150,6 +150,22 @@ def test_an_out_the_attention_refuses_is_refused_before_the_cache_write(path):
         np.testing.assert_array_equal(now, then)
 
 
+@pytest.mark.parametrize("path", ["decode", "varlen", "split", "ragged"])
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_rows_other_than_the_plans_tokens_are_refused_before_any_work(path, name, extra):
+    """q, k or v with one row fewer or more than the plan's tokens: a ValueError naming it, the cache
+    untouched (a short q would otherwise be read past its end, a long one leave rows unwritten)."""
+    cache, plan, tokens = _cpu_step(path)
+    before = [c.copy() for c in cache.layer(0)]
+    arrays = {n: np.ones((tokens + (extra if n == name else 0), heads, 32), np.float32)
+              for n, heads in (("q", 4), ("k", 2), ("v", 2))}
+    with pytest.raises(ValueError, match=f"^{name} must have shape \\[num_tokens"):
+        plan.attention(arrays["q"], arrays["k"], arrays["v"], *cache.layer(0))
+    for now, then in zip(cache.layer(0), before):
+        np.testing.assert_array_equal(now, then)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "varlen", "ragged"])
 def test_torch_layers_beside_a_cupy_cache_are_resolved_once(path):

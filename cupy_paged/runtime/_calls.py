@@ -22,9 +22,21 @@ from ..api.varlen import flash_attn_varlen_func, prepare_varlen
 from ._work import DECODE, RAGGED, SPLIT
 
 
+def check_step_rows(plan, q, k, v) -> None:
+    """``q``, ``k`` and ``v`` hold one row per token of the step, ``[plan.num_tokens, heads,
+    head_dim]``: a ValueError naming the first that does not, before any work."""
+    tokens = plan.num_tokens
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        shape = tuple(array.shape)
+        if len(shape) != 3 or int(shape[0]) != tokens:
+            raise ValueError(f"{name} must have shape [num_tokens, heads, head_dim] with the plan's num_tokens = "
+                             f"{tokens}; got {shape}")
+
+
 def layer_through_calls(plan, kind, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options: dict):
     """:meth:`StepPlan.attention` of ``plan`` through the public functions (``options``: its
     checked keyword arguments)."""
+    check_step_rows(plan, q, k, v)
     if plan.path == DECODE:
         return decode_rows(plan, q, k, v, k_cache, v_cache, softmax_scale, out, stream, options)
     aq = read(q, "q")  # a NumPy array on the CPU backend (a torch CPU tensor's memory too), else an Array

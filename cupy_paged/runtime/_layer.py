@@ -9,6 +9,7 @@ from ..api._call import alloc_stream
 from ..api.decode import prepare_decode
 from ..api.varlen import prepare_varlen
 from ..kernels._launch import outputs, q_is_the_callers_dense_tensor
+from ._calls import check_step_rows
 # StepPlan.path values: the decode kernel (flash_attn_with_kvcache),
 # the paged varlen one, or the ragged work-list kernel (kernels/ragged.py) for a whole step.
 from ._work import DECODE, RAGGED, SPLIT
@@ -36,6 +37,7 @@ class LayerLaunch:
         aq, ak, av = read(q, "q"), read(k, "k"), read(v, "v")
         ak_cache, av_cache = read(k_cache, "k_cache"), read(v_cache, "v_cache")
         aout = None if out is None else read(out, "out")
+        check_step_rows(plan, aq, ak, av)  # once per resolved shape: later layers of the key have these shapes
         self.device = aq.device
         self.decode = plan.path == DECODE
         self.ragged = plan.path == RAGGED

@@ -131,6 +131,18 @@ class BlockPool:
         self.ref_counts[blocks] = 1
         return blocks
 
+    def _ids(self, blocks) -> np.ndarray:
+        """``blocks`` as int64 block ids, each in ``[0, num_blocks)``: a ValueError naming them
+        otherwise (a negative id would index the pool from its end)."""
+        ids = np.asarray(blocks)
+        if ids.ndim > 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise TypeError(f"blocks must be a sequence of int block ids; got {ids.dtype} of shape {ids.shape}")
+        ids = ids.reshape(-1).astype(np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
+            raise ValueError(f"blocks must be block ids in [0, {self.num_blocks}); got {bad}")
+        return ids
+
     def share(self, blocks) -> None:
         """Add one owner to each of ``blocks`` (a fork, or a prefix-cache hit).
 
@@ -149,10 +161,15 @@ class BlockPool:
         >>> int(pool.ref_counts[0])
         2
         """
-        blocks = np.asarray(blocks, dtype=np.int64)
-        for block in blocks[self.ref_counts[blocks] == 0].tolist():
-            if self.prefix_cache is None or not self.prefix_cache.take_back(block):
+        blocks = self._ids(blocks)
+        if np.unique(blocks).size != blocks.size:
+            raise ValueError(f"blocks must be distinct block ids; got {blocks.tolist()[:16]}")
+        free = blocks[self.ref_counts[blocks] == 0].tolist()
+        for block in free:  # every block checked before any is taken back: a refused call changes nothing
+            if self.prefix_cache is None or not self.prefix_cache.unowned(block):
                 raise ValueError(f"block {block} is free and not cached: it cannot be shared")
+        for block in free:
+            self.prefix_cache.take_back(block)
         self.ref_counts[blocks] += 1
 
     def release(self, blocks) -> None:
@@ -173,7 +190,7 @@ class BlockPool:
         >>> pool.num_free
         3
         """
-        blocks = np.asarray(blocks, dtype=np.int64)
+        blocks = self._ids(blocks)
         if blocks.size == 0:
             return
         unique, counts = np.unique(blocks, return_counts=True)

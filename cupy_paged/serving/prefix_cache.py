@@ -174,6 +174,20 @@ class PrefixCache:
         """
         self._unowned[block] = None
 
+    def unowned(self, block: int) -> bool:
+        """Whether ``block`` is registered and has no owner (cached free: :meth:`take_back` would
+        take it).
+
+        Parameters
+        ----------
+        block : int
+
+        Returns
+        -------
+        bool
+        """
+        return block in self._unowned
+
     def take_back(self, block: int) -> bool:
         """An unowned ``block`` gets an owner again.
 
