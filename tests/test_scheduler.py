@@ -681,3 +681,41 @@ def test_readme_serving_example_runs():
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "abort" in code and "eos_token_id=[26, 7]" in code and "n=4" in code and "stats()" in code
     exec(compile(code, "README.md (Serving)", "exec"), {"__name__": "readme_serving"})
+
+
+@pytest.mark.parametrize("where", ["prompt", "sampled"])
+@pytest.mark.parametrize("token", [2 ** 31, 2 ** 32 + 5, -5])
+def test_token_ids_outside_int32_are_refused_not_wrapped(where, token):
+    """The plan feeds token ids as int32: an id past 2**31 - 1 (or negative), in a prompt or a sampled
+    token, is a ValueError naming it, not an id that wraps to another token."""
+    scheduler = make_scheduler()
+    if where == "prompt":
+        with pytest.raises(ValueError, match="prompt_token_ids must be"):
+            Request("r", [1, token, 2], 3)
+        return
+    scheduler.add_request(Request("r", [1, 2, 3], 3))
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match="^sampled_token_ids must be token ids in"):
+        scheduler.update(plan, [token])
+    assert scheduler.running[0].token_ids == [1, 2, 3]
+
+
+def test_a_refused_parallel_request_can_be_queued_again():
+    """add_request refused for a branch id that is live leaves the request as it was: once the
+    clash is gone the same object queues with all its branches, and serving ends."""
+    scheduler = make_scheduler()
+    scheduler.add_request(Request((5, 1), [9, 9], 1))  # a user id that is also branch 1's of request 5
+    request = Request(5, [1, 2, 3], 2, sampling=SamplingParams(n=2))
+    with pytest.raises(ValueError, match="branch id"):
+        scheduler.add_request(request)
+    assert len(request.branches) == 1
+    scheduler.abort((5, 1))
+    scheduler.add_request(request)
+    for _ in range(20):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        if plan is not None:
+            scheduler.update(plan, [7] * len(plan.sample_requests))
+    assert not scheduler.has_unfinished()
+    assert [b.output_token_ids for b in request.branches] == [[7, 7], [7, 7]]

@@ -40,8 +40,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k, v : array ``[batch_size, seqlen_new, num_kv_heads, head_dim]``, optional new tokens
     rotary_cos, rotary_sin : array ``[seqlen_ro, rotary_dim / 2]`` (q's dtype), optional: rotate q
         and the new k (written rotated into the cache) at their positions ``cache_seqlens[b] + t``;
-        q at ``cache_seqlens[b] + i`` when causal or local (a window side narrower than the cache's
-        capacity, as FlashAttention-2 decides it), else all at ``cache_seqlens[b]``.
+        q at ``cache_seqlens[b] + i`` when causal or local (FlashAttention-2's rule), else at ``cache_seqlens[b]``.
         ``rotary_dim`` a multiple of 16, at most ``head_dim``; needs ``k``/``v``
     cache_seqlens : int or int32 array ``[batch_size]``, tokens cached before the append (the end
         position, ``cache_leftpad`` included); default: the full contiguous cache less the new tokens
@@ -249,7 +248,7 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
     rotary_cos, rotary_sin = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim, backend)
     block_table, cache_batch_idx, cache_leftpad = _check_cache_rows(k_cache, block_table, cache_batch_idx,
                                                                     cache_leftpad, batch)
-    cache_seqlens = _check_cache_seqlens(cache_seqlens, k_cache, block_table, seqlen_new, batch)
+    cache_seqlens, capacity = _check_cache_seqlens(cache_seqlens, k_cache, block_table, seqlen_new, batch)
     index_arrays = [a for a in (cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
                     if a is not None and not isinstance(a, int)]
     if host_checked(check_values, *index_arrays):
@@ -262,10 +261,7 @@ def prepare_decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
     slopes = check_alibi(alibi_slopes, num_heads, batch)
     out = check_out(out, "out", (batch, seqlen_q, num_heads, head_dim), q.dtype, backend)
     lse, want_lse = check_lse(lse_out, (batch, num_heads, seqlen_q), backend, return_softmax_lse)
-    # Rotary positions per query token when causal or local, as FlashAttention-2 decides it: a window
-    # side as wide as the cache's capacity is no bound there, so it does not make the call local.
-    capacity = int(block_table.shape[1]) * int(k_cache.shape[1]) if paged else int(k_cache.shape[1])
-    local = any(0 <= int(side) < capacity for side in window_size)
+    local = any(0 <= int(side) < capacity for side in window_size)  # FA2's: a side as wide as the cache is none
     return DecodeProblem(backend, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                          (left, right), softcap, slopes, num_splits, out, lse, rotary_cos, rotary_sin,
                          rotary_interleaved, causal or local, cache_batch_idx, cache_leftpad, want_lse)
@@ -342,8 +338,8 @@ def _check_cache_rows(k_cache, block_table, cache_batch_idx, cache_leftpad, batc
 
 
 def _check_cache_seqlens(cache_seqlens, k_cache, block_table, seqlen_new: int, batch: int):
-    """``cache_seqlens`` checked: an int array ``[batch]``, or one int for every sequence (the
-    whole cache less the new tokens when not given)."""
+    """``(cache_seqlens, capacity)``: ``cache_seqlens`` checked, an int array ``[batch]`` or one int for
+    every sequence (the whole cache less the new tokens when not given); the keys a sequence can hold."""
     paged = block_table is not None
     # Keys a sequence can hold: its table row's blocks, or the contiguous cache's length.
     capacity = (int(block_table.shape[1]) * int(k_cache.shape[1])) if paged else int(k_cache.shape[1])
@@ -365,7 +361,7 @@ def _check_cache_seqlens(cache_seqlens, k_cache, block_table, seqlen_new: int, b
         if int(cache_seqlens.shape[0]) != batch:
             raise ValueError(f"cache_seqlens must have shape [batch_size = {batch}]; "
                              f"got {tuple(cache_seqlens.shape)}")
-    return cache_seqlens
+    return cache_seqlens, capacity
 
 
 def _check_decode_values(cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, seqlen_new,

@@ -242,7 +242,9 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     cache : PagedAttentionCache
         The cache the sequences live in.
     seq_ids : sequence
-        ``[batch]`` sequence ids, in the order the model sees them.
+        ``[batch]`` sequence ids, in the order the model sees them.  An id listed more than once
+        (the padding rows of a CUDA-graph batch, all pointed at one spare sequence) gives rows
+        that write the same slots: only for rows whose results are dropped.
     query_lens : int or array_like of int
         ``[batch]`` new tokens per sequence, each >= 1.
     input_ids : array_like of int, optional

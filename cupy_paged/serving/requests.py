@@ -33,12 +33,23 @@ def _token_set(ids) -> frozenset:
     return frozenset(check_int(t, "eos_token_id / stop_token_ids") for t in ids)
 
 
+# Token ids reach the model as int32 (StepPlan.input_ids): a larger one would wrap.
+TOKEN_ID_MAX = 2 ** 31 - 1
+
+
 def token_array(tokens, name: str):
-    """``tokens`` as a flat int64 NumPy array, checked before the cast (7.5 is no token id)."""
+    """``tokens`` as a flat int64 NumPy array, checked before the cast (7.5 is no token id) and
+    after it (every id in ``[0, 2**31 - 1]``)."""
     array = np.asarray(tokens)
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{name} must be token ids (ints); got dtype {array.dtype}")
-    return array.astype(np.int64, copy=False).reshape(-1)
+    if array.dtype == np.uint64 and array.size and int(array.max()) > TOKEN_ID_MAX:
+        raise ValueError(f"{name} must be token ids in [0, {TOKEN_ID_MAX}]; got {int(array.max())}")
+    array = array.astype(np.int64, copy=False).reshape(-1)
+    if array.size and (int(array.min()) < 0 or int(array.max()) > TOKEN_ID_MAX):
+        bad = int(array[(array < 0) | (array > TOKEN_ID_MAX)][0])
+        raise ValueError(f"{name} must be token ids in [0, {TOKEN_ID_MAX}]; got {bad}")
+    return array
 
 
 def _prompt_ids(tokens, name: str) -> list:
@@ -46,13 +57,14 @@ def _prompt_ids(tokens, name: str) -> list:
     in one pass (about 20x faster than checking each of 500 ids); anything else id by id, which
     names the bad one."""
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim == 1 and tokens.size and tokens.dtype.kind in "iu" and tokens.min() >= 0:
+        if (tokens.ndim == 1 and tokens.size and tokens.dtype.kind in "iu" and tokens.min() >= 0
+                and int(tokens.max()) <= TOKEN_ID_MAX):
             return tokens.tolist()
     else:
         tokens = list(tokens)
-        if tokens and set(map(type, tokens)) == {int} and min(tokens) >= 0:
+        if tokens and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= TOKEN_ID_MAX:
             return tokens
-    return [check_int(t, name) for t in tokens]
+    return [check_int(t, name, 0, TOKEN_ID_MAX) for t in tokens]
 
 
 @dataclasses.dataclass(frozen=True)

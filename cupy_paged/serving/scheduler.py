@@ -180,12 +180,18 @@ class Scheduler(StepsInFlight):
         if request.max_tokens > limit:
             raise ValueError(f"request {request.request_id!r} may grow to {request.max_tokens} tokens, "
                              f"more than the cache can hold for one sequence ({limit}: max_model_len)")
+        branches = None
+        if request.sampling.n > 1 and len(request.branches) == 1:
+            # Checked before the request changes: a refused one can be queued again once the clash is gone.
+            branches = [request] + [request._branch(k) for k in range(1, request.sampling.n)]
+            if any(b.request_id in self._live for b in branches):
+                raise ValueError(f"a branch id of request {request.request_id!r} is already live")
         self._arrivals += 1
         request._arrival = self._arrivals
-        if request.sampling.n > 1 and len(request.branches) == 1:
-            request.branches = [request] + [request._branch(k) for k in range(1, request.sampling.n)]
-            if any(b.request_id in self._live for b in request.branches):
-                raise ValueError(f"a branch id of request {request.request_id!r} is already live")
+        if branches is not None:
+            for branch in branches:
+                branch._arrival = request._arrival
+            request.branches = branches
             request._unforked = True
         for branch in request.branches:
             self._live[branch.request_id] = branch
