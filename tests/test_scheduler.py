@@ -719,3 +719,33 @@ def test_a_refused_parallel_request_can_be_queued_again():
             scheduler.update(plan, [7] * len(plan.sample_requests))
     assert not scheduler.has_unfinished()
     assert [b.output_token_ids for b in request.branches] == [[7, 7], [7, 7]]
+
+
+@pytest.mark.parametrize("field, value, error", [("n", 1.5, TypeError), ("n", "2", TypeError), ("n", 0, ValueError),
+                                                 ("top_k", 1.5, TypeError), ("temperature", "hot", TypeError),
+                                                 ("temperature", -0.1, ValueError), ("top_p", 0.0, ValueError),
+                                                 ("ignore_eos", 1, TypeError), ("max_new_tokens", 0, ValueError)])
+def test_sampling_params_refuse_what_is_no_setting(field, value, error):
+    """A float where an int goes (n=1.5 truncated, n="2" failing later at add_request) or a value out
+    of range: refused where the SamplingParams is made, naming the field."""
+    with pytest.raises(error, match=f"^{field} must"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("call", ["grow", "shrink", "mark_computed", "build_plan"])
+@pytest.mark.parametrize("counts, error", [([1.5], TypeError), ([1, 2, 3], ValueError)])
+def test_per_sequence_counts_are_ints_one_per_sequence(call, counts, error):
+    """Counts of tokens per sequence: a float is refused, not truncated, and a list of another length
+    is refused naming the argument (not a NumPy broadcast error); nothing changes."""
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, dtype="float32", device="cpu")
+    cache.allocate("a", list(range(5)))
+    if call == "mark_computed":
+        counts = [[2.5], [1, 2]][error is ValueError]
+    before = (cache.num_slots("a"), cache.num_computed("a"))
+    name = dict(grow="num_new_tokens", shrink="num_tokens", mark_computed="num_computed", build_plan="query_lens")
+    with pytest.raises(error, match=f"^{name[call]} must"):
+        if call == "build_plan":
+            cupy_paged.build_plan(cache, ["a"], counts)
+        else:
+            getattr(cache, call)(["a"], counts)
+    assert (cache.num_slots("a"), cache.num_computed("a")) == before

@@ -82,6 +82,20 @@ def check_real(value, name: str) -> float:
     return float(value)  # a Real: a float (at most rounded to the nearest double)
 
 
+def check_counts(values, size: int, name: str) -> np.ndarray:
+    """``values`` -- one int for every sequence, or ``[size]`` ints -- as int64 ``[size]``: a
+    TypeError for what is not ints (1.5 is no count) and a ValueError for another length, both
+    naming ``name``, before any cast."""
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be ints; got {values!r}")
+    if array.ndim == 0:
+        return np.full(size, int(array), np.int64)
+    if array.shape != (size,):
+        raise ValueError(f"{name} must have shape [{size}] (one per sequence) or be one int; got {array.shape}")
+    return array.astype(np.int64)
+
+
 # --------------------------------------------------------------------------- small checks
 
 def check_rank(array, name: str, ranks: tuple[int, ...], layout: str) -> None:

@@ -10,6 +10,7 @@ import numba
 import numpy as np
 
 from .._core.paging import slot_of
+from .._core.types import check_counts
 from ._work import DECODE
 
 # memo_rows value meaning "this output row holds nothing known": it is always rewritten.
@@ -87,12 +88,7 @@ def _pad_rows(batch, tokens, cu_q, cu_k, query_out, cache_seqlens, seqlens_k, bl
 
 def query_lengths(query_lens, batch: int) -> np.ndarray:
     """``query_lens`` as ``[batch]`` int64 (one int is every sequence's)."""
-    if np.ndim(query_lens) == 0:
-        return np.full(batch, query_lens, np.int64)
-    query = np.asarray(query_lens, np.int64)
-    if query.shape != (batch,):
-        raise ValueError(f"query_lens must have shape [batch = {batch}]; got {query.shape}")
-    return query
+    return check_counts(query_lens, batch, "query_lens")
 
 
 @numba.njit(cache=True, nogil=True)

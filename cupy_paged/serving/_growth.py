@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.types import check_int
+from .._core.types import check_counts, check_int
 from ._tables import append_blocks, count_decode_growth, grow_decodes, grow_decodes_from_stack
 from .requests import token_array
 
@@ -41,10 +41,7 @@ class Growth:
 
     def _growth(self, rows, num_new_tokens):
         """(new blocks per row, rows needing copy-on-write of their last block, new counts)."""
-        counts = np.asarray(num_new_tokens)
-        if counts.dtype.kind not in "iu":  # checked before the cast: 1.5 is not 1
-            raise TypeError(f"num_new_tokens must be ints; got {num_new_tokens!r}")
-        new = np.broadcast_to(counts.astype(np.int64), rows.shape)
+        new = check_counts(num_new_tokens, rows.shape[0], "num_new_tokens")
         if (new < 0).any():
             raise ValueError(f"num_new_tokens must be >= 0; got {new[new < 0][0]}")
         slots = self._num_slots[rows]
@@ -177,7 +174,7 @@ class Growth:
         (8, [0], 3)
         """
         rows = self.rows(seq_ids) if rows is None else rows
-        back = np.broadcast_to(np.asarray(num_tokens, np.int64), rows.shape)
+        back = check_counts(num_tokens, rows.shape[0], "num_tokens")
         slots = self._num_slots[rows] - back
         if (back < 0).any() or (slots < self._num_computed[rows]).any():
             raise ValueError("shrink gives back only reserved slots not yet computed")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core.arrays import CPU, CUDA, gpu_available, xp_of
-from .._core.types import check_block_size, check_bool, check_int
+from .._core.types import check_block_size, check_bool, check_counts, check_int
 from ._batch_views import BatchViews
 from ._storage import LayerAccess, check_storage, count_blocks
 from ._growth import Growth
@@ -258,10 +258,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         if num_computed is None:
             counts = _NO_COUNTS
         else:
-            counts = np.asarray(num_computed, np.int64)
-            counts = np.full(rows.shape, counts) if counts.ndim == 0 else np.ascontiguousarray(counts)
-            if counts.shape != rows.shape:
-                raise ValueError(f"num_computed must have shape {rows.shape}; got {counts.shape}")
+            counts = check_counts(num_computed, rows.shape[0], "num_computed")
         to_hash = np.empty(rows.size, np.int64)
         k, bad = set_computed(rows, counts, self._num_computed, self._num_slots, self._num_hashed,
                               self.block_size, to_hash)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import numbers
 
 import numpy as np
 
-from .._core.types import check_int, check_real
+from .._core.types import check_bool, check_int, check_real
 
 __all__ = ["Request", "RequestStatus", "SamplingParams", "SchedulerConfig"]
 
@@ -113,11 +114,17 @@ class SamplingParams:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", _token_set(self.stop_token_ids))
-        if int(self.n) < 1:
-            raise ValueError(f"n must be >= 1; got {self.n}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {self.temperature}, "
-                             f"{self.top_p}, {self.top_k}")
+        check_int(self.n, "n", 1)
+        check_int(self.top_k, "top_k", 0)
+        if self.seed is not None:
+            check_int(self.seed, "seed", None)
+        if self.max_new_tokens is not None:
+            check_int(self.max_new_tokens, "max_new_tokens", 1)
+        check_bool(self.ignore_eos, "ignore_eos")
+        if check_real(self.temperature, "temperature") < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy); got {self.temperature}")
+        if not 0 < check_real(self.top_p, "top_p") <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
 
 
 _DEFAULT_SAMPLING = SamplingParams()
