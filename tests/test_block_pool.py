@@ -146,6 +146,16 @@ def test_chain_hash_depends_on_the_whole_prefix():
     assert chain_hash(first, (3, 4)) == chain_hash(chain_hash(None, (1, 2)), (3, 4))
 
 
+def test_chain_hash_has_no_collisions_that_python_hash_has():
+    """Pairs of prefixes that Python's tuple hash maps to one value (hash(2**61 - 1) == hash(0),
+    hash(-1) == hash(-2), so the tuples holding them collide): built on purpose, they must still get
+    different chained hashes, else one prompt would be served another's K/V from the prefix cache."""
+    for a, b in (((0,), (2 ** 61 - 1,)), ((-1, 5), (-2, 5)), ((7, 0, 3), (7, 2 ** 61 - 1, 3))):
+        assert hash((None, a)) == hash((None, b))  # the collision, as Python hashes
+        assert chain_hash(None, a) != chain_hash(None, b)
+        assert chain_hash(chain_hash(None, (1,)), a) != chain_hash(chain_hash(None, (1,)), b)
+
+
 def test_chain_hash_is_the_same_in_every_process():
     code = "from cupy_paged.serving.prefix_cache import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
     values = set()

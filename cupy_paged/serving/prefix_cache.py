@@ -1,7 +1,10 @@
 """The prefix cache: full blocks registered under the chained hash of the tokens they hold.
 
 A block's hash chains its tokens to the hash of the block before it, so equal hashes mean
-equal prefixes, not just equal blocks.  A registered block is either owned by some
+equal prefixes, not just equal blocks.  The hash is a 128-bit BLAKE2b digest: no one can build two
+prompts whose prefixes share a hash and so read each other's K/V (Python's ``hash()`` of a tuple of
+ints is deterministic and such collisions can be constructed; vLLM's prefix cache left it for that
+reason, CVE-2025-25183).  A registered block is either owned by some
 sequence or **unowned**: no sequence holds it, but it keeps its K/V until the
 :class:`~cupy_paged.serving.block_pool.BlockPool` runs out of plain free blocks and
 evicts it, least recently released first (the shared beginnings of prompts, released
@@ -10,10 +13,13 @@ instead of recomputing it.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 # The chain starts from a fixed value so that the first block's hash depends only on its tokens.
 _ROOT_HASH = 0x5EED
+_DIGEST_BYTES = 16
 
 
 def chain_hash(parent_hash: int, tokens: tuple) -> int:
@@ -29,16 +35,18 @@ def chain_hash(parent_hash: int, tokens: tuple) -> int:
     Returns
     -------
     int
-        A 64-bit hash.  Python hashes tuples of ints the same way in every process
-        (``PYTHONHASHSEED`` only salts strings and bytes), so hashes are reproducible.
+        The 128-bit BLAKE2b digest of the parent's hash and the token ids (as 64-bit ints),
+        as a non-negative int: the same in every process, and collision resistant.
 
     Examples
     --------
     >>> a = chain_hash(None, (1, 2, 3, 4))
-    >>> a == chain_hash(None, (1, 2, 3, 4)), a == chain_hash(7, (1, 2, 3, 4))
-    (True, False)
+    >>> a == chain_hash(None, (1, 2, 3, 4)), a == chain_hash(7, (1, 2, 3, 4)), a < 2 ** 128
+    (True, False, True)
     """
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tokens))
+    parent = _ROOT_HASH if parent_hash is None else parent_hash
+    data = parent.to_bytes(_DIGEST_BYTES, "little") + struct.pack(f"<{len(tokens)}q", *tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
 
 
 def _token_tuple(tokens, start: int, stop: int) -> tuple:
@@ -106,7 +114,8 @@ class PrefixCache:
         block_hash : int
             ``chain_hash(parent_hash, tokens)``.
         tokens : tuple of int
-            The block's tokens, compared too, so a hash collision is a miss, not wrong data.
+            The block's tokens, compared too (a check on the registry, not on the hash: the
+            chained digest already stands for the whole prefix).
 
         Returns
         -------
