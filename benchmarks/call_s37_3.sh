@@ -9,7 +9,7 @@
 #   git archive <base commit> cupy_paged cuda_src | tar x -C .ab/base37 && mkdir -p .ab/base37/benchmarks && cp benchmarks/*.py .ab/base37/benchmarks/
 NEW=$PWD
 CALL_LOGS=s37logs3 . benchmarks/call_lib.sh
-END=${END:-330}
+END=${END:-200}
 mkdir -p $OUT/ab
 gpu_line
 [ -f $NEW/.ab/base37/cuda_src/varlen_common.cuh ] || echo "no .ab/base37: carry .ab" >>$R
@@ -23,11 +23,13 @@ for side in base new; do
   (cd $r && export PYTHONPATH=$r && step ncu_$side 120 ncu --clock-control none --profile-from-start off --metrics $METRICS \
      --csv --page raw python3 benchmarks/ncu_varlen.py --lens 2048x8 4096x8 --shapes registered)
 done
-for side in base new; do
-  r=$NEW; [ $side = base ] && r=$NEW/.ab/base37
-  (cd $r && export PYTHONPATH=$r && step calls_$side 80 python3 benchmarks/bench_calls.py --cases varlen --no-profile \
-     --out $OUT/ab/calls_varlen_$side.json)
-done
+if [ "${CALLS:-0}" = 1 ]; then  # bench_calls' varlen cases per side, where device time allows
+  for side in base new; do
+    r=$NEW; [ $side = base ] && r=$NEW/.ab/base37
+    (cd $r && export PYTHONPATH=$r && step calls_$side 80 python3 benchmarks/bench_calls.py --cases varlen --no-profile \
+       --out $OUT/ab/calls_varlen_$side.json)
+  done
+fi
 shard_limit
 shard varlen $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
 CUPY_PAGED_SANITIZER=memcheck shard memcheck_varlen $MEMCHECK $P tests/test_varlen_gpu.py -k "sanitize"
