@@ -258,6 +258,25 @@ def test_uninstall_restores_transformers(tiny):
             model(torch.tensor([[5, 6, 7]]))
 
 
+def test_no_call_after_uninstall_reaches_cupy_paged(tiny, calls):
+    """A model switched to flash_attention_2 under install(): after uninstall() none of its later
+    calls runs on cupy_paged (transformers' cache of resolved functions held ours past a failed
+    resolution: the first call raised, the next ones ran on cupy_paged again)."""
+    model = _load(tiny, "flash_attention_2")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        model(ids)
+        assert sum(calls.values()) > 0
+        cp_hf.uninstall()
+        calls.clear()
+        for _ in range(3):
+            try:
+                model(ids)
+            except Exception:  # no flash-attn here: transformers cannot resolve flash_attention_2
+                pass
+    assert sum(calls.values()) == 0, dict(calls)
+
+
 def test_untested_version_raises(monkeypatch):
     from transformers import modeling_flash_attention_utils as mfau
 

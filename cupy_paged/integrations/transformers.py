@@ -152,10 +152,20 @@ def _available(*args, **kwargs) -> bool:
     return True
 
 
+# transformers' module-level cache of the resolved flash functions (modeling_flash_attention_utils).
+_CACHED_FUNCTIONS = ("_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn",
+                     "_process_flash_kwargs_fn")
+
+
 def _forget_loaded(mfau) -> None:
-    """Clear transformers' one-entry cache of resolved flash functions if it holds one of ours."""
+    """Clear transformers' one-entry cache of resolved flash functions if it holds one of ours: the
+    name and the functions (a resolution that fails after uninstall() leaves the name set, and the
+    next call would run the functions still cached)."""
     if getattr(mfau, "_loaded_implementation", None) in IMPLEMENTATIONS:
         mfau._loaded_implementation = None
+        for name in _CACHED_FUNCTIONS:
+            if hasattr(mfau, name):
+                setattr(mfau, name, None)
 
 
 def _functions(mfau) -> tuple:
