@@ -13,7 +13,9 @@
 On CUDA tensors the CUDA kernels run (float16 / bfloat16) on torch's current stream; on CPU tensors
 the CPU reference backend runs (float32 too), which is what the CPU tests use.  Head dims 32, 64,
 96, 128 and 256.  Attention sinks (``s_aux``, e.g. gpt-oss) are refused with ``NotImplementedError`` rather than
-dropped.
+dropped.  Inference only: the functions compute no gradient (torch inputs that require one draw a
+warning).  On the CPU, transformers 5.17's ``generate_batch`` sizes its cache from ``psutil`` and
+raises ``MemoryError`` without it: ``pip install psutil`` there.
 
 Tested with transformers **5.17.0** and **5.24.0** (:data:`TESTED_VERSIONS`); ``install()`` raises
 ``RuntimeError`` naming the installed version on any other (``allow_untested=True`` skips the check).
