@@ -88,6 +88,20 @@ def parse_args(argv=None):
             setattr(args, name, value)
     args.device = device
     args.dtype = DTYPES[args.dtype or ("bfloat16" if device == "gpu" else "float32")]
+    # Values argparse's types let through but the run cannot use: the option named, before any work.
+    for name in ("requests", "max_new_tokens", "block_size", "tp", "max_batch_tokens", "max_num_seqs",
+                 "max_prefill_chunk", "num_blocks", "min_prompt"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    for name in ("seed", "system_prompt"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
+    if args.min_prompt > args.max_prompt:
+        p.error(f"--min-prompt ({args.min_prompt}) must be at most --max-prompt ({args.max_prompt})")
+    if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+        p.error(f"--checkpoint {args.checkpoint}: no config.json there (a Hugging Face Llama folder)")
+    if args.cuda_graphs and device != "gpu":
+        p.error("--cuda-graphs needs a GPU (none answers here, or --cpu was given)")
     return args
 
 

@@ -363,6 +363,51 @@ def test_checkpoint_loader_drops_extras_and_refuses_missing(tmp_path):
 # --------------------------------------------------------------------------- (e) sampling
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "Llama models"),
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096), "Llama models"),
+    (dict(sliding_window=64), "sliding_window"),
+    (dict(num_attention_heads=None), "lacks num_attention_heads"),
+    (dict(head_dim=16), "head_dim must be one of"),
+])
+def test_a_config_this_engine_would_compute_wrongly_is_refused(change, message):
+    """Another model (Qwen2's biases, Mistral's window: their tensors or keys dropped, another model
+    computed), a config without a Llama's keys (GPT-2), or a head dim the attention does not serve:
+    a ValueError naming it at load, not wrong tokens or a traceback from the kernel."""
+    values = {**TINY.to_dict(), **change}
+    values = {k: v for k, v in values.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_dict(values)
+
+
+def test_a_draw_that_rounds_to_one_samples_no_filtered_token():
+    """A uniform within 2**-25 of 1 rounds to 1.0 in float32 and passed every CDF entry, picking the
+    least likely token even where top-k / top-p gave it probability 0."""
+    class NearOne:
+        def random(self):
+            return 1.0 - 2.0 ** -40
+
+    logits = np.array([[5.0, 4.0, 3.0, -20.0]] * 3, np.float32)
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0)]
+    assert sample(logits, params, [NearOne()] * 3) == [1, 0, 3]
+
+
+def test_bfloat16_on_the_cpu_backend_serves():
+    """--dtype bfloat16 without a GPU: NumPy's matmul of bfloat16 gives float32, and v reached the
+    attention in float32 beside bfloat16 q, k and caches (a TypeError); now every request gets its
+    tokens, and the greedy ones mostly agree with float32's (bfloat16 noise, random weights)."""
+    weights = random_weights(TINY, 3)
+    runs = {}
+    for dtype in (BF16, np.float32):
+        engine = Engine(LlamaModel(TINY, weights, np, dtype), **BATCHED)
+        runs[dtype] = engine.run(request_mix())
+    assert runs[BF16].keys() == runs[np.float32].keys() and len(runs[BF16]) > 0
+    assert all(len(runs[BF16][r]) == len(runs[np.float32][r]) > 0 for r in runs[BF16])
+    firsts = [runs[BF16][r][0] == runs[np.float32][r][0] for r in runs[BF16]]
+    assert sum(firsts) >= len(firsts) // 2
+
+
 def test_top_k_one_is_greedy():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((64, 300)).astype(np.float32) * 3
@@ -433,6 +478,19 @@ def test_cli_default_cpu_run():
     assert rate and float(rate.group(1)) > 0, out
     for label in ("steps", "prefix-cache hit rate", "peak cache use", "preemptions", "time"):
         assert re.search(rf"^{label}\s", out, re.MULTILINE), label
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-prompt", "50", "--max-prompt", "10"], "--min-prompt"), (["--seed", "-1"], "--seed"),
+    (["--tp", "0"], "--tp"), (["--checkpoint", "/no/such/folder"], "--checkpoint"),
+    (["--cpu", "--cuda-graphs"], "--cuda-graphs"), (["--requests", "0"], "--requests")])
+def test_cli_refuses_values_it_cannot_use(argv, message, capsys):
+    """A value the run cannot use is an argparse error naming the option, before any work (not
+    NumPy's "low >= high", a silent one-rank run or a traceback from deep in the engine)."""
+    serve = importlib.import_module("serve_llama")
+    with pytest.raises(SystemExit):
+        serve.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=str)

@@ -8,6 +8,9 @@ import pathlib
 # config.json keys that change the math and that this engine does not implement: refused on load
 # rather than silently computing another model.
 _UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+# The head dims cupy_paged's attention serves (its README).
+HEAD_DIMS = (32, 64, 96, 128, 256)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +49,8 @@ class LlamaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings; got {self.head_dim}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS} (the attention's head dims); got {self.head_dim}")
 
     @property
     def q_size(self) -> int:
@@ -61,7 +64,20 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "LlamaConfig":
-        """From a parsed ``config.json``; unknown keys are ignored, unsupported features refused."""
+        """From a parsed ``config.json``; unknown keys are ignored, unsupported features refused, and
+        so is any model that is not a Llama (another ``model_type`` or architecture: Qwen2's biases,
+        Mistral's sliding window, ... would be dropped and another model computed)."""
+        model_type = values.get("model_type", "llama")
+        architectures = values.get("architectures") or ["LlamaForCausalLM"]
+        if model_type != "llama" or "LlamaForCausalLM" not in architectures:
+            raise ValueError(f"config.json describes model_type {model_type!r} ({', '.join(map(str, architectures))}); "
+                             "this engine serves Llama models (LlamaForCausalLM) only")
+        missing = [key for key in _REQUIRED if key not in values]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a Llama config")
+        if values.get("sliding_window") is not None:
+            raise ValueError(f"config.json has sliding_window = {values['sliding_window']!r}; this engine attends "
+                             "to every key")
         for key, wanted in _UNSUPPORTED.items():
             if values.get(key, wanted) != wanted:
                 raise ValueError(f"config.json has {key} = {values[key]!r}; this engine implements {wanted!r}")

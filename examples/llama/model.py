@@ -202,8 +202,10 @@ class LlamaModel:
         q = self.rotate(qkv[:, :c.q_size].reshape(tokens, c.num_attention_heads, c.head_dim), cos, sin)
         k = self.rotate(qkv[:, c.q_size:c.q_size + c.kv_size].reshape(tokens, c.num_key_value_heads, c.head_dim),
                         cos, sin)
-        # The kernels take rows of 16-byte aligned, contiguous heads: v gets its own array.
-        v = xp.ascontiguousarray(qkv[:, c.q_size + c.kv_size:]).reshape(tokens, c.num_key_value_heads, c.head_dim)
+        # The kernels take rows of 16-byte aligned, contiguous heads: v gets its own array, in the
+        # model's dtype as q and k (NumPy's matmul of bfloat16 returns float32).
+        v = xp.ascontiguousarray(qkv[:, c.q_size + c.kv_size:], dtype=self.dtype).reshape(
+            tokens, c.num_key_value_heads, c.head_dim)
         with timer.span("attention"):
             attended = plan.attention(q, k, v, *cache.layer(index))
         return x + self._reduced(self.matmul(attended.reshape(tokens, c.q_size), layer.out).astype(self.acc))

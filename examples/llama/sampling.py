@@ -168,6 +168,9 @@ def sample_tokens(logits, params: list, generators: list, greedy_tokens=None):
         draws = np.array([generators[i].random() for i in stochastic], cdf.dtype)
         # The first token whose CDF passes the draw (scaled by the row's total against rounding).
         targets = xp.asarray(draws)[:, None] * cdf[:, -1:]
-        picks = xp.minimum((cdf <= targets).sum(axis=-1), cdf.shape[1] - 1)
+        # At most the row's last token of nonzero probability: a draw that rounds to 1 (float32: 1 in
+        # 2**25) would otherwise pass every CDF entry, the filtered-out tail's included.
+        last = cdf.shape[1] - 1 - xp.argmax(probs[:, ::-1] > 0, axis=-1)
+        picks = xp.minimum((cdf <= targets).sum(axis=-1), last)
         tokens[rows] = xp.take_along_axis(order, picks[:, None], axis=-1)[:, 0]
     return tokens
