@@ -14,6 +14,8 @@
 #   issue_benchmarks [S]     bench_calls and bench_mixed into $OUT/ab, and on an H200 while fewer than S
 #                            seconds (default 330) have passed bench_e2e: every issue's benchmark
 #   issue_tables             the step rc lines and the tables issue_benchmarks printed, from $R
+#   calls_benchmarks         bench_calls, this host's eager floor (eager_floor.py) and the host path's parts
+#                            (profile_host.py); on an H200 then bench_mixed, and bench_e2e where END leaves time
 #   e2e_in_time              bench_e2e (about 230 s) where at least 400 s of END are left
 #   shard_limit              SHARD_LIMIT set to what END leaves (10 s kept), at most 150 s
 export PYTHONUNBUFFERED=1
@@ -64,6 +66,15 @@ issue_benchmarks() {
   step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
   if on_h200 && [ $SECONDS -lt "${1:-330}" ]; then
     step bench_e2e 230 python3 benchmarks/bench_e2e.py --max-seconds 200 --out $OUT/ab/e2e.json
+  fi
+}
+calls_benchmarks() {
+  step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
+  step eager_floor 40 python3 benchmarks/eager_floor.py --out $OUT/ab/eager_floor.json
+  step profile 40 python3 benchmarks/profile_host.py
+  if on_h200; then
+    step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
+    e2e_in_time
   fi
 }
 issue_tables() {

@@ -7,13 +7,7 @@
 CALL_LOGS=s37logs1 . benchmarks/call_lib.sh
 if on_h200; then END=${END:-560}; else END=${END:-300}; fi
 gpu_start
-step bench_calls 90 python3 benchmarks/bench_calls.py --shuffle-order --no-profile --out $OUT/ab/calls.json
-step eager_floor 40 python3 benchmarks/eager_floor.py --out $OUT/ab/eager_floor.json
-step profile 40 python3 benchmarks/profile_host.py
-if on_h200; then
-  step bench_mixed 150 python3 benchmarks/bench_mixed.py --out $OUT/ab/mixed.json
-  e2e_in_time
-fi
+calls_benchmarks
 shard_limit
 shard varlen $P tests/test_varlen_gpu.py -k "not candidates and not sanitize"
 CUPY_PAGED_SANITIZER=memcheck shard memcheck_varlen $MEMCHECK $P tests/test_varlen_gpu.py -k "sanitize"

@@ -93,7 +93,7 @@ def check_counts(values, size: int, name: str) -> np.ndarray:
         return np.full(size, int(array), np.int64)
     if array.shape != (size,):
         raise ValueError(f"{name} must have shape [{size}] (one per sequence) or be one int; got {array.shape}")
-    return array.astype(np.int64)
+    return np.ascontiguousarray(array, np.int64)  # no copy when it is one already
 
 
 # --------------------------------------------------------------------------- small checks

@@ -7,11 +7,10 @@ from .. import kernels, reference
 from .._core import errors
 from .._core.arrays import CPU, CUDA, CUPY, NUMPY, TORCH, Array, cupy_stream, kind_of, on_stream, read
 from .._core.streams import handle, is_capturing, stream_key
-from .._core.types import (c_contiguous, check_bool, check_float, check_head_dim, check_heads, check_same_dtype,
-                           check_same_shape, check_scalars, check_window)
+from .._core.types import c_contiguous, check_bool, check_same_shape, check_scalars, check_window
 from ._call import (FAST_KINDS, alloc_stream, check_fa2_flags, device_copy, host_result, on_device, readable,
                     reshaped, served_empty)
-from .varlen import prepare_varlen
+from .varlen import check_qkv, prepare_varlen
 
 # (device, stream, batch, seqlen) -> int32 [batch + 1] on the device.  Kept, never freed: later calls
 # on the stream and the CUDA graphs that captured one read it (some hundred bytes each).
@@ -112,13 +111,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     device = aq.device if isinstance(aq, Array) else None
     # What the shapes, dtypes and scalars decide is checked before any work: the index arrays below
     # may launch a kernel and q/k/v with unmergeable strides are copied (prepare_varlen checks again).
-    for name, array in (("q", aq), ("k", ak), ("v", av)):
-        check_float(array, name, CPU if device is None else CUDA)
-    check_same_dtype(aq, "q", k=ak, v=av)
-    check_head_dim(int(aq.shape[3]), "q")
-    if int(ak.shape[3]) != int(aq.shape[3]):
-        raise ValueError(f"k must have head dim {int(aq.shape[3])} like q; got {int(ak.shape[3])}")
-    check_heads(int(aq.shape[2]), int(ak.shape[2]), "q", "k")
+    check_qkv(aq, ak, av, CPU if device is None else CUDA)
     check_window(window_size, check_bool(causal, "causal"))
     check_scalars(softmax_scale, softcap, int(aq.shape[3]))
     h = None if device is None else handle(stream, kind, device)

@@ -175,6 +175,21 @@ def drop_unit_batch(array):
     return array
 
 
+def check_qkv(q, k, v, backend: str) -> None:
+    """q, k and v of one attention, by their last two axes (heads, head_dim) whatever the leading
+    ones: a kernel dtype of ``backend`` shared by all three, dense rows, a supported head dim that k
+    shares, and q's heads a multiple of k's."""
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        check_float(array, name, backend)
+        check_dense_last(array, name)
+    check_same_dtype(q, "q", k=k, v=v)
+    head_dim = int(q.shape[-1])
+    check_head_dim(head_dim, "q")
+    if int(k.shape[-1]) != head_dim:
+        raise ValueError(f"k must have head dim {head_dim} like q; got {int(k.shape[-1])}")
+    check_heads(int(q.shape[-2]), int(k.shape[-2]), "q", "k")
+
+
 def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, block_table,
                    return_softmax_lse, out, check_values=None, lse_out=None) -> VarlenProblem:
@@ -197,16 +212,9 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         k, v = drop_unit_batch(k), drop_unit_batch(v)
         check_rank(k, "k", (3,), "[total_k, num_kv_heads, head_dim] (or [1, total_k, num_kv_heads, head_dim])")
         check_rank(v, "v", (3,), "[total_k, num_kv_heads, head_dim] (or [1, total_k, num_kv_heads, head_dim])")
-    for name, array in (("q", q), ("k", k), ("v", v)):
-        check_float(array, name, backend)
-        check_dense_last(array, name)
-    check_same_dtype(q, "q", k=k, v=v)
+    check_qkv(q, k, v, backend)
     check_same_shape(k, v, "k", "v")
     total_q, num_heads, head_dim = (int(s) for s in q.shape)
-    check_head_dim(head_dim, "q")
-    if int(k.shape[-1]) != head_dim:
-        raise ValueError(f"k must have head dim {head_dim} like q; got {int(k.shape[-1])}")
-    check_heads(num_heads, int(k.shape[-2]), "q", "k")
     if paged:
         check_block_size(int(k.shape[1]), "k")
         check_cache_pair(k, v, "k", "v")

@@ -184,8 +184,7 @@ class PrefixCache:
         self._unowned[block] = None
 
     def unowned(self, block: int) -> bool:
-        """Whether ``block`` is registered and has no owner (cached free: :meth:`take_back` would
-        take it).
+        """Whether ``block`` is registered and has no owner: what :meth:`take_back` takes.
 
         Parameters
         ----------
