@@ -247,9 +247,13 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[Tr::kMTiles][Tr::kNT
 
 // Mask: key j is kept for query row i iff i + off - left <= j <= i + off + right (a bound is off
 // when negative), j < Lk and the key was loadable.  Only called on tiles that straddle a bound.
+// The bounds are a select per score, no branch: a row's bounds become tile columns once, and the
+// loadable bytes (a shared-memory read) are looked at only in a tile with a hole, in a loop of
+// their own, so the usual diagonal tile pays a compare and a select a score.
 __device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][4], int row0, int offset,
                                            int n0, int length_k, int left, int right, bool hole,
                                            const unsigned char* s_loadable, int lane) {
+  const int c0 = 2 * (lane & 3);  // this thread's first column in each n8 tile
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt)
 #pragma unroll
@@ -261,11 +265,28 @@ __device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kNTiles][
       for (int nt = 0; nt < Tr::kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int c = nt * 8 + 2 * (lane & 3) + e;
-          const int j = n0 + c;
-          if (j < lo || j > hi || (hole && !s_loadable[c])) s[mt][nt][2 * half + e] = -inf();
+          const int j = n0 + c0 + nt * 8 + e;
+          float& x = s[mt][nt][2 * half + e];
+          x = (j < lo || j > hi) ? -inf() : x;
         }
     }
+  if (!hole) return;
+#pragma unroll
+  for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+    // The thread's two columns of the n8 tile: one 2-byte read of their loadable bytes.
+    const unsigned pair = *reinterpret_cast<const unsigned short*>(s_loadable + c0 + nt * 8);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool gone = ((pair >> (8 * e)) & 0xffu) == 0u;
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float& x = s[mt][nt][2 * half + e];
+          x = gone ? -inf() : x;
+        }
+    }
+  }
 }
 
 // Online softmax: new row max, rescale O and the running sum by exp2((m_old - m_new) * scale),

@@ -275,10 +275,12 @@ __device__ __forceinline__ void consume(const Task& t, u32 s_q, u32 s_kv, Barrie
       rescale_o(st, alphas);
       pack_p(s, p);
     } else {
+      // Zeros written by asm volatile: a plain store of zeros was hoisted above the branch and
+      // executed on every tile (32 moves a thread), the seen tile's packing overwriting them.
 #pragma unroll
       for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[0][kk][e] = 0u;
+        for (int e = 0; e < 4; ++e) asm volatile("mov.b32 %0, 0;" : "=r"(p[0][kk][e]));
     }
   };
   auto softmax_tile = [&](int it) {

@@ -15,8 +15,7 @@ from .._core.types import (REFERENCE_DTYPES, as_read, check_alibi, check_block_s
                            check_head_dim, check_heads, check_index, check_int, check_lse, check_out, check_rank,
                            check_same_dtype, check_same_shape, check_scalars, check_values_mode, check_window,
                            check_writable, dtype_name, host_checked)
-from ._call import (FAST_KINDS, MEMO, alloc_stream, current_device, host_outputs, on_device, readable,
-                    remember, served_empty)
+from ._call import FAST_KINDS, MEMO, alloc_stream, current_device, host_outputs, on_device, readable, remember, served_empty
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -93,12 +92,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if launch is not None and launch.device == current_device():
             if int_length:
                 cached_all = cache_seqlens
-                fits = 0 <= cached_all and cached_all + launch.seqlen_new <= launch.capacity
+                fits = 0 <= cached_all <= launch.int_length_max
             else:
                 cached_all, fits = launch.cached_default, True
             q_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k_cache), ptr(v_cache)
             kn_ptr, vn_ptr = (0, 0) if k is None else (ptr(k), ptr(v))
-            if fits and not (q_ptr | kc_ptr | vc_ptr | kn_ptr | vn_ptr) & 15:
+            o_ptr, l_ptr = 0 if out is None else ptr(out), 0 if lse_out is None else ptr(lse_out)
+            if fits and not (q_ptr | kc_ptr | vc_ptr | kn_ptr | vn_ptr | o_ptr | l_ptr) & 15:
                 ptrs = (q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr,
                         0 if int_length or cache_seqlens is None else ptr(cache_seqlens),
                         0 if block_table is None else ptr(block_table),
@@ -107,8 +107,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         0 if rotary_cos is None else ptr(rotary_cos), 0 if rotary_sin is None else ptr(rotary_sin),
                         0 if alibi_slopes is None else ptr(alibi_slopes))
                 h = handle(stream, kind, launch.device)
-                out_obj, lse = launch.run(kind, q, ptrs, cached_all, None if out is None else (out, ptr(out)),
-                                          None if lse_out is None else (lse_out, ptr(lse_out)), h,
+                out_obj, lse = launch.run(kind, q, ptrs, cached_all, None if out is None else (out, o_ptr),
+                                          None if lse_out is None else (lse_out, l_ptr), h,
                                           None if stream is None else h)
                 return (out_obj, lse) if launch.want_lse else out_obj
     else:

@@ -88,15 +88,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                        alibi_slopes, out, lse_out, dropout_p, softmax_scale, causal, window_size,
                                        softcap, deterministic, return_attn_probs, return_softmax_lse)
         if (launch is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int
-                and 0 <= max_seqlen_q and 0 <= max_seqlen_k and launch.device == current_device()):
+                and 0 <= max_seqlen_q <= INT32_MAX and 0 <= max_seqlen_k <= INT32_MAX
+                and launch.device == current_device()):
             q_ptr, k_ptr, v_ptr = ptr(q), ptr(k), ptr(v)
-            if not (q_ptr | k_ptr | v_ptr) & 15:
+            o_ptr = 0 if out is None else ptr(out)
+            l_ptr = 0 if lse_out is None else ptr(lse_out)
+            # out and lse_out as the first call checked them: the kernels store 16 bytes at a time.
+            if not (q_ptr | k_ptr | v_ptr | o_ptr | l_ptr) & 15:
                 h = handle(stream, kind, launch.device)
                 result = launch.run(kind, q, (q_ptr, k_ptr, v_ptr, ptr(cu_seqlens_q), ptr(cu_seqlens_k),
                                               0 if block_table is None else ptr(block_table),
                                               0 if alibi_slopes is None else ptr(alibi_slopes)),
-                                    max_seqlen_q, None if out is None else (out, ptr(out)),
-                                    None if lse_out is None else (lse_out, ptr(lse_out)), h,
+                                    max_seqlen_q, None if out is None else (out, o_ptr),
+                                    None if lse_out is None else (lse_out, l_ptr), h,
                                     None if stream is None else h)
                 return _varlen_result(result, q, launch.want_lse, return_attn_probs)
     else:

@@ -17,17 +17,16 @@ workspace while its stream is capturing raises ``RuntimeError`` instead of alloc
 workspaces are kept alive, so a graph captured earlier never points at freed memory.
 
 With ``num_splits=0`` the split count is chosen on the host from shapes alone (batch, heads,
-the cache's capacity per sequence: ``max_blocks * block_size``, or S of a contiguous
-``[B, S, Hkv, D]`` cache), never from ``cache_seqlens`` values on the host, so
-choosing it needs no device-to-host copy and a captured graph replays the same choice (the
-balanced launch splits by those values on the device, inside the launch a graph captures).  Its
-work-list buffer, like the workspace, is sized by an eager call on the capturing stream; a capture
-on a stream without one launches the decode kernel instead.  What the
-shapes decide (kernels, grid, split count) is kept per shape, so a decode loop computes it once;
-the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).  A contiguous
-cache is read as blocks of one token through one identity table per device (grown like the
-workspace, so it too must be sized before a capture: one eager call), and an int
-``cache_seqlens`` travels as one value in that struct, so a call builds no index arrays.
+the cache's capacity per sequence: ``max_blocks * block_size``, or S of a contiguous ``[B, S, Hkv, D]``
+cache), never from ``cache_seqlens`` values on the host, so choosing it needs no device-to-host copy
+and a captured graph replays the same choice (the balanced launch splits by those values on the
+device, inside the launch a graph captures).  Its work-list buffer, like the workspace, is sized by
+an eager call on the capturing stream; a capture on a stream without one launches the decode kernel
+instead.  What the shapes decide (kernels, grid, split count) is kept per shape, so a decode loop
+computes it once; the scalar arguments travel as one packed struct (``DecodeParams`` in decode.cu).
+A contiguous cache is read as blocks of one token through one identity table per device (grown like
+the workspace, so it too must be sized before a capture: one eager call), and an int ``cache_seqlens``
+travels as one value in that struct, so a call builds no index arrays.
 
 Tile shapes and tracing
 -----------------------
@@ -200,15 +199,17 @@ class DecodeLaunch:
         self.splits = shape.splits
         batch, seqlen_q, num_heads, head_dim = (int(x) for x in p.q.shape)
         self.batch = batch
-        self.out_shape = (batch, seqlen_q, num_heads, head_dim)
-        self.lse_shape = (batch, num_heads, seqlen_q)
+        self.out_shape, self.lse_shape = (batch, seqlen_q, num_heads, head_dim), (batch, num_heads, seqlen_q)
         self.dtype = p.q.dtype
         self.want_lse = p.want_lse or p.lse is not None
         self.contiguous_cache = p.block_table is None
         self.identity_size = num_blocks
         self.capacity = max_blocks << shift
-        self.seqlen_new = p.seqlen_new
         self.cached_default = p.cache_seqlens if isinstance(p.cache_seqlens, int) else 0
+        # The largest int cache_seqlens a memoised call takes: room for the new tokens and rotary rows.
+        self.int_length_max = self.capacity - p.seqlen_new
+        if p.rotary_cos is not None and batch:
+            self.int_length_max = min(self.int_length_max, int(p.rotary_cos.shape[0]) - max(p.seqlen_new, 1))
         self.rows_total = batch * seqlen_q * num_heads
         self.workspace_floats = _workspace_floats(shape.splits, self.rows_total, head_dim)
         self.lse_offset = 4 * shape.splits * self.rows_total * head_dim  # bytes: part_lse after part_out

@@ -138,6 +138,8 @@ class LayerLaunch:
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr = ptr(q), ptr(k), ptr(v), ptr(k_cache), ptr(v_cache)
         if (q_ptr | k_ptr | v_ptr | kc_ptr | vc_ptr) & 15:
             raise ValueError("q, k, v and the caches of a layer must start on 16-byte boundaries")
+        if out is not None and ptr(out) & 15:  # the varlen kernels store 16 bytes at a time
+            raise ValueError("out of a layer must start on a 16-byte boundary")
         # A new output as the public calls make theirs: on a named stream from that stream's pool.
         out, out_ptr, _, _ = outputs(kind, q, None if out is None else (out, ptr(out)), None, self.out_shape, (),
                                      self.launch.dtype, False, self.out_like_q, alloc_stream(stream, kind, h))
