@@ -5,9 +5,10 @@ FlashAttention-2's API, a CPU reference backend (NumPy + numba) with the same AP
 and a NumPy-style paged KV-cache manager and scheduler.
 
 The layers, from the bottom: ``_core`` (the array boundary, the supported types, the
-compiler), ``reference`` (the CPU backend) and ``kernels`` (the CUDA launch glue), ``api``
-(the public functions), ``serving`` (block pool, prefix cache, KV cache, scheduler: plain
-data), ``runtime`` (the step plan that joins a scheduled step to the kernels).
+compiler), ``reference`` (the CPU backend) and ``kernels`` (the CUDA launch glue); ``api`` (the
+public functions) beside ``serving`` (block pool, prefix cache, KV cache, scheduler: plain
+data); ``runtime`` (the step plan that joins a scheduled step to the kernels); ``integrations``
+(drop-ins for other frameworks, each imported only when asked for).
 """
 __version__ = "0.1.0"
 

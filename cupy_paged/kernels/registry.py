@@ -63,14 +63,14 @@ def _compile_job(job):
     try:
         return compile_offline(key, arch)
     except ImportError as error:
-        return f"compile: NVRTC is not available ({error}); install CuPy for CUDA 12 (cupy-cuda12x)"
+        return f"compile: NVRTC is not available ({error}); install the cuda13 extra (cupy-cuda13x; cuda12 on a CUDA 12 driver)"
     except Exception as error:  # NVRTC's error for this arch, or a compile error in the source
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
         return f"compile: {key} for --arch {arch} failed: " + " ".join(lines[:3])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cupy_paged.compile_all``: compile every specialization offline, print resources."""
+    """``python -m cupy_paged compile``: compile every specialization offline, print resources."""
     import argparse
     from concurrent.futures import ThreadPoolExecutor
 

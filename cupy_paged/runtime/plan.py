@@ -53,6 +53,8 @@ class StepPlan:
         ``[num_tokens]`` int32 cache slot (``block * block_size + offset``) of each new token.
     block_table : array
         ``[batch, max_blocks]`` int32, -1 padded.
+    work, num_items, num_slots : array, int, int
+        The ``"ragged"`` launch's work list (``runtime/_work.py``), items, split rows' slots.
     logits_indices : array
         ``[num_sampled]`` int32 rows of the model output to sample: the last token of each
         sequence that finishes its prompt (or decodes) this step.
@@ -132,14 +134,12 @@ class StepPlan:
     def read_index(self):
         """``[sum(seqlens_k)]`` slots of every key of every sequence, for ``PagedAttentionCache.update``.
 
-        Built on first use (once per step, not per layer): only the manual gather/scatter path
-        (``PagedAttentionCache.update`` and the non-paged varlen kernel) needs it.
+        Built on first use (once per step): only the manual gather/scatter path needs it.
         """
         table = np.asarray(to_host(self.block_table))
         lengths = np.asarray(to_host(self.seqlens_k), np.int64)
         out = np.empty(int(lengths.sum()), np.int32)
-        gather_slots(table, np.arange(table.shape[0]), np.zeros_like(lengths), lengths,
-                                   self.block_size, out)
+        gather_slots(table, np.arange(table.shape[0]), np.zeros_like(lengths), lengths, self.block_size, out)
         return out
 
     def attention(self, q, k, v, k_cache, v_cache, softmax_scale=None, *, out=None, stream=None, **kwargs):
@@ -176,7 +176,7 @@ class StepPlan:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> import numpy as np; from cupy_paged import PagedAttentionCache, build_plan
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, dtype="float32", device="cpu")
         >>> cache.allocate("a", list(range(5)))
         0
@@ -263,8 +263,8 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
         Query heads of the model.  Given, the plan lists the work of one ragged launch
         (``runtime/_work.py``) and takes the ``"ragged"`` path for every step whose prefill
         work hides behind its K/V reads (decode-only, mixed with short chunks); prefill-heavy
-        steps keep ``"varlen"``.  With ``buffers``, they must have been made with
-        ``query_group = num_heads // num_kv_heads``.
+        steps keep the prefill kernels (``"split"`` or ``"varlen"``).  ``buffers`` must have
+        been made with ``query_group = num_heads // num_kv_heads``.
     path : {"ragged", "decode", "split", "varlen"}, optional
         Take this path whatever the step (``"ragged"`` needs ``num_heads``; ``"decode"`` a
         step the decode kernel serves; ``"split"`` a step that starts with one-token rows and
@@ -284,7 +284,7 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
 
     Examples
     --------
-    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+    >>> from cupy_paged import PagedAttentionCache, build_plan
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
     >>> for name, n in (("r0", 10), ("r1", 3), ("r2", 1)):
     ...     _ = cache.allocate(name, list(range(n)))
