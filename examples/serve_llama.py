@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from cupy_paged._core.arrays import gpu_available  # noqa: E402
+from cupy_paged._core.types import BLOCK_SIZES, HEAD_DIMS  # noqa: E402
 from llama import (CPU_DEFAULT, GPU_DEFAULT, Engine, GenerationRequest, LlamaModel, SamplingParams,  # noqa: E402
                    load_checkpoint, random_weights)
 from llama.weights import BF16  # noqa: E402
@@ -58,18 +59,22 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--system-prompt", type=int, help="tokens of the shared prompt prefixes (0: none)")
     p.add_argument("--num-blocks", type=int, help="KV cache blocks")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help=f"tokens per KV cache block: a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} "
+                        "(default 16)")
     p.add_argument("--max-batch-tokens", type=int, help="token budget of a step")
     p.add_argument("--max-num-seqs", type=int, help="most running requests")
     p.add_argument("--max-prefill-chunk", type=int, help="most tokens of one prompt in a step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
     p.add_argument("--tune-products", action="store_true",
-                   help="with --cuda-graphs: time cuBLAS's candidate kernels per graph size, capture the fastest")
+                   help="needs --cuda-graphs: time cuBLAS's candidate kernels per graph size, capture the fastest")
     p.add_argument("--sync", action="store_true",
                    help="one step at a time: no decode step scheduled ahead of the previous step's tokens (GPU)")
     p.add_argument("--shape", help="random weights of this shape instead of the default model: "
-                                    "LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB] (head dim HIDDEN / HEADS)")
+                                    "LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB], positive integers; the head "
+                                    f"dim HIDDEN // HEADS one of {', '.join(map(str, HEAD_DIMS))}, HEADS a "
+                                    "multiple of KV_HEADS")
     p.add_argument("--stats-json", type=pathlib.Path, help="also write the run's figures here (rank 0)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks, one process each: under torchrun / mpirun, or started here")
@@ -102,6 +107,16 @@ def parse_args(argv=None):
         p.error(f"--checkpoint {args.checkpoint}: no config.json there (a Hugging Face Llama folder)")
     if args.cuda_graphs and device != "gpu":
         p.error("--cuda-graphs needs a GPU (none answers here, or --cpu was given)")
+    if args.tune_products and not args.cuda_graphs:
+        p.error("--tune-products tunes the products of the captured decode graphs: it needs --cuda-graphs")
+    if args.block_size not in BLOCK_SIZES:
+        p.error(f"--block-size must be a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} "
+                f"({', '.join(map(str, BLOCK_SIZES))}); got {args.block_size}")
+    if args.shape is not None:
+        try:
+            shape_fields(args.shape)
+        except ValueError as error:
+            p.error(f"--shape {args.shape}: {error}")
     return args
 
 
@@ -146,17 +161,33 @@ def build_model(args, rank: int = 0):
     return model, source, time.perf_counter() - start
 
 
+def shape_fields(text: str) -> dict:
+    """The config fields ``--shape`` sets, head_dim with them; ``ValueError`` saying what is wrong
+    with a shape the model cannot take."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (5, 6) or min(values) < 1:
+        raise ValueError("takes LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB], positive integers")
+    names = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size")
+    fields = dict(zip(names, values))
+    heads, kv_heads = fields["num_attention_heads"], fields["num_key_value_heads"]
+    head_dim = fields["hidden_size"] // heads
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim HIDDEN // HEADS = {head_dim}; the attention serves head dims "
+                         f"{', '.join(map(str, HEAD_DIMS))}")
+    if heads % kv_heads:
+        raise ValueError(f"HEADS ({heads}) must be a multiple of KV_HEADS ({kv_heads})")
+    return dict(fields, head_dim=head_dim)
+
+
 def shaped(config, text: str):
     """``config`` with the layer count and widths of ``--shape``."""
     import dataclasses
 
-    values = [int(v) for v in text.split(",")]
-    if len(values) not in (5, 6):
-        raise SystemExit(f"--shape takes LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE[,VOCAB]; got {text!r}")
-    names = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-             "vocab_size")
-    fields = dict(zip(names, values))
-    return dataclasses.replace(config, head_dim=fields["hidden_size"] // fields["num_attention_heads"], **fields)
+    return dataclasses.replace(config, **shape_fields(text))
 
 
 def write_stats(path: pathlib.Path, args, engine) -> None:

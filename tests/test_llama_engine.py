@@ -493,6 +493,40 @@ def test_cli_refuses_values_it_cannot_use(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--tune-products"], ("--tune-products", "--cuda-graphs")),
+    (["--block-size", "12"], ("--block-size", "8, 16, 32, 64, 128, 256", "got 12")),
+    (["--block-size", "512"], ("--block-size", "8, 16, 32, 64, 128, 256", "got 512")),
+    (["--shape", "2,100,4,2,256"], ("--shape", "= 25", "32, 64, 96, 128, 256")),
+    (["--shape", "2,2048,4,2,256"], ("--shape", "= 512", "32, 64, 96, 128, 256")),
+    (["--shape", "2,128,4,3,256"], ("--shape", "KV_HEADS (3)")),
+    (["--shape", "2,x,4,2,256"], ("--shape", "LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE")),
+    (["--shape", "2,128,4,2"], ("--shape", "LAYERS,HIDDEN,HEADS,KV_HEADS,INTERMEDIATE")),
+    (["--shape", "2,128,0,2,256"], ("--shape", "positive integers"))])
+def test_cli_refuses_what_the_package_does_not_serve(argv, words, capsys):
+    """--tune-products without --cuda-graphs (which it tunes), a block size the kernels do not take
+    and a --shape whose head dim the attention does not serve are usage errors naming the option
+    and what it allows, not a silently ignored flag or a traceback from the cache or the config."""
+    serve = importlib.import_module("serve_llama")
+    with pytest.raises(SystemExit) as raised:
+        serve.parse_args(["--cpu", *argv])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2 and "usage:" in err, err
+    assert all(word in err for word in words), err
+
+
+def test_cli_help_states_the_limits_and_takes_values_within_them(capsys):
+    serve = importlib.import_module("serve_llama")
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a power of two from 8 to 256" in text and "32, 64, 96, 128, 256" in text, text
+    assert "needs --cuda-graphs" in text, text
+    args = serve.parse_args(["--cpu", "--block-size", "256", "--shape", "2,384,4,2,256,300"])
+    config = serve.shaped(serve.CPU_DEFAULT, args.shape)
+    assert (config.head_dim, config.num_key_value_heads, config.vocab_size) == (96, 2, 300)
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=str)
 def test_fused_kernels_compile_without_spills(dtype):
     """fused.cu builds through NVRTC alone (no GPU) for sm_90 and sm_80, with no spills."""

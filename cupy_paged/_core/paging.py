@@ -16,7 +16,7 @@ def slot_of(table_row, position, block_size):
 
     Examples
     --------
-    >>> import numpy as np
+    >>> import numpy as np; from cupy_paged._core.paging import slot_of
     >>> int(slot_of(np.array([3, 5], np.int32), 9, 8))
     41
     """
@@ -29,7 +29,7 @@ def slots_of(blocks, positions, block_size: int):
 
     Examples
     --------
-    >>> import numpy as np
+    >>> import numpy as np; from cupy_paged._core.paging import slots_of
     >>> slots_of(np.array([3, 5]), np.array([1, 9]), 8).tolist()
     [25, 41]
     """
@@ -43,7 +43,7 @@ def gather_slots(table, rows, starts, counts, block_size, out):
 
     Examples
     --------
-    >>> import numpy as np
+    >>> import numpy as np; from cupy_paged._core.paging import gather_slots
     >>> out = np.empty(3, np.int32)
     >>> gather_slots(np.array([[2, 4], [1, -1]], np.int32), np.array([0, 1]), np.array([7, 0]),
     ...              np.array([2, 1]), 8, out)

@@ -62,6 +62,7 @@ def stream_key(stream: int):
 
     Examples
     --------
+    >>> import threading; from cupy_paged._core.streams import stream_key
     >>> stream_key(0), stream_key(1234)
     (0, 1234)
     >>> stream_key(2) == (2, threading.get_ident())

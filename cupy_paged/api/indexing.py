@@ -43,6 +43,7 @@ def cu_seqlens_from_lengths(lengths, xp=None):
 
     Examples
     --------
+    >>> from cupy_paged import cu_seqlens_from_lengths
     >>> cu, longest = cu_seqlens_from_lengths([10, 3, 1])
     >>> cu.tolist(), longest
     ([0, 10, 13, 14], 10)
@@ -70,6 +71,7 @@ def block_table_from_lists(block_lists, max_blocks=None, xp=np):
 
     Examples
     --------
+    >>> from cupy_paged import block_table_from_lists
     >>> block_table_from_lists([[2], [0, 1], [3, 5, 6]], max_blocks=4).tolist()
     [[2, -1, -1, -1], [0, 1, -1, -1], [3, 5, 6, -1]]
     """
@@ -112,6 +114,7 @@ def slot_mapping_from_positions(block_table, seq_ids, positions, block_size: int
 
     Examples
     --------
+    >>> import numpy as np; from cupy_paged import block_table_from_lists, slot_mapping_from_positions
     >>> table = block_table_from_lists([[2], [0, 1], [3, 5, 6]], max_blocks=4)
     >>> slot_mapping_from_positions(table, np.array([0, 1, 2]), np.array([30, 32, 70]), 32).tolist()
     [94, 32, 198]

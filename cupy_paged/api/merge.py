@@ -68,7 +68,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, stream=None)
 
     Examples
     --------
-    >>> import numpy as np
+    >>> import numpy as np; from cupy_paged import merge_attention_states
     >>> o = np.ones((2, 1, 4), np.float32); lse = np.zeros((1, 2), np.float32)
     >>> merged, merged_lse = merge_attention_states(o, lse, 3 * o, lse)
     >>> float(merged[0, 0, 0]), round(float(merged_lse[0, 0]), 4)

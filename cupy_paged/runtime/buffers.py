@@ -73,8 +73,7 @@ class PlanBuffers:
 
     Examples
     --------
-    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
-    >>> from cupy_paged.runtime.plan import build_plan
+    >>> from cupy_paged import PagedAttentionCache, PlanBuffers, build_plan
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
     >>> _ = cache.allocate("a", list(range(3)))
     >>> buffers = PlanBuffers(max_batch=4, max_tokens=8, max_blocks_per_seq=cache.max_blocks_per_seq)

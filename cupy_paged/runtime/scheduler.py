@@ -42,8 +42,7 @@ class Scheduler(serving.Scheduler):
 
     Examples
     --------
-    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
-    >>> from cupy_paged.serving.scheduler import Request, SchedulerConfig
+    >>> from cupy_paged import PagedAttentionCache, Request, Scheduler, SchedulerConfig
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, device="cpu")
     >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
     >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))

@@ -62,8 +62,8 @@ class StepsInFlight(GeneralStep):
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
-        >>> from cupy_paged.serving.scheduler import Request, Scheduler
+        >>> from cupy_paged import PagedAttentionCache, Request
+        >>> from cupy_paged.serving.scheduler import Scheduler
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
         >>> scheduler = Scheduler(cache)
         >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=4))

@@ -67,7 +67,7 @@ class BatchViews:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=2, device="cpu")
         >>> cache.allocate(7, [1, 2, 3])
         0
@@ -140,7 +140,7 @@ class BatchViews:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(20)))
         0
@@ -167,7 +167,7 @@ class BatchViews:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(3))), cache.allocate("b", list(range(17)))
         (0, 0)
@@ -212,7 +212,7 @@ class BatchViews:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(2))), cache.allocate("b", list(range(3)))
         (0, 0)
@@ -243,7 +243,7 @@ class BatchViews:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(10)))
         0

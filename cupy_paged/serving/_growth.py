@@ -30,7 +30,7 @@ class Growth:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(8)))
         0
@@ -83,7 +83,7 @@ class Growth:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(8)))
         0
@@ -164,7 +164,7 @@ class Growth:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(8)))
         0
@@ -222,7 +222,7 @@ class Growth:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("p", list(range(12)))
         0

@@ -16,6 +16,7 @@ def free_memory_bytes(device: str) -> int:
 
     Examples
     --------
+    >>> from cupy_paged.serving._storage import free_memory_bytes
     >>> free_memory_bytes("cpu") > 0
     True
     """
@@ -79,7 +80,7 @@ class LayerAccess:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 2, 64, block_size=8, num_blocks=3, device="cpu")
         >>> [a.shape for a in cache.layer(0)]
         [(3, 8, 2, 64), (3, 8, 2, 64)]
@@ -104,7 +105,7 @@ class LayerAccess:
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=2, device="cpu")
         >>> k_capsule, v_capsule = cache.to_dlpack(0)
         >>> type(k_capsule).__name__
@@ -147,7 +148,7 @@ class LayerAccess:
         Examples
         --------
         >>> import numpy as np
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=2, dtype="float32", device="cpu")
         >>> new = np.ones((2, 1, 32), np.float32)
         >>> k, v = cache.update(new, 2 * new, 0, read_index=np.array([9, 3]), write_index=np.array([3, 4]))

@@ -44,6 +44,7 @@ class BlockPool:
 
     Examples
     --------
+    >>> from cupy_paged import BlockPool
     >>> pool = BlockPool(4)
     >>> blocks = pool.allocate(3)
     >>> blocks.tolist(), pool.num_free
@@ -113,6 +114,7 @@ class BlockPool:
 
         Examples
         --------
+        >>> from cupy_paged import BlockPool
         >>> BlockPool(8).allocate(2).tolist()
         [0, 1]
         """
@@ -155,6 +157,7 @@ class BlockPool:
 
         Examples
         --------
+        >>> from cupy_paged import BlockPool
         >>> pool = BlockPool(2)
         >>> b = pool.allocate(1)
         >>> pool.share(b)
@@ -185,6 +188,7 @@ class BlockPool:
 
         Examples
         --------
+        >>> from cupy_paged import BlockPool
         >>> pool = BlockPool(3)
         >>> pool.release(pool.allocate(2))
         >>> pool.num_free

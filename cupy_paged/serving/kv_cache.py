@@ -71,6 +71,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
 
     Examples
     --------
+    >>> from cupy_paged import PagedAttentionCache
     >>> cache = PagedAttentionCache(2, 1, 32, block_size=8, num_blocks=4, dtype="float32", device="cpu")
     >>> cache.allocate("a", list(range(10)))
     0
@@ -144,6 +145,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
 
         Examples
         --------
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(2, 1, 32, block_size=8, num_blocks=2, dtype="float32", device="cpu")
         >>> cache.kv[:, :, 0] = 1.0
         >>> cache.copy_blocks([0], [1])
@@ -196,6 +198,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
 
         Examples
         --------
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=2, device="cpu")
         >>> cache.allocate("a", list(range(12)), num_new_tokens=4)
         0
@@ -247,6 +250,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
 
         Examples
         --------
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(9)))
         0
@@ -289,6 +293,7 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
 
         Examples
         --------
+        >>> from cupy_paged import PagedAttentionCache
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, device="cpu")
         >>> cache.allocate("a", list(range(20)))
         0

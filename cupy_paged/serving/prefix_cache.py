@@ -40,6 +40,7 @@ def chain_hash(parent_hash: int, tokens: tuple) -> int:
 
     Examples
     --------
+    >>> from cupy_paged.serving.prefix_cache import chain_hash
     >>> a = chain_hash(None, (1, 2, 3, 4))
     >>> a == chain_hash(None, (1, 2, 3, 4)), a == chain_hash(7, (1, 2, 3, 4)), a < 2 ** 128
     (True, False, True)
@@ -66,6 +67,7 @@ class PrefixCache:
 
     Examples
     --------
+    >>> from cupy_paged.serving.prefix_cache import PrefixCache, chain_hash
     >>> prefix = PrefixCache(block_size=2)
     >>> tokens = [5, 6, 7, 8, 9]
     >>> prefix.register_blocks(tokens, [10, 11, 12], 0, 2, None) == chain_hash(chain_hash(None, (5, 6)), (7, 8))
@@ -124,6 +126,7 @@ class PrefixCache:
 
         Examples
         --------
+        >>> from cupy_paged.serving.prefix_cache import PrefixCache, chain_hash
         >>> prefix = PrefixCache(block_size=2)
         >>> h = chain_hash(None, (5, 6))
         >>> prefix.register(0, h, (5, 6))
@@ -159,6 +162,7 @@ class PrefixCache:
 
         Examples
         --------
+        >>> from cupy_paged.serving.prefix_cache import PrefixCache, chain_hash
         >>> prefix = PrefixCache(block_size=1)
         >>> h = chain_hash(None, (1,))
         >>> prefix.register(0, h, (1,)), prefix.register(1, h, (1,))

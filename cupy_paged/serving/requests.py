@@ -96,6 +96,7 @@ class SamplingParams:
 
     Examples
     --------
+    >>> from cupy_paged import SamplingParams
     >>> SamplingParams(stop_token_ids=[7, 7, 9], n=2).stop_token_ids == frozenset({7, 9})
     True
     """
@@ -171,6 +172,7 @@ class Request:
 
     Examples
     --------
+    >>> from cupy_paged import Request
     >>> r = Request("a", [1, 2, 3], max_new_tokens=2, eos_token_id=[26, 7])
     >>> r.num_tokens, r.output_token_ids, r.status.value, sorted(r.stop_token_ids)
     (3, [], 'waiting', [7, 26])
@@ -292,6 +294,7 @@ class SchedulerConfig:
 
     Examples
     --------
+    >>> from cupy_paged import SchedulerConfig
     >>> SchedulerConfig(max_batch_tokens=512, max_num_seqs=64).max_prefill_chunk
     512
     """

@@ -99,7 +99,8 @@ class Scheduler(StepsInFlight):
 
     Examples
     --------
-    >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+    >>> from cupy_paged import PagedAttentionCache, Request, SchedulerConfig
+    >>> from cupy_paged.serving.scheduler import Scheduler
     >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=16, device="cpu")
     >>> scheduler = Scheduler(cache, SchedulerConfig(max_batch_tokens=16, max_num_seqs=4))
     >>> scheduler.add_request(Request("a", list(range(20)), max_new_tokens=2))
@@ -284,7 +285,8 @@ class Scheduler(StepsInFlight):
 
         Examples
         --------
-        >>> from cupy_paged.serving.kv_cache import PagedAttentionCache
+        >>> from cupy_paged import PagedAttentionCache, Request
+        >>> from cupy_paged.serving.scheduler import Scheduler
         >>> cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=8, device="cpu")
         >>> scheduler = Scheduler(cache)
         >>> scheduler.add_request(Request(0, [5, 6, 7], max_new_tokens=1))
