@@ -13,9 +13,6 @@ MODULES = sorted(name for _, name, is_package in pkgutil.walk_packages(cupy_page
 WITH_EXAMPLES = {"cupy_paged.api.varlen", "cupy_paged.api.decode", "cupy_paged.api.dense", "cupy_paged.api.kv_write",
                  "cupy_paged.api.merge", "cupy_paged.api.indexing", "cupy_paged.serving.block_pool",
                  "cupy_paged.serving.kv_cache", "cupy_paged.serving.scheduler", "cupy_paged.runtime.plan"}
-# Examples not yet self-contained (serves_step's does not import serves_step): they run in their
-# module's globals until they import what they use (then drop them from here).
-LEANS_ON_MODULE = {"cupy_paged.api.decode.serves_step"}
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -25,8 +22,6 @@ def test_docstring_examples(name):
     module = importlib.import_module(name)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     for test in doctest.DocTestFinder().find(module, name, globs={}):
-        if test.name in LEANS_ON_MODULE:
-            test.globs = {**vars(module), **test.globs}
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0

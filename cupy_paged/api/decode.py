@@ -146,7 +146,7 @@ def serves_step(batch_size: int, num_tokens: int, max_seqlen_q: int) -> bool:
 
     Examples
     --------
-    >>> serves_step(4, 4, 1), serves_step(4, 8, 1), serves_step(2, 3, 2)
+    >>> from cupy_paged.api.decode import serves_step; serves_step(4, 4, 1), serves_step(4, 8, 1), serves_step(2, 3, 2)
     (True, False, False)
     """
     return max_seqlen_q == 1 and num_tokens == batch_size
