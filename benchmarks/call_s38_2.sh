@@ -8,6 +8,6 @@ gpu_start
 shard memo $P tests/test_memo_fast_paths.py tests/test_bad_input.py
 SHARD_LIMIT=150 step_path_tests
 if on_h200; then
-  issue_benchmarks 330
+  issue_benchmarks ${E2E_BY:-330}
 fi
 issue_tables
