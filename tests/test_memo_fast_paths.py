@@ -217,3 +217,46 @@ def test_varlen_misaligned_output_refused_after_a_remembered_call_on_the_gpu(nam
     with pytest.raises(ValueError, match=f"^{name} must start on a 16-byte boundary"):
         cupy_paged.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 5, **{name: misaligned}, **extra)
     cupy_paged.check_errors()
+
+
+def test_plan_layer_is_built_and_launched_on_the_device_of_q(stand_ins, monkeypatch):
+    """A step plan's layer whose arrays live on another device than the current one is resolved and
+    launched inside that device's context (its kernels load there; the public calls do the same),
+    and the current device is left as it was."""
+    import contextlib
+
+    from cupy_paged._core import arrays
+    from cupy_paged.runtime import plan as plan_module
+
+    current = [0]
+
+    @contextlib.contextmanager
+    def on_device(device):
+        before, current[0] = current[0], device
+        yield
+        current[0] = before
+
+    class Layer:
+        def __init__(self, plan, q, *args, **kwargs):
+            self.device, self.built_on, self.ran_on = 1, current[0], []
+
+        def run(self, *args):
+            self.ran_on.append(current[0])
+            return "out"
+
+    monkeypatch.setattr(plan_module, "current_device", lambda: current[0], raising=False)
+    monkeypatch.setattr(plan_module, "on_device", on_device, raising=False)
+    monkeypatch.setattr(plan_module, "LayerLaunch", Layer)
+    step = object.__new__(plan_module.StepPlan)
+    step.path = plan_module.VARLEN
+
+    def on_one(shape, dtype):
+        array = _Stand(shape, dtype)
+        array.data.device_id = 1
+        return array
+    arrays_ = [on_one((6, 8, 64), F16), on_one((6, 2, 64), F16), on_one((6, 2, 64), F16),
+               on_one((4, 16, 2, 64), F16), on_one((4, 16, 2, 64), F16)]
+    assert arrays._KIND_OF_TYPE[_Stand] is arrays.CUPY
+    assert step.attention(*arrays_) == "out" and step.attention(*arrays_) == "out"
+    (layer,) = step._layers.values()
+    assert layer.built_on == 1 and layer.ran_on == [1, 1] and current[0] == 0

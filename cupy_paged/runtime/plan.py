@@ -14,6 +14,7 @@ import numpy as np
 
 from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, memo_lookup, to_host
 from .._core.paging import gather_slots
+from ..api._call import current_device, on_device
 from ._calls import layer_through_calls
 from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
 from ._layer import LayerLaunch
@@ -134,8 +135,7 @@ class StepPlan:
     def read_index(self):
         """``[sum(seqlens_k)]`` slots of every key of every sequence, for ``PagedAttentionCache.update``.
 
-        Built on first use (once per step): only the manual gather/scatter path needs it.
-        """
+        Built on first use (once per step): only the manual gather/scatter path needs it."""
         table = np.asarray(to_host(self.block_table))
         lengths = np.asarray(to_host(self.seqlens_k), np.int64)
         out = np.empty(int(lengths.sum()), np.int32)
@@ -145,10 +145,9 @@ class StepPlan:
     def attention(self, q, k, v, k_cache, v_cache, softmax_scale=None, *, out=None, stream=None, **kwargs):
         """Causal attention of one layer for this step, through the plan's kernel path.
 
-        Writes the new ``k``/``v`` into the paged caches and attends each new token to
-        its sequence's cached and new keys.  On the GPU the launch of each layer shape is
-        resolved once per step (the first layer); every further layer reads its arrays'
-        pointers and launches.
+        Writes the new ``k``/``v`` into the paged caches and attends each new token to its sequence's
+        cached and new keys.  On the GPU the launch of each layer shape is resolved once per step (the
+        first layer, on q's device); every further layer reads its arrays' pointers and launches.
 
         Parameters
         ----------
@@ -165,9 +164,9 @@ class StepPlan:
         stream : optional
             As in ``flash_attn_varlen_func``.
         **kwargs
-            ``softcap``, ``window_size``, ``alibi_slopes`` (``[num_heads]`` or ``[batch, num_heads]``):
-            the ragged launch takes them itself; the other paths pass them to the public
-            functions, resolved per call.  Any other keyword is a ``TypeError`` before any work.
+            ``softcap``, ``window_size``, ``alibi_slopes`` (``[num_heads]`` or ``[batch, num_heads]``): the
+            ragged launch takes them itself; the other paths pass them to the public functions, resolved
+            per call.  Any other keyword is a ``TypeError`` before any work.
 
         Returns
         -------
@@ -196,16 +195,17 @@ class StepPlan:
         if fast and (not kwargs or self.path == RAGGED):
             key, layer, ptr = memo_lookup(self._layers, kind, _layer_key, q, k, v, k_cache, v_cache, out,
                                           softmax_scale, kwargs)
-            # Launches take CUDA arrays: a torch CPU tensor (its key's device -1 never finds one) takes
-            # the CPU backend below, as NumPy arrays do; the test is paid once per resolved launch.
+            if key is not None and 0 <= key[0][3] != current_device():  # built and launched on q's device
+                with on_device(key[0][3]):
+                    return self.attention(q, k, v, k_cache, v_cache, softmax_scale, out=out, stream=stream, **kwargs)
+            # A torch CPU tensor (its key's device -1 finds no launch) takes the CPU backend below.
             if layer is None and key is not None and (kind is CUPY or q.is_cuda):
                 layer = LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs)
                 self._layers[key] = layer
             if layer is not None:
                 return layer.run(kind, q, k, v, k_cache, v_cache, out, stream, alibi, ptr)
-        # The plan's index arrays were built (and are consistent) by build_plan: the layer calls
-        # check nothing on the host.  Arguments that key no memo (and the CPU backend) take the
-        # public functions, path by path (_calls.py).
+        # Index arrays built by build_plan are consistent: no host checks.  Arguments that key no
+        # memo (and the CPU backend) take the public functions, path by path (_calls.py).
         if self.path == RAGGED and fast and (kind is CUPY or q.is_cuda):
             return LayerLaunch(self, q, k, v, k_cache, v_cache, softmax_scale, out, **kwargs).run(
                 kind, q, k, v, k_cache, v_cache, out, stream, alibi)
