@@ -596,8 +596,25 @@ def versions() -> dict:
 
     found = {"python": platform.python_version(), "numpy": np.__version__, "cupy": cupy.__version__,
              "torch": torch.__version__, "cudnn": str(torch.backends.cudnn.version()),
-             "cupy_paged": cupy_paged.__version__}
+             "cupy_paged": cupy_paged.__version__, "tree": tree_digest()}
+    try:  # the driver's and the runtime's CUDA versions, where a GPU answers
+        found["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
+        found["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
     return found
+
+
+def tree_digest(root: pathlib.Path = HERE.parent) -> str:
+    """The first 12 hex digits of a SHA-256 over the package's and the kernels' sources (path and
+    bytes, in path order): which tree a results file measured, where the device machine has no git
+    history to name a commit."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("cupy_paged/**/*.py"), *root.glob("cuda_src/*")]):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def device_name() -> str:

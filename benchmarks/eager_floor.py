@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     timings = bench_calls.time_calls(calls(), args.reps, shuffle=True)
     rows = [bench_calls.make_row("eager floor", name, timings, None, bench_calls.Target()) for name in timings]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    args.out.write_text(json.dumps(dict(device=bench_calls.device_name(),
+                                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                         versions=bench_calls.versions(), cases=rows), indent=1) + "\n")
     bench_calls.print_table(rows)
     return 0

@@ -224,3 +224,16 @@ def test_e2e_step_log_sets_apart_decode_steps_that_waited_for_a_prefill(async_sc
     floor_ms = summary["floor_ms_at_mean"]  # a few ms: the ratios keep their digits
     assert summary["steady_over_floor"] == pytest.approx(summary["steady_mean_ms"] / floor_ms, rel=1e-3, abs=0.006)
     assert "steady_over_floor" not in log.summary([r.prompt for r in requests[1:]], tokens, None, None)
+
+
+def test_tree_digest_names_the_sources_measured(benchmarks, tmp_path):
+    """The results files' ``tree``: the same sources give the same digest, a changed kernel another."""
+    bench_calls, _ = benchmarks
+    for name, text in (("cupy_paged/a.py", "x = 1\n"), ("cupy_paged/sub/b.py", "y = 2\n"), ("cuda_src/k.cu", "k\n")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    first = bench_calls.tree_digest(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0 and bench_calls.tree_digest(tmp_path) == first
+    (tmp_path / "cuda_src/k.cu").write_text("k2\n")
+    assert bench_calls.tree_digest(tmp_path) != first
+    assert len(bench_calls.tree_digest()) == 12  # the repository's own tree
