@@ -302,14 +302,3 @@ def test_decode_pass_equals_the_general_plan(seed):
         cache.mark_computed(batch)
     with pytest.raises(ValueError, match=r"query_lens\[0\] = 1 must be >= 1 and fit the 0 slots reserved"):
         build_plan(cache, live[:1], 1, buffers=fast)
-
-
-def test_build_plan_refuses_a_sequence_twice():
-    """Two rows of one sequence would write the same cache slots: refused as grow refuses it."""
-    from cupy_paged import PagedAttentionCache, build_plan
-
-    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, dtype="float32", device="cpu")
-    cache.allocate("a", list(range(5)))
-    with pytest.raises(ValueError, match="seq_ids must be distinct"):
-        build_plan(cache, ["a", "a"], [5, 5])
-    assert build_plan(cache, ["a"], [5]).slot_mapping.tolist() == [0, 1, 2, 3, 4]

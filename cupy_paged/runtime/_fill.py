@@ -86,13 +86,6 @@ def _pad_rows(batch, tokens, cu_q, cu_k, query_out, cache_seqlens, seqlens_k, bl
             memo_rows[i] = PADDING_ROW
 
 
-def distinct(seq_ids: list) -> list:
-    """``seq_ids``, refused unless distinct: two rows of one sequence would write the same slots."""
-    if len(set(seq_ids)) != len(seq_ids):
-        raise ValueError("seq_ids must be distinct")
-    return seq_ids
-
-
 def query_lengths(query_lens, batch: int) -> np.ndarray:
     """``query_lens`` as ``[batch]`` int64 (one int is every sequence's)."""
     return check_counts(query_lens, batch, "query_lens")

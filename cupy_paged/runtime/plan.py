@@ -16,7 +16,7 @@ from .._core.arrays import _KIND_OF_TYPE, CUDA, CUPY, TORCH, kind_of, memo_looku
 from .._core.paging import gather_slots
 from ..api._call import current_device, on_device
 from ._calls import layer_through_calls
-from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, distinct, fill_plan, query_lengths
+from ._fill import UNKNOWN_ROW, check_reserved, decode_plan_fields, fill_plan, query_lengths
 from ._layer import LayerLaunch
 from ._work import DECODE, RAGGED, SPLIT, VARLEN, choose_path, final_path, fill_work, plan_work
 from .buffers import PlanBuffers, layout, views
@@ -295,7 +295,7 @@ def build_plan(cache, seq_ids, query_lens, input_ids=None, sample_mask=None, row
     [[0, 1], [2, -1], [3, -1]]
     """
     seq_ids = list(seq_ids)
-    rows = cache.rows(distinct(seq_ids)) if rows is None else rows
+    rows = cache.rows(seq_ids) if rows is None else rows
     if (buffers is not None and sample_mask is None and type(query_lens) is int and query_lens == 1
             and (path == DECODE or (path is None and num_heads is None)) and rows.size):
         fields = decode_plan_fields(cache, seq_ids, rows, input_ids, buffers, batch_size, num_tokens)
