@@ -265,3 +265,15 @@ def test_torch_stream_wraps_the_default_stream_not_a_new_one():
     assert torch_stream(old_torch, 0) == ("default", 0)
     assert torch_stream(old_torch, 1234) == ("external", 1234)
     assert ("ExternalStream", 0) not in made
+
+
+def test_cu_seqlens_of_a_torch_tensor_is_a_torch_tensor_on_its_device():
+    """A torch CPU tensor of lengths gives torch back (it went to CuPy before: an error without a GPU)."""
+    torch = pytest.importorskip("torch")
+    import cupy_paged
+
+    cu, longest = cupy_paged.cu_seqlens_from_lengths(torch.tensor([3, 1, 4]))
+    assert isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.device.type == "cpu"
+    assert cu.tolist() == [0, 3, 4, 8] and longest == 4
+    np_cu, _ = cupy_paged.cu_seqlens_from_lengths(torch.tensor([3, 1, 4]), xp=np)
+    assert isinstance(np_cu, np.ndarray) and np_cu.tolist() == [0, 3, 4, 8]

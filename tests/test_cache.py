@@ -714,3 +714,40 @@ def test_cuda_cache_update_copy_on_write_and_plan_buffers():
     assert plan.slot_mapping.get().tolist() == [child_block * 16 + 4, -1]
 
 
+
+
+@pytest.mark.parametrize("src, dst, error, match", [
+    ([0], [-1], ValueError, r"^dst must be block ids in \[0, 4\); got -1"),  # -1 would be the last block
+    ([-1], [1], ValueError, r"^src must be block ids in \[0, 4\); got -1"),
+    ([1.9], [2.7], TypeError, "^src must be a sequence of int block ids"),
+    ([True], [2], TypeError, "^src must be a sequence of int block ids"),
+    ([0, 1], [2], ValueError, "^src and dst must hold one block id a copy each"),
+    ([0, 1], [2, 2], ValueError, "^dst must be distinct block ids, none of them in src"),
+    ([0, 1], [1, 2], ValueError, "^dst must be distinct block ids, none of them in src"),
+    ([0], [4], ValueError, r"^dst must be block ids in \[0, 4\); got 4"),
+])
+def test_copy_blocks_refuses_ids_it_cannot_copy(src, dst, error, match):
+    """Block ids outside the pool (the tables' -1 among them), floats, bools, unequal lengths,
+    repeated or overlapping destinations: an error naming the argument, and no block written."""
+    cache = PagedAttentionCache(1, 1, 32, block_size=8, num_blocks=4, dtype="float32", device="cpu")
+    cache.kv[...] = np.arange(4, dtype=np.float32)[None, None, :, None, None, None]
+    before = cache.kv.copy()
+    with pytest.raises(error, match=match):
+        cache.copy_blocks(src, dst)
+    np.testing.assert_array_equal(cache.kv, before)
+    cache.copy_blocks([0, 0], [2, 3])  # one source into two blocks: fine
+    assert cache.kv[:, :, 2:].max() == 0
+
+
+def test_update_refuses_a_batch_of_more_than_one():
+    """``update`` takes ``[num_new, Hkv, D]`` or ``[1, num_new, Hkv, D]``; a leading 2 was read as
+    its first row only, the second batch row dropped without a word."""
+    cache = PagedAttentionCache(1, 1, 4, block_size=8, num_blocks=2, dtype="float32", device="cpu")
+    states = np.stack([np.full((2, 1, 4), 1.0, np.float32), np.full((2, 1, 4), 7.0, np.float32)])
+    slots = np.array([3, 4])
+    with pytest.raises(ValueError, match="^key_states of four axes must have a leading 1"):
+        cache.update(states, states, 0, read_index=slots, write_index=slots)
+    with pytest.raises(ValueError, match="^value_states of four axes must have a leading 1"):
+        cache.update(states[:1], states, 0, read_index=slots, write_index=slots)
+    k, _ = cache.update(states[:1], states[:1], 0, read_index=slots, write_index=slots)
+    assert k.shape == (1, 2, 1, 4) and float(k.sum()) == 8.0

@@ -35,7 +35,8 @@ def cu_seqlens_from_lengths(lengths, xp=None):
     Parameters
     ----------
     lengths : sequence of int or int array ``[batch_size]``
-    xp : module, optional; ``numpy`` (default for lists) or ``cupy``
+    xp : module, optional; ``numpy`` (default for lists) or ``cupy``; default for an array: its own
+        kind (a torch tensor gives a torch tensor on its device)
 
     Returns
     -------
@@ -48,6 +49,11 @@ def cu_seqlens_from_lengths(lengths, xp=None):
     >>> cu.tolist(), longest
     ([0, 10, 13, 14], 10)
     """
+    if xp is None and kind_of(lengths) is TORCH:  # torch in, torch out, on the tensor's device
+        import torch
+
+        cu, longest = cu_seqlens_from_lengths(to_host(lengths))
+        return torch.as_tensor(cu, device=lengths.device), longest
     on_device = hasattr(lengths, "dtype") and not isinstance(lengths, np.ndarray)
     xp = xp or (xp_of(lengths) if on_device else np)
     host = _int_values(lengths, "lengths")

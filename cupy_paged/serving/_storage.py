@@ -171,7 +171,11 @@ class LayerAccess:
         key_states = as_array(key_states, "key_states")
         value_states = as_array(value_states, "value_states")
         batched = key_states.ndim == 4
-        if batched:
+        if batched:  # [1, num_new, Hkv, D] both: a batch of one (another leading size would be dropped)
+            for name, states in (("key_states", key_states), ("value_states", value_states)):
+                if states.ndim != 4 or states.shape[0] != 1:
+                    raise ValueError(f"{name} of four axes must have a leading 1 ([1, num_new, num_kv_heads, "
+                                     f"head_dim], as key_states); got {tuple(states.shape)}")
             key_states, value_states = key_states[0], value_states[0]
         row = (self.num_kv_heads, self.head_dim)
         for name, states in (("key_states", key_states), ("value_states", value_states)):

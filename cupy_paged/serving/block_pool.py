@@ -133,16 +133,16 @@ class BlockPool:
         self.ref_counts[blocks] = 1
         return blocks
 
-    def _ids(self, blocks) -> np.ndarray:
+    def _ids(self, blocks, name: str = "blocks") -> np.ndarray:
         """``blocks`` as int64 block ids, each in ``[0, num_blocks)``: a ValueError naming them
-        otherwise (a negative id would index the pool from its end)."""
+        (as ``name``) otherwise (a negative id would index the pool from its end)."""
         ids = np.asarray(blocks)
         if ids.ndim > 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise TypeError(f"blocks must be a sequence of int block ids; got {ids.dtype} of shape {ids.shape}")
+            raise TypeError(f"{name} must be a sequence of int block ids; got {ids.dtype} of shape {ids.shape}")
         ids = ids.reshape(-1).astype(np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
-            raise ValueError(f"blocks must be block ids in [0, {self.num_blocks}); got {bad}")
+            raise ValueError(f"{name} must be block ids in [0, {self.num_blocks}); got {bad}")
         return ids
 
     def share(self, blocks) -> None:

@@ -152,11 +152,14 @@ class PagedAttentionCache(LayerAccess, BatchViews, Growth):
         >>> float(cache.kv[1, 1, 1].min())
         1.0
         """
-        xp = xp_of(self.kv)
-        src = xp.asarray(np.asarray(src, np.int64))
-        dst = xp.asarray(np.asarray(dst, np.int64))
+        src, dst = self.pool._ids(src, "src"), self.pool._ids(dst, "dst")  # -1 would be the last block
+        if src.size != dst.size:
+            raise ValueError(f"src and dst must hold one block id a copy each; got {src.size} and {dst.size}")
+        if np.unique(dst).size != dst.size or np.isin(dst, src).any():
+            raise ValueError(f"dst must be distinct block ids, none of them in src; got {dst.tolist()[:16]}")
         if src.size:
-            self.kv[:, :, dst] = self.kv[:, :, src]
+            xp = xp_of(self.kv)
+            self.kv[:, :, xp.asarray(dst)] = self.kv[:, :, xp.asarray(src)]
 
     def allocate(self, seq_id, token_ids, num_new_tokens: int | None = None, reserve: int = 0, *,
                  max_num_new_tokens: int | None = None) -> int:
