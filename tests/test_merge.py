@@ -103,3 +103,32 @@ def test_merge_of_torch_cpu_tensors_returns_torch_tensors(dtype):
     out = torch.full_like(ta, float("nan"))
     result, _ = merge_attention_states(ta, torch.from_numpy(la), tb, torch.from_numpy(lb), out=out)
     assert result is out and torch.equal(out, got)
+
+
+_SPECIAL_LSE = [(np.nan, 0.0), (0.0, np.nan), (np.nan, np.nan), (np.inf, 0.0), (0.0, np.inf), (np.inf, -np.inf),
+                (np.inf, np.inf), (np.inf, np.nan), (-np.inf, -np.inf)]
+# (out, lse) of each case with out_a = 2, out_b = 5: a NaN LSE or +inf on both sides is NaN, never a
+# row that looks empty (zeros, -inf); +inf on one side takes that side.
+_SPECIAL_WANT = [(np.nan, np.nan), (np.nan, np.nan), (np.nan, np.nan), (2.0, np.inf), (5.0, np.inf), (2.0, np.inf),
+                 (np.nan, np.nan), (np.nan, np.nan), (0.0, -np.inf)]
+
+
+@pytest.mark.parametrize("side", ["cpu", pytest.param("gpu", marks=GPU)])
+def test_nan_and_infinite_lse_are_not_read_as_empty_rows(side):
+    """A NaN LSE (a broken partial result) made the CPU's merged row zeros with LSE -inf, which reads
+    as a row with no key: the other side's valid result lost without a sign.  Both backends now give
+    NaN there, and take the side whose LSE is +inf."""
+    n = len(_SPECIAL_LSE)
+    lse_a = np.array([[a for a, _ in _SPECIAL_LSE]], np.float32)
+    lse_b = np.array([[b for _, b in _SPECIAL_LSE]], np.float32)
+    a, b = np.full((n, 1, 8), 2.0, np.float32), np.full((n, 1, 8), 5.0, np.float32)
+    if side == "gpu":
+        import cupy
+
+        a, b, lse_a, lse_b = (cupy.asarray(x) for x in (a, b, lse_a, lse_b))
+    out, lse = merge_attention_states(a, lse_a, b, lse_b)
+    out, lse = to_numpy(out), to_numpy(lse)
+    want_out = np.array([o for o, _ in _SPECIAL_WANT], np.float32)
+    want_lse = np.array([[lv for _, lv in _SPECIAL_WANT]], np.float32)
+    np.testing.assert_array_equal(out[:, 0, :], np.repeat(want_out[:, None], 8, axis=1))
+    np.testing.assert_array_equal(lse, want_lse)
