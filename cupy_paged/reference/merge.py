@@ -12,13 +12,9 @@ def run(out_a, lse_a, out_b, lse_b, out):
     la = _rows(lse_a, out_a.ndim).astype(np.float64)
     lb = _rows(lse_b, out_a.ndim).astype(np.float64)
     top = np.maximum(la, lb)
-    # As merge.cu: a NaN LSE, or +inf on both sides, makes the row NaN; +inf on one side takes that side.
-    safe = np.where(np.isneginf(top) | np.isnan(top), 0.0, top)
-    with np.errstate(invalid="ignore"):
+    safe = np.where(np.isneginf(top), 0.0, top)
+    with np.errstate(invalid="ignore"):  # a NaN or +inf LSE: a NaN weight (inf - inf), as in merge.cu
         wa, wb = np.exp(la - safe), np.exp(lb - safe)
-    infinite, both = np.isposinf(top), la == lb
-    wa = np.where(infinite, np.where(both, np.nan, la == top), wa)
-    wb = np.where(infinite, np.where(both, np.nan, lb == top), wb)
     total = wa + wb
     seen = total > 0
     merged = np.zeros(out_a.shape, np.float64)
@@ -27,7 +23,7 @@ def run(out_a, lse_a, out_b, lse_b, out):
         share = np.where(seen, weight / np.where(seen, total, 1.0), 0.0)[..., None]
         merged += np.where(contributes[..., None], share * part.astype(np.float64), 0.0)
     merged_lse = np.where(seen, safe + np.log(np.where(seen, total, 1.0)), -np.inf).astype(np.float32)
-    invalid = np.isnan(total)  # a NaN LSE, or +inf on both sides
+    invalid = np.isnan(total)  # the row NaN, never one that reads as empty (zeros, LSE -inf)
     merged[invalid], merged_lse[invalid] = np.nan, np.nan
     lse = np.ascontiguousarray(_rows(merged_lse, out_a.ndim))  # the transpose is its own inverse
     out[...] = merged.astype(out_a.dtype)
