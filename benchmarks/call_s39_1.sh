@@ -10,7 +10,8 @@ gpu_start
 METRICS=gpu__time_duration.sum,smsp__inst_executed.sum,sm__cycles_active.avg,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed
 step ncu_shapes 150 ncu --clock-control none --profile-from-start off --metrics $METRICS --section WarpStateStats \
   --csv --page details python3 benchmarks/ncu_varlen.py --lens 2048x8 4096x8 --shapes registered overlap --peers
-grep -h -E "^=== .* rc=" $R
+shard cpu_after $P tests/test_merge.py tests/test_cache.py tests/test_arrays.py; shards_done
+grep -h -E "^=== .* rc=|^shard" $R
 grep -h -E "gpu__time|inst_executed|cycles_active|issue_active|pipe_tensor|Stall|Warp Cycles Per" $R | cut -c1-200 | head -60
 if on_h200; then
   issue_benchmarks 330
