@@ -60,8 +60,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # v11 (one-warpgroup CTAs at D=64, v9 at D=128) and the v12 candidate; earlier sweeps, with their
 # outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
-    64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
-    128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)),
+    64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, pv_overlap=True),
+         WgmmaTiles(128, 2, producer=True, tma=True)),
+    128: (WgmmaTiles(128, 2, producer=True), WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True, tma=True)),
 }
 
 

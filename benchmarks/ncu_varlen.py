@@ -6,7 +6,8 @@ time goes (memory traffic, L2 hit rate, warp stalls) beside another's on the sam
 Each (batch, shape) pair runs once untimed (module load, warm caches), then once inside
 ``cudaProfilerStart`` / ``cudaProfilerStop``, so ncu sees exactly one launch of each.  The shapes are
 the registered one of head dim 128, the persistent candidate of the GPU tests (NOTES_varlen.md, v10) and
-the softmax-under-P V candidate (v12); ``--shapes`` picks some.  ``--peers`` profiles torch's FlashAttention-2 varlen and cuDNN SDPA on the same
+the softmax-under-P V candidate (v12), and the TMA loader's candidates with and without it (v16);
+``--shapes`` picks some.  ``--peers`` profiles torch's FlashAttention-2 varlen and cuDNN SDPA on the same
 batch the same way (bench_varlen's peer calls; cuDNN's on the dense batch with K/V repeated to every
 query head, as its call there).
 """
@@ -24,7 +25,9 @@ from cupy_paged.kernels.varlen_wgmma import WGMMA_TILES, WgmmaTiles  # noqa: E40
 
 SHAPES = {"registered": WGMMA_TILES[128], "persistent": WgmmaTiles(128, 2, producer=True, persistent=True),
           # v12's schedule: a warpgroup's softmax of tile t under its own P V of tile t - 1 (lean producer)
-          "overlap": WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)}
+          "overlap": WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
+          "tma": WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True),
+          "tma_overlap": WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True, tma=True)}
 
 
 def main() -> None:

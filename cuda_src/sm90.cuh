@@ -71,6 +71,34 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
       "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity)
       : "memory");
 }
+// One arrival that also expects `bytes` more of asynchronous copies (TMA) in this phase: the
+// phase completes once every expected arrival has come and those bytes have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- the tensor-memory accelerator (TMA)
+
+// A CUtensorMap (cuda.h): 128 opaque bytes, encoded on the host (cupy_paged/_core/tma.py) and
+// passed by value as a __grid_constant__ kernel parameter, whose address the copies take.
+struct alignas(64) TensorMap {
+  u64 opaque[16];
+};
+// The K and V maps of a launch (varlen_ws.cuh with TMA = 1): the first kernel parameter.
+struct TmaMaps {
+  TensorMap k, v;
+};
+
+// The box at coordinates (c0, c1, c2) of the 3-d tensor map at generic address `map` -> shared
+// memory at `dst`, completing `bytes` of the transaction count of the mbarrier at `bar`.  Elements
+// outside the tensor are filled with zeros (and counted).
+__device__ __forceinline__ void tma_load_3d(u32 dst, u64 map, int c0, int c1, int c2, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
 // Named barriers 1..15 among `threads` threads (a multiple of 32): sync waits, arrive does not.
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -49,11 +49,21 @@ __shared__ unsigned long long* s_trace_row;
 #ifndef PV_OVERLAP
 #define PV_OVERLAP 0
 #endif
+#ifndef TMA
+#define TMA 0
+#endif
 constexpr bool WS_LEAN = WS_LEAN_PRODUCER != 0;  // varlen_wgmma.cu: PV_OVERLAP at D >= 128
 
 // A lean producer gives the consumers 24 more registers each: P stays live through the softmax
 // when it runs under P V (PV_OVERLAP), which at D = 128 needs 216 a thread to spill nothing.
-constexpr int kProducerRegisters = WS_LEAN ? 72 : 112, kConsumerRegisters = WS_LEAN ? 216 : 192;
+// With the TMA copying the full tiles the producer needs fewer still (WS_TMA_PRODUCER_REGISTERS,
+// a candidate's knob), and the consumers take what it frees.
+#ifndef WS_TMA_PRODUCER_REGISTERS
+#define WS_TMA_PRODUCER_REGISTERS 72
+#endif
+constexpr int kProducerRegisters = TMA && WS_LEAN ? WS_TMA_PRODUCER_REGISTERS : WS_LEAN ? 72 : 112;
+constexpr int kConsumerRegisters = TMA && WS_LEAN ? (65536 / 384 / 8 * 8 * 384 - 128 * kProducerRegisters) / 256 / 8 * 8
+                                   : WS_LEAN ? 216 : 192;
 // setmaxnreg only moves registers inside the CTA's launch allocation: kCtaThreads threads of the
 // count ptxas gives the kernel under __launch_bounds__(kCtaThreads, 1), the most that fits 64 Ki
 // registers in multiples of 8 (168 for 384 threads; tests/test_compiler.py checks that every
@@ -201,6 +211,143 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
   }
   if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());
 }
+
+#if TMA
+// ---- TMA = 1: full key tiles copied by the tensor-memory accelerator
+//
+// The host encodes two tensor maps (cupy_paged/_core/tma.py) that view K and V as [slots, kv heads,
+// head dim]: a paged cache's slot is block * block_size + offset, a contiguous K/V's its row.  A
+// paged full tile is kRuns boxes of 16 rows (a box lies in one block for blocks of 16 keys or
+// more), a contiguous one a single box of kBlockN rows (the host encodes its map so), each box
+// copied one 64-element column block at a time: the maps' 128-byte swizzle writes exactly
+// Sw128Tile's layout (it repeats every 8 rows, so one 128-row box writes the bytes of eight
+// 16-row ones).  So thread 0 issues kRuns * kChunks / 8 copies a paged tile and kChunks / 8 a
+// contiguous one, where the cp.async loader has every producer thread issue kBlockN * kChunks /
+// 128, and the copies complete the slot's barrier by their byte count.  A contiguous full tile has
+// no hole: its producer threads write no loadable byte and vote nothing.  A hole's box starts at the first slot past the cache,
+// so it lands as zeros, as a hole's cp.async rows do.  Partial tiles (a sequence's last keys, a
+// table row's last columns) and blocks of 8 keys keep the cp.async loader (load_kv_tile).
+static_assert(!Tr::kPersistent, "the TMA loader runs one CTA per query tile");
+static_assert(Tr::kBlockN == 128, "a TMA tile's rows are the producer warpgroup's threads, one each");
+constexpr int kBoxRows = 16, kRuns = Tr::kBlockN / kBoxRows, kColumnBlocks = Tr::kChunks / 8;
+
+// Whether the tile at n0 is copied by the TMA: all its keys inside the sequence (contiguous: inside
+// k and v) and, paged, in listed columns of blocks of at least 16 keys.
+__device__ __forceinline__ bool tma_tile(const KvSource& src, int n0) {
+  if (src.table == nullptr) return n0 + Tr::kBlockN <= src.loadable;
+  return src.block_shift >= 4 && n0 + Tr::kBlockN <= src.length &&
+         paged::Blocks(src.block_shift).column(n0 + Tr::kBlockN - 1) < src.table_width;
+}
+
+// Paged: the block ids of the tile at n0, this thread's row's (`own`) and, in thread 0, each run's,
+// a tile ahead (a lean producer reads them where it uses them: fewer registers).
+__device__ __forceinline__ void fetch_run_ids(int (&ids)[kRuns], int& own, const KvSource& src, int n0) {
+  const paged::Blocks layout(src.block_shift);
+  if (WS_LEAN) return;  // a lean producer reads them where it uses them
+  own = __ldg(src.table + layout.column(n0 + static_cast<int>(threadIdx.x)));
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int q = 0; q < kRuns; ++q) ids[q] = __ldg(src.table + layout.column(n0 + q * kBoxRows));
+  }
+}
+
+// Thread 0: every box of the K or V tile at n0 -> the tile at s_tile, completing the barrier `bar`.
+// A hole's box starts at the first slot past the paged cache (num_blocks * block_size).  The slot may have been
+// written by cp.async (generic proxy) in an earlier round: the proxy fence orders those writes,
+// released to this thread through the slot's free barrier, before the TMA's (async proxy).
+__device__ __forceinline__ void tma_boxes(u32 s_tile, u64 map, u32 bar, const KvSource& src, int n0,
+                                          const int (&ids)[kRuns], int kv_head) {
+  const paged::Blocks layout(src.block_shift);
+  cp::fence_proxy_async();
+  if (src.table == nullptr) {  // contiguous: the map's boxes are the tile's kBlockN rows
+#pragma unroll
+    for (int cb = 0; cb < kColumnBlocks; ++cb)
+      cp::tma_load_3d(s_tile + cb * Tr::KVTile::kColumnBytes, map, cb * 64, kv_head, src.first_row + n0, bar);
+    return;
+  }
+#pragma unroll(WS_LEAN ? 1 : kRuns)
+  for (int q = 0; q < kRuns; ++q) {
+    const int id = WS_LEAN ? __ldg(src.table + layout.column(n0 + q * kBoxRows)) : ids[q];
+    const int slot = paged::is_block(id, src.num_rows) ? static_cast<int>(layout.slot(id, n0 + q * kBoxRows))
+                                                       : src.num_rows << src.block_shift;
+#pragma unroll
+    for (int cb = 0; cb < kColumnBlocks; ++cb)
+      cp::tma_load_3d(s_tile + cb * Tr::KVTile::kColumnBytes + q * kBoxRows * 128, map, cb * 64, kv_head, slot, bar);
+  }
+}
+
+// produce() with the full tiles copied by the TMA (`maps`: the kernel's parameter, whose address the
+// copies take where they are issued; the CTA's kv head).  One CTA per query tile: the task's tiles
+// are the CTA's tiles 0, 1, ...  Tiles are visited downwards and a tile the TMA copies has every
+// tile below it copied so too (tma_tile's bounds only grow more true as n0 falls), so the tiles
+// the cp.async loader takes come first, in a loop of their own (two loops hold fewer registers
+// than one that can take either kind).
+__device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Barriers bars, unsigned char* holes,
+                                            unsigned char* s_loadable, long long q_row, int total_q,
+                                            const cp::TmaMaps& maps, int kv_head) {
+  load_q_tile(s_q, t.q_head, q_row, (long long)t.q_start + t.m0, t.m_end - t.m0, total_q);
+  cp::cp_async_mbar_arrive(bars.q_full());
+  if (TRACE && threadIdx.x == 0) WS_STAMP(3, cp::global_ns());
+  KvSource src = t.src;
+  int it = 0;
+  for (; it < t.num_tiles; ++it) {
+    const int n0 = (t.tile_first - it) * Tr::kBlockN;
+    if (tma_tile(src, n0)) break;
+    asm volatile("" : "+r"(src.k_row), "+r"(src.v_row), "+l"(src.k_lane), "+l"(src.v_lane));
+    const int stage = it % Tr::kStages;
+    const u32 free_parity = round_parity(it) ^ 1u;  // the previous round's release (a fresh slot: at once)
+    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
+    unsigned char* loadable = s_loadable + stage * Tr::kBlockN;
+    cp::mbar_wait(bars.k_free(stage), free_parity);
+    const int hole = load_kv_tile<false, kLoadK>(s_k, 0u, loadable, nullptr, false, 0u, src, n0);
+    cp::cp_async_mbar_arrive(bars.k_full(stage));
+    const bool warp_hole = __any_sync(0xffffffffu, hole);
+    if ((threadIdx.x & 31) == 0) holes[4 * stage + (threadIdx.x >> 5)] = warp_hole;
+    cp::mbar_arrive(bars.k_full(stage));
+    cp::mbar_wait(bars.v_free(stage), free_parity);
+    load_kv_tile<false, kLoadV>(0u, s_k + Tr::kKVBytes, loadable, nullptr, false, 0u, src, n0);
+    cp::cp_async_mbar_arrive(bars.v_full(stage));
+  }
+  const bool paged = src.table != nullptr;
+  int ids[kRuns], next_ids[kRuns], own = 0, next_own = 0;
+  if (it < t.num_tiles && paged) fetch_run_ids(next_ids, next_own, src, (t.tile_first - it) * Tr::kBlockN);
+  for (; it < t.num_tiles; ++it) {
+    const int stage = it % Tr::kStages;
+    const u32 free_parity = round_parity(it) ^ 1u;
+    const int n0 = (t.tile_first - it) * Tr::kBlockN;
+    const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
+    own = next_own;
+#pragma unroll
+    for (int q = 0; q < kRuns; ++q) ids[q] = next_ids[q];
+    // The next tile's block ids, loaded now: the wait for the next free slot covers them.
+    if (it + 1 < t.num_tiles && paged) fetch_run_ids(next_ids, next_own, src, n0 - Tr::kBlockN);
+    cp::mbar_wait(bars.k_free(stage), free_parity);
+    bool warp_hole = false;
+    if (paged) {
+      if (WS_LEAN) own = __ldg(src.table + paged::Blocks(src.block_shift).column(n0 + static_cast<int>(threadIdx.x)));
+      const bool ok = paged::is_block(own, src.num_rows);
+      s_loadable[stage * Tr::kBlockN + threadIdx.x] = ok;
+      warp_hole = __any_sync(0xffffffffu, !ok);
+    }
+    if (threadIdx.x == 0) {
+      cp::mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVBytes);  // this thread's copy arrival
+      tma_boxes(s_k, reinterpret_cast<u64>(&maps.k), bars.k_full(stage), src, n0, ids, kv_head);
+    } else {
+      cp::mbar_arrive(bars.k_full(stage));  // in place of its copy arrival
+    }
+    if ((threadIdx.x & 31) == 0) holes[4 * stage + (threadIdx.x >> 5)] = warp_hole;
+    cp::mbar_arrive(bars.k_full(stage));
+    cp::mbar_wait(bars.v_free(stage), free_parity);
+    if (threadIdx.x == 0) {
+      cp::mbar_arrive_expect_tx(bars.v_full(stage), Tr::kKVBytes);
+      tma_boxes(s_k + Tr::kKVBytes, reinterpret_cast<u64>(&maps.v), bars.v_full(stage), src, n0, ids, kv_head);
+    } else {
+      cp::mbar_arrive(bars.v_full(stage));
+    }
+  }
+  if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());
+}
+#endif
 
 // STAGED_STORE: a consumer warpgroup's output rows through shared memory, then to global memory
 // 16 bytes a thread, each row written by 16 (D = 128) consecutive threads.  The warpgroup's
@@ -420,7 +567,14 @@ struct TaskList {
 
 }  // namespace varlen
 
-extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_fwd_wgmma(VARLEN_FWD_PARAMS) {
+// TMA = 1: the K and V tensor maps come first, by value (their copies read them where they lie).
+#if TMA
+#define VARLEN_TMA_PARAM const __grid_constant__ cp::TmaMaps tma_maps,
+#else
+#define VARLEN_TMA_PARAM
+#endif
+
+extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_fwd_wgmma(VARLEN_TMA_PARAM VARLEN_FWD_PARAMS) {
   using namespace varlen;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 raw = cp::smem_address(smem_raw);
@@ -526,7 +680,11 @@ extern "C" __global__ void __launch_bounds__(varlen::Tr::kCtaThreads, 1) varlen_
         WS_STAMP(2, cp::global_ns());
         WS_STAMP(11, t.num_tiles);
       }
+#if TMA
+      produce_tma(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, tma_maps, blockIdx.y / group_size);
+#else
       produce(t, s_q, s_kv, bars, holes, s_loadable, q_row, total_q, 0, 0);
+#endif
       cp::cp_async_wait<0>();  // no copy may still target shared memory when the thread exits
     } else {
       cp::registers_increase<kConsumerRegisters>();

@@ -247,3 +247,39 @@ def test_generated_wgmma_header_is_current():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.TARGET.read_text() == gen.render()
+
+
+def test_a_tma_shape_takes_its_maps_first_and_falls_back_where_none_fits():
+    """``tma=True``: a producer shape of 128-key tiles with one CTA per query tile whose key says
+    ``TMA=1``; the maps describe K/V only where the strides nest (heads inside a row), are whole
+    16-byte steps, and the rows fit int32 coordinates; without the driver's encoder (no GPU) a
+    launch of the shape takes no maps."""
+    import numpy as np
+
+    from cupy_paged._core import tma
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels import varlen_wgmma
+
+    tiles = varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True)
+    assert tiles.label() == "wg128x128s2pot" and ("TMA", 1) in varlen_wgmma.kernel_key(BF16, 128, tiles).params
+    assert ("TMA", 1) not in varlen_wgmma.kernel_key(BF16, 128).params
+    for wrong in (dict(), dict(persistent=True, producer=True), dict(producer=True, block_n=64)):
+        args = dict(block_n=128, stages=2, tma=True) | wrong
+        with pytest.raises(ValueError, match="TMA"):
+            varlen_wgmma.WgmmaTiles(**args)
+    fits = tma.kv_map_fits
+    assert fits(BF16, 128, 8, 128, 10_000, 8 * 128) and fits(np.float16, 64, 2, 64, 1, 128)
+    assert not fits(np.float32, 128, 8, 128, 10, 1024)        # not a 16-bit type
+    assert not fits(BF16, 96, 8, 96, 10, 768)                  # not whole 64-element column blocks
+    assert not fits(BF16, 128, 2, 10_000 * 128, 10_000, 128)   # heads outside the rows ([H, T, D])
+    assert not fits(BF16, 128, 8, 128, 2 ** 31, 1024)          # rows past int32 coordinates
+    assert not fits(BF16, 128, 8, 132, 10, 8 * 132)            # a head stride of 264 bytes
+    # A map's box is a paged cache's 16 rows or a contiguous tile's 128, as the kernel issues its copies.
+    for rows in (tma.PAGED_BOX_ROWS, tma.CONTIGUOUS_BOX_ROWS):
+        tma.KvMaps(BF16, 128, 8, (1024, 128, 1024, 128), 10_000, rows)
+    with pytest.raises(ValueError, match="box_rows"):
+        tma.KvMaps(BF16, 128, 8, (1024, 128, 1024, 128), 10_000, 64)
+    if not tma.available():
+        from cupy_paged.kernels.varlen import _kv_maps
+
+        assert _kv_maps(None, tiles) is None

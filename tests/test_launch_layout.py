@@ -131,8 +131,8 @@ def test_device_list_constants_match_the_kernel_source():
 
 def binary_parameters(cubin: bytes, kernel: str) -> list[tuple[int, int]]:
     """``(offset, size)`` of each parameter of ``kernel`` as its cubin records them (the
-    ``EIATTR_KPARAM_INFO`` entries of ``.nv.info.<kernel>``): where the kernel reads each argument,
-    so where a launch by buffer must put it."""
+    ``EIATTR_KPARAM_INFO`` entries of ``.nv.info.<kernel>``): where the driver puts each argument of
+    a launch by parameter pointers, and where a launch by buffer must have put it."""
     section_at = struct.unpack_from("<Q", cubin, 0x28)[0]
     entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, section_at + i * entry_size) for i in range(count)]
@@ -158,19 +158,28 @@ def binary_parameters(cubin: bytes, kernel: str) -> list[tuple[int, int]]:
 
 def test_launch_buffers_are_the_binary_parameter_layout():
     """A launch by buffer hands the kernel its C layout, so every kernel launched so must record
-    exactly that layout in its binary, which need not be so: a parameter aligned past 16 bytes
-    goes where that alignment holds in the constant bank (48 bytes into the parameter space on
-    sm_90), not at its C offset.  Read from cubins NVRTC builds without a GPU (the registered
-    wgmma shape, D = 64, and the decode kernel with its 160-byte parameter struct)."""
+    exactly that layout in its binary; the TMA shape's 64-byte aligned maps move its parameters 48
+    bytes on (sm_90), so its launcher goes by parameter pointers, each at its argument's place in
+    the buffer.  Read from cubins NVRTC builds without a GPU (the registered wgmma shape and the TMA
+    candidate, D = 64, and the decode kernel with its 160-byte parameter struct)."""
     from cupy_paged._core.nvrtc import nvrtc_compile
     from cupy_paged._core.types import BF16
     from cupy_paged.kernels._launch import Launcher
 
-    cases = [(varlen.specialization(BF16, 64, varlen_wgmma.WGMMA_TILES[64]), varlen._LAYOUT),
+    tma_tiles = varlen_wgmma.WgmmaTiles(128, 2, producer=True, tma=True)
+    cases = [(varlen.specialization(BF16, 64, varlen_wgmma.WGMMA_TILES[64]), varlen._LAYOUT, False),
+             (varlen.specialization(BF16, 64, tma_tiles), "256s" + varlen._LAYOUT, True),
              # DecodeParams is one parameter of the kernel, its fields one struct entry here
-             ((decode.kernel_key(BF16, 128), "paged_decode"), _decode_layout(decode._DECODE_LAYOUT))]
-    for (key, kernel), layout in cases:
+             ((decode.kernel_key(BF16, 128), "paged_decode"), _decode_layout(decode._DECODE_LAYOUT), False)]
+    for (key, kernel), layout, pointers in cases:
         recorded = binary_parameters(nvrtc_compile(key, "sm_90a" if "wgmma" in key.source else "sm_90")[1], kernel)
-        launcher = Launcher(_FakeFunction(), layout)
+        launcher = Launcher(_FakeFunction(), layout, param_pointers=pointers)
         c_layout = [(launcher._offset(i), struct.calcsize("@" + code)) for i, code in enumerate(launcher._codes)]
-        assert recorded == c_layout, f"{key}: a launch by buffer would misplace its arguments"
+        assert [size for _, size in recorded] == [size for _, size in c_layout], key
+        if not pointers:
+            assert recorded == c_layout, f"{key}: a launch by buffer would misplace its arguments"
+            assert launcher._kernel_params == 0 and launcher._extra_ptr != 0
+        else:
+            assert recorded[0][0] == 48 and recorded != c_layout, key
+            assert launcher._extra_ptr == 0 and list(launcher._params) == [
+                launcher._buffer.ctypes.data + offset for offset, _ in c_layout]

@@ -37,11 +37,13 @@ MMA_CANDIDATES: dict[int, tuple[Tiles, ...]] = {
 }
 WGMMA_CANDIDATES: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, staged_store=True),
-         WgmmaTiles(128, 2, producer=True, pv_overlap=True)),
+         WgmmaTiles(128, 2, producer=True, pv_overlap=True), WgmmaTiles(128, 2, producer=True, tma=True)),
     128: (WgmmaTiles(128, 2), WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 3, producer=True),
           WgmmaTiles(128, 2, producer=True, persistent=True), WgmmaTiles(128, 2, producer=True),
           WgmmaTiles(128, 3, producer=True, staged_store=True),
-          WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True)),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True),
+          WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True, tma=True)),
 }
 
 
@@ -255,15 +257,16 @@ def test_strided_inputs(kernel):
     assert_close(got, expected, DTYPES["bfloat16"])
 
 
-def _holes_case(kernel, head_dim, block_size, seed=11):
+def _holes_case(kernel, head_dim, block_size, seed=11, blocks=(4, 3)):
     """Block ids -1 and past num_blocks (passed with check_values=False) are holes: their keys
     contribute nothing.  The reference is the same attention over the remaining keys only
-    (non-causal, no ALiBi, so key positions do not matter)."""
+    (non-causal, no ALiBi, so key positions do not matter).  ``blocks``: the two sequences' whole
+    blocks (the second has 3 keys more), holes in their columns 1 and 2."""
     import cupy
 
     rng = np.random.default_rng(seed)
     bf16 = DTYPES["bfloat16"]
-    lens_q, lens_k = [5, 40], [4 * block_size, 3 * block_size + 3]
+    lens_q, lens_k = [5, 40], [blocks[0] * block_size, blocks[1] * block_size + 3]
     cu_q, max_q = cu_seqlens_from_lengths(lens_q)
     cu_k, max_k = cu_seqlens_from_lengths(lens_k)
     q = randn(rng, (int(cu_q[-1]), 4, head_dim), bf16)
@@ -321,6 +324,49 @@ def _candidate_cases(tiles, seed, head_dim):
     _holes_case(tiles, head_dim, 16, seed + 4)
     if getattr(tiles, "persistent", False):
         _persistent_cases(tiles, head_dim, seed + 5)
+    if getattr(tiles, "tma", False):
+        _tma_cases(tiles, head_dim, seed + 6)
+
+
+def _tma_cases(tiles, head_dim, seed):
+    """What only the TMA loader does: full 128-key tiles copied as 16-row boxes through block
+    tables of every block size it takes (16 to 256: a box inside one block), and as one 128-row box
+    a column block from contiguous K/V (sequences starting at rows that are not multiples of 128), with
+    holes inside full tiles (their boxes land as zeros); blocks of 8 keys and K/V whose strides no
+    tensor map takes run the cp.async loader (the launch made without maps)."""
+    import cupy
+
+    assert _launch_of(tiles, head_dim, [300, 700])._maps is not None  # the maps are made: the TMA runs
+    for i, block_size in enumerate((16, 32, 64, 256)):
+        run_case(tiles, seed + i, "bfloat16", head_dim, [300, 1000, 3, 129], [1300, 1000, 1500, 129],
+                 num_kv_heads=2, block_size=block_size, causal=True, lse=True)
+    run_case(tiles, seed + 4, "float16", head_dim, [1, 700, 256], [2048, 700, 1000], num_kv_heads=4,
+             window=(300, 0), softcap=8.0, alibi=True, lse=True)
+    for block_size in (16, 64):  # holes inside full tiles (keys 16..31 / 64..127 of 128-key tiles)
+        _holes_case(tiles, head_dim, block_size, seed + 5, blocks=(2048 // block_size, 1024 // block_size))
+    run_case(tiles, seed + 6, "bfloat16", head_dim, [129, 500], [900, 1500], num_kv_heads=2, block_size=8,
+             causal=True, lse=True)
+    # K and V of heads that are not inside a row (a [kv heads, total_k, D] array transposed): no map
+    rng = np.random.default_rng(seed + 7)
+    lens = [400, 700]
+    cu, max_len = cu_seqlens_from_lengths(lens)
+    total = int(cu[-1])
+    bf16 = DTYPES["bfloat16"]
+    q = randn(rng, (total, 4, head_dim), bf16)
+    k_heads = randn(rng, (2, total, head_dim), bf16)
+    v_heads = randn(rng, (2, total, head_dim), bf16)
+    k, v = k_heads.transpose(1, 0, 2), v_heads.transpose(1, 0, 2)
+    expected = cupy_paged.flash_attn_varlen_func(q, np.ascontiguousarray(k), np.ascontiguousarray(v), cu, cu,
+                                                 max_len, max_len, causal=True)
+    dk, dv = cupy.asarray(k_heads).transpose(1, 0, 2), cupy.asarray(v_heads).transpose(1, 0, 2)
+    p = prepare_varlen(cupy.asarray(q), dk, dv, cupy.asarray(cu), cupy.asarray(cu), max_len, max_len, None, True,
+                       (-1, -1), 0.0, None, None, False, None, False)
+    launch = varlen_ops.VarlenLaunch(p, tiles)
+    assert launch._maps is None and not launch.tiles.tma
+    out = poisoned(q.shape, bf16, cupy)
+    varlen_on_gpu(tiles, cupy.asarray(q), dk, dv, cupy.asarray(cu), cupy.asarray(cu), max_len, max_len, out=out,
+                  causal=True)
+    assert_close(out, expected, bf16)
 
 
 def _persistent_cases(tiles, head_dim, seed):

@@ -88,9 +88,15 @@ class Launcher:
     layout : str
         Its parameters as ``struct`` codes in order, native alignment: ``P`` a pointer, ``q``/``i``
         64/32-bit ints, ``f`` a float, ``{n}s`` a struct of n bytes (8-aligned: put it first).
+    param_pointers : bool
+        Launch with ``kernelParams``, one pointer a parameter into the same buffer, instead of the
+        buffer itself: for a kernel whose first parameter is aligned past 16 bytes (the TMA shape's
+        64-byte aligned tensor maps), which the compiler places where that alignment holds in the
+        constant bank (48 bytes into the parameter space on sm_90), so that the buffer's C layout
+        is not the kernel's; the driver copies each parameter to the offset the binary records.
     """
 
-    def __init__(self, function, layout: str):
+    def __init__(self, function, layout: str, param_pointers: bool = False):
         import threading
 
         from cupy_backends.cuda.api import driver
@@ -101,13 +107,18 @@ class Launcher:
         self._ptr = getattr(function, "kernel", function).ptr
         self._struct = struct.Struct("@" + layout)
         self._buffer = np.zeros(max(self._struct.size, 8), np.uint8)
-        self._size = np.array([self._struct.size], np.uint64)
-        self._extra = np.array([_LAUNCH_PARAM_BUFFER_POINTER, self._buffer.ctypes.data,
-                                _LAUNCH_PARAM_BUFFER_SIZE, self._size.ctypes.data, _LAUNCH_PARAM_END], np.uint64)
-        self._extra_ptr = int(self._extra.ctypes.data)
         self._lock = threading.Lock()
         self._codes = [code for count, code in re.findall(r"(\d*)([a-zA-Z])", layout)
                        for code in ([f"{count}s"] if code == "s" else [code] * int(count or 1))]
+        if param_pointers:  # kernelParams: where each argument lies in the buffer
+            self._params = np.array([self._buffer.ctypes.data + self._offset(i) for i in range(len(self._codes))],
+                                    np.uint64)
+            self._kernel_params, self._extra_ptr = int(self._params.ctypes.data), 0
+        else:
+            self._size = np.array([self._struct.size], np.uint64)
+            self._extra = np.array([_LAUNCH_PARAM_BUFFER_POINTER, self._buffer.ctypes.data,
+                                    _LAUNCH_PARAM_BUFFER_SIZE, self._size.ctypes.data, _LAUNCH_PARAM_END], np.uint64)
+            self._kernel_params, self._extra_ptr = 0, int(self._extra.ctypes.data)
 
     def _offset(self, i: int) -> int:
         """Where argument ``i`` starts in the buffer (native alignment)."""
@@ -117,7 +128,8 @@ class Launcher:
         """Pack every argument and launch."""
         with self._lock:  # one buffer: two threads must not pack it at once
             self._struct.pack_into(self._buffer, 0, *args)
-            self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, 0, self._extra_ptr)
+            self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, self._kernel_params,
+                         self._extra_ptr)
 
     def pack(self, *args) -> None:
         """Pack every argument once (the values that never change between launches)."""
@@ -142,4 +154,5 @@ class Launcher:
         with self._lock:
             for layout, offset, values in spans:
                 layout.pack_into(self._buffer, offset, *values)
-            self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, 0, self._extra_ptr)
+            self._launch(self._ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, self._kernel_params,
+                         self._extra_ptr)

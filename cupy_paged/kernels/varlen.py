@@ -29,6 +29,7 @@ from .._core.types import HEAD_DIMS, KERNEL_DTYPES, alibi_batch_stride, element_
 from .._core.compiler import KernelKey, get_function
 from .._core.errors import word
 from .._core.streams import handle, is_capturing
+from .._core import tma
 from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, persistent_fits, wgmma_available
 from .varlen_wgmma import kernel_key as wgmma_key
 from .varlen_wgmma import KERNEL as WGMMA_KERNEL
@@ -144,8 +145,14 @@ class VarlenLaunch:
         self._sms = device_property(device, "multiProcessorCount") if self.persistent else 0
         self._per_tile = None  # (launcher, shared memory), made when a call's max_seqlen_q needs it
         self.head_dim = head_dim
+        self._maps = _kv_maps(p, tiles)
+        if isinstance(tiles, WgmmaTiles) and tiles.tma and self._maps is None:
+            self.tiles = tiles = dataclasses.replace(tiles, tma=False)  # K/V no map describes: cp.async
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
-        self.launch = Launcher(function, _LAYOUT)
+        # The TMA shape takes the K and V tensor maps (256 bytes, 64-byte aligned) before the other
+        # parameters, which puts them past the buffer's C layout: launched by parameter pointers.
+        self._first = 1 if self._maps is not None else 0
+        self.launch = Launcher(function, ("256s" if self._first else "") + _LAYOUT, param_pointers=bool(self._first))
         self.total_q = total_q = int(p.q.shape[0])
         self.out_shape = (total_q, num_heads, head_dim)
         self.lse_shape = (num_heads, total_q)
@@ -177,8 +184,9 @@ class VarlenLaunch:
         self.errors = word(device)
         # The scalars are packed once; a call rewrites the 9 pointers and max_seqlen_q (field 25).
         self.launch.pack(*self._packed())
-        self._pointer_span = self.launch.span(0, 9)
-        self._max_q_span = self.launch.span(9 + len(self.scalars), 1)
+        self._pointer_span = self.launch.span(self._first, 9)
+        self._max_q_span = self.launch.span(self._first + 9 + len(self.scalars), 1)
+        self._maps_span = self.launch.span(0, 1) if self._first else None
         self.q_contiguous = q_is_the_callers_dense_tensor(p.q)
         # Short rows over a paged cache go to the ragged kernel, its launch made at the first such call
         # outside a graph capture (paged prefill shapes never make it).
@@ -193,7 +201,8 @@ class VarlenLaunch:
 
     def _packed(self) -> tuple:
         """Every argument but the pointers and max_seqlen_q (zeros there)."""
-        return (*([0] * 9), *self.scalars, 0, self.alibi_stride, self.errors, self.batch)
+        maps = (bytes(2 * tma.MAP_BYTES),) if self._first else ()
+        return (*maps, *([0] * 9), *self.scalars, 0, self.alibi_stride, self.errors, self.batch)
 
     def _grid(self, max_seqlen_q: int) -> tuple:
         """(launcher, grid, threads, shared memory) of a call with this ``max_seqlen_q``."""
@@ -231,9 +240,12 @@ class VarlenLaunch:
         launcher, grid, threads, smem = self._grid(max_seqlen_q)
         pointer_struct, pointer_at = self._pointer_span
         max_q_struct, max_q_at = self._max_q_span
-        launcher.launch(grid, threads, smem, stream,
-                        (pointer_struct, pointer_at, (q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table, alibi)),
-                        (max_q_struct, max_q_at, (max_seqlen_q,)))
+        spans = ((pointer_struct, pointer_at, (q, k, v, out_ptr, lse_ptr, cu_q, cu_k, table, alibi)),
+                 (max_q_struct, max_q_at, (max_seqlen_q,)))
+        if self._maps is not None:
+            maps_struct, maps_at = self._maps_span
+            spans += ((maps_struct, maps_at, (self._maps.maps(k, v),)),)
+        launcher.launch(grid, threads, smem, stream, *spans)
         return out_obj, lse_obj
 
 
@@ -247,6 +259,29 @@ class VarlenLaunch:
             launch = ragged.RaggedLaunch(*self._short_args)
             self._short = ragged.DeviceListLaunch(launch, self.batch, 1, 0, self._short_keys)
         return self._short
+
+
+def _kv_maps(p: VarlenProblem, tiles) -> "tma.KvMaps | None":
+    """The tensor maps of a TMA shape's launch (K and V as [slots, kv heads, head dim]), or None
+    for other shapes and where no map describes K and V (strides the TMA cannot take, more slots
+    than int32 coordinates reach) or the driver cannot encode one."""
+    if not (isinstance(tiles, WgmmaTiles) and tiles.tma) or not tma.available():
+        return None
+    if p.block_table is None:
+        (k_slot, k_head, _), (v_slot, v_head, _) = element_strides(p.k), element_strides(p.v)
+        slots = int(p.k.shape[0])
+    else:
+        k_block, k_slot, k_head, _ = element_strides(p.k)
+        v_block, v_slot, v_head, _ = element_strides(p.v)
+        if k_block != p.block_size * k_slot or v_block != p.block_size * v_slot:
+            return None  # blocks not evenly spaced as slots: no one slot axis
+        slots = int(p.k.shape[0]) * p.block_size
+    kv_heads = p.num_kv_heads
+    if not all(tma.kv_map_fits(p.k.dtype, p.head_dim, kv_heads, head, slots, slot)
+               for slot, head in ((k_slot, k_head), (v_slot, v_head))):
+        return None
+    box_rows = tma.CONTIGUOUS_BOX_ROWS if p.block_table is None else tma.PAGED_BOX_ROWS
+    return tma.KvMaps(p.k.dtype, p.head_dim, kv_heads, (k_slot, k_head, v_slot, v_head), slots, box_rows)
 
 
 def problem_args(p: VarlenProblem) -> tuple:

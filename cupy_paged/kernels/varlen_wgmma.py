@@ -32,6 +32,7 @@ class WgmmaTiles:
     persistent: bool = False
     staged_store: bool = False  # the output through shared memory (a producer shape, one CTA per tile)
     pv_overlap: bool = False  # a producer shape's softmax of tile t under P V of tile t - 1
+    tma: bool = False  # a producer shape's full key tiles copied by the TMA (128 keys, one CTA per query tile)
 
     def __post_init__(self):
         if self.producer and self.groups != 2:
@@ -43,6 +44,8 @@ class WgmmaTiles:
         if self.pv_overlap and (not self.producer or self.persistent):
             raise ValueError("the overlap of softmax and P V is a producer shape's with one CTA per query tile"
                              " (untested with persistent CTAs)")
+        if self.tma and (not self.producer or self.persistent or self.block_n != 128):
+            raise ValueError("the TMA loader is a producer shape's with 128-key tiles and one CTA per query tile")
 
     @property
     def block_m(self) -> int:
@@ -55,7 +58,7 @@ class WgmmaTiles:
     def label(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}" + ("p" if self.producer else "")
                 + ("P" if self.persistent else "") + ("o" if self.staged_store else "")
-                + ("x" if self.pv_overlap else ""))
+                + ("x" if self.pv_overlap else "") + ("t" if self.tma else ""))
 
     def one_task_per_cta(self) -> "WgmmaTiles":
         """The same shape on a grid of one CTA per task (batches a persistent launch cannot take)."""
@@ -118,6 +121,7 @@ def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None, trace: boo
               ("PERSISTENT", int(tiles.persistent)), ("SMEM_BYTES", tiles.smem_bytes(head_dim)))
     return KernelKey(SOURCE, params + ((("STAGED_STORE", 1),) if tiles.staged_store else ())
                      + ((("PV_OVERLAP", 1),) if tiles.pv_overlap else ())
+                     + ((("TMA", 1),) if tiles.tma else ())
                      + ((("TRACE", 1),) if trace else ()), arch=ARCH)
 
 
