@@ -413,9 +413,10 @@ def resources() -> list[dict]:
     rows = []
     wgmma = varlen_ops.wgmma_available(128)
     for key in varlen_ops.all_keys() + (varlen_wgmma.all_keys() if wgmma else []):
-        head_dim = dict(key.params)["HEAD_DIM"]
-        tiles = WGMMA_TILES[head_dim] if key.arch else TILES[head_dim]
-        smem = tiles.smem_bytes(head_dim)
+        params = dict(key.params)
+        head_dim = params["HEAD_DIM"]
+        tiles = WGMMA_TILES[head_dim] if key.arch else TILES[head_dim]  # every wgmma key of a head dim: its threads
+        smem = params.get("SMEM_BYTES", tiles.smem_bytes(head_dim))
         fn = get_function(key, varlen_ops.WGMMA_KERNEL if key.arch else varlen_ops.KERNEL, smem)
         regs = fn.num_regs
         warps = tiles.threads // 32

@@ -216,20 +216,23 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
 // ---- TMA = 1: full key tiles copied by the tensor-memory accelerator
 //
 // The host encodes two tensor maps (cupy_paged/_core/tma.py) that view K and V as [slots, kv heads,
-// head dim]: a paged cache's slot is block * block_size + offset, a contiguous K/V's its row.  A
-// paged full tile is kRuns boxes of 16 rows (a box lies in one block for blocks of 16 keys or
-// more), a contiguous one a single box of kBlockN rows (the host encodes its map so), each box
-// copied one 64-element column block at a time: the maps' 128-byte swizzle writes exactly
-// Sw128Tile's layout (it repeats every 8 rows, so one 128-row box writes the bytes of eight
-// 16-row ones).  So thread 0 issues kRuns * kChunks / 8 copies a paged tile and kChunks / 8 a
-// contiguous one, where the cp.async loader has every producer thread issue kBlockN * kChunks /
-// 128, and the copies complete the slot's barrier by their byte count.  A contiguous full tile has
-// no hole: its producer threads write no loadable byte and vote nothing.  A hole's box starts at the first slot past the cache,
-// so it lands as zeros, as a hole's cp.async rows do.  Partial tiles (a sequence's last keys, a
-// table row's last columns) and blocks of 8 keys keep the cp.async loader (load_kv_tile).
+// head dim]: a paged cache's slot is block * block_size + offset, a contiguous K/V's its row.  Each
+// box is copied one 64-element column block at a time, and the maps' 128-byte swizzle writes exactly
+// Sw128Tile's layout (it repeats every 8 rows, so one 128-row box writes the bytes of eight 16-row
+// ones).  A contiguous full tile is one box of kBlockN rows (the host encodes its map so), issued by
+// thread 0; a paged one is kRuns boxes of 16 rows (a box lies in one block for blocks of 16 keys or
+// more), each issued by the producer thread of its first row with the block id that thread read
+// for its own row, so that no thread waits on a chain of block-table loads and the runs' copies
+// go out side by side.  Thread 0 arms the slot's barrier with the tile's bytes; the copies complete
+// it by their byte count.  Where the cp.async loader has every producer thread issue kBlockN *
+// kChunks / 128 copies a tile, a contiguous tile takes kChunks / 8 and a paged one kChunks / 8 from
+// each of kRuns threads.  A contiguous full tile has no hole: its producer threads write no
+// loadable byte and vote nothing.  A hole's box starts at the first slot past the cache, so it lands
+// as zeros, as a hole's cp.async rows do.  Partial tiles (a sequence's last keys, a table row's last
+// columns) and blocks of 8 keys keep the cp.async loader (load_kv_tile).
 static_assert(!Tr::kPersistent, "the TMA loader runs one CTA per query tile");
 static_assert(Tr::kBlockN == 128, "a TMA tile's rows are the producer warpgroup's threads, one each");
-constexpr int kBoxRows = 16, kRuns = Tr::kBlockN / kBoxRows, kColumnBlocks = Tr::kChunks / 8;
+constexpr int kBoxRows = 16, kColumnBlocks = Tr::kChunks / 8;
 
 // Whether the tile at n0 is copied by the TMA: all its keys inside the sequence (contiguous: inside
 // k and v) and, paged, in listed columns of blocks of at least 16 keys.
@@ -239,41 +242,21 @@ __device__ __forceinline__ bool tma_tile(const KvSource& src, int n0) {
          paged::Blocks(src.block_shift).column(n0 + Tr::kBlockN - 1) < src.table_width;
 }
 
-// Paged: the block ids of the tile at n0, this thread's row's (`own`) and, in thread 0, each run's,
-// a tile ahead (a lean producer reads them where it uses them: fewer registers).
-__device__ __forceinline__ void fetch_run_ids(int (&ids)[kRuns], int& own, const KvSource& src, int n0) {
-  const paged::Blocks layout(src.block_shift);
-  if (WS_LEAN) return;  // a lean producer reads them where it uses them
-  own = __ldg(src.table + layout.column(n0 + static_cast<int>(threadIdx.x)));
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int q = 0; q < kRuns; ++q) ids[q] = __ldg(src.table + layout.column(n0 + q * kBoxRows));
-  }
-}
-
-// Thread 0: every box of the K or V tile at n0 -> the tile at s_tile, completing the barrier `bar`.
-// A hole's box starts at the first slot past the paged cache (num_blocks * block_size).  The slot may have been
-// written by cp.async (generic proxy) in an earlier round: the proxy fence orders those writes,
-// released to this thread through the slot's free barrier, before the TMA's (async proxy).
-__device__ __forceinline__ void tma_boxes(u32 s_tile, u64 map, u32 bar, const KvSource& src, int n0,
-                                          const int (&ids)[kRuns], int kv_head) {
-  const paged::Blocks layout(src.block_shift);
+// This thread's boxes of the K or V tile at n0 -> the tile at s_tile, completing the barrier `bar`:
+// contiguous, thread 0's one box of kBlockN rows a column block; paged, row `row`'s run of 16 rows
+// (block id `id`; a hole's box starts at the first slot past the cache, num_blocks * block_size).
+// The slot may have been written by cp.async (generic proxy) in an earlier round: the proxy fence
+// orders those writes, released to this thread through the slot's free barrier, before the TMA's
+// (async proxy).
+__device__ __forceinline__ void tma_boxes(u32 s_tile, u64 map, u32 bar, const KvSource& src, int n0, int row, int id,
+                                          int kv_head) {
   cp::fence_proxy_async();
-  if (src.table == nullptr) {  // contiguous: the map's boxes are the tile's kBlockN rows
-#pragma unroll
-    for (int cb = 0; cb < kColumnBlocks; ++cb)
-      cp::tma_load_3d(s_tile + cb * Tr::KVTile::kColumnBytes, map, cb * 64, kv_head, src.first_row + n0, bar);
-    return;
-  }
-#pragma unroll(WS_LEAN ? 1 : kRuns)
-  for (int q = 0; q < kRuns; ++q) {
-    const int id = WS_LEAN ? __ldg(src.table + layout.column(n0 + q * kBoxRows)) : ids[q];
-    const int slot = paged::is_block(id, src.num_rows) ? static_cast<int>(layout.slot(id, n0 + q * kBoxRows))
+  const int slot = src.table == nullptr ? src.first_row + n0
+                   : paged::is_block(id, src.num_rows) ? static_cast<int>(paged::Blocks(src.block_shift).slot(id, n0 + row))
                                                        : src.num_rows << src.block_shift;
 #pragma unroll
-    for (int cb = 0; cb < kColumnBlocks; ++cb)
-      cp::tma_load_3d(s_tile + cb * Tr::KVTile::kColumnBytes + q * kBoxRows * 128, map, cb * 64, kv_head, slot, bar);
-  }
+  for (int cb = 0; cb < kColumnBlocks; ++cb)
+    cp::tma_load_3d(s_tile + cb * Tr::KVTile::kColumnBytes + row * 128, map, cb * 64, kv_head, slot, bar);
 }
 
 // produce() with the full tiles copied by the TMA (`maps`: the kernel's parameter, whose address the
@@ -309,41 +292,40 @@ __device__ __forceinline__ void produce_tma(const Task& t, u32 s_q, u32 s_kv, Ba
     cp::cp_async_mbar_arrive(bars.v_full(stage));
   }
   const bool paged = src.table != nullptr;
-  int ids[kRuns], next_ids[kRuns], own = 0, next_own = 0;
-  if (it < t.num_tiles && paged) fetch_run_ids(next_ids, next_own, src, (t.tile_first - it) * Tr::kBlockN);
+  const int row = static_cast<int>(threadIdx.x);  // this thread's row of each tile
+  // Paged, the first row of each 16-row run issues that run's boxes; contiguous, thread 0 the tile's.
+  const bool issues = paged ? row % kBoxRows == 0 : row == 0;
+  const paged::Blocks layout(src.block_shift);
+  // This row's block id, read a tile ahead (the wait for the next free slot covers the load).
+  int next_id = it < t.num_tiles && paged ? __ldg(src.table + layout.column((t.tile_first - it) * Tr::kBlockN + row)) : 0;
   for (; it < t.num_tiles; ++it) {
     const int stage = it % Tr::kStages;
     const u32 free_parity = round_parity(it) ^ 1u;
     const int n0 = (t.tile_first - it) * Tr::kBlockN;
     const u32 s_k = s_kv + 2 * stage * Tr::kKVBytes;
-    own = next_own;
-#pragma unroll
-    for (int q = 0; q < kRuns; ++q) ids[q] = next_ids[q];
-    // The next tile's block ids, loaded now: the wait for the next free slot covers them.
-    if (it + 1 < t.num_tiles && paged) fetch_run_ids(next_ids, next_own, src, n0 - Tr::kBlockN);
+    const int id = next_id;
+    if (it + 1 < t.num_tiles && paged) next_id = __ldg(src.table + layout.column(n0 - Tr::kBlockN + row));
     cp::mbar_wait(bars.k_free(stage), free_parity);
     bool warp_hole = false;
     if (paged) {
-      if (WS_LEAN) own = __ldg(src.table + paged::Blocks(src.block_shift).column(n0 + static_cast<int>(threadIdx.x)));
-      const bool ok = paged::is_block(own, src.num_rows);
-      s_loadable[stage * Tr::kBlockN + threadIdx.x] = ok;
+      const bool ok = paged::is_block(id, src.num_rows);
+      s_loadable[stage * Tr::kBlockN + row] = ok;
       warp_hole = __any_sync(0xffffffffu, !ok);
     }
-    if (threadIdx.x == 0) {
-      cp::mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVBytes);  // this thread's copy arrival
-      tma_boxes(s_k, reinterpret_cast<u64>(&maps.k), bars.k_full(stage), src, n0, ids, kv_head);
-    } else {
-      cp::mbar_arrive(bars.k_full(stage));  // in place of its copy arrival
-    }
+    // Thread 0's first arrival arms the tile's bytes; every other thread's stands in for its copies'.
+    if (threadIdx.x == 0)
+      cp::mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVBytes);
+    else
+      cp::mbar_arrive(bars.k_full(stage));
+    if (issues) tma_boxes(s_k, reinterpret_cast<u64>(&maps.k), bars.k_full(stage), src, n0, row, id, kv_head);
     if ((threadIdx.x & 31) == 0) holes[4 * stage + (threadIdx.x >> 5)] = warp_hole;
     cp::mbar_arrive(bars.k_full(stage));
     cp::mbar_wait(bars.v_free(stage), free_parity);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
       cp::mbar_arrive_expect_tx(bars.v_full(stage), Tr::kKVBytes);
-      tma_boxes(s_k + Tr::kKVBytes, reinterpret_cast<u64>(&maps.v), bars.v_full(stage), src, n0, ids, kv_head);
-    } else {
+    else
       cp::mbar_arrive(bars.v_full(stage));
-    }
+    if (issues) tma_boxes(s_k + Tr::kKVBytes, reinterpret_cast<u64>(&maps.v), bars.v_full(stage), src, n0, row, id, kv_head);
   }
   if (TRACE && threadIdx.x == 0) WS_STAMP(4, cp::global_ns());
 }

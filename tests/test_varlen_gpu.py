@@ -20,7 +20,7 @@ from cupy_paged.api.indexing import cu_seqlens_from_lengths
 from cupy_paged.api.varlen import prepare_varlen
 from cupy_paged.kernels import varlen as varlen_ops
 from cupy_paged.kernels.varlen import Tiles
-from cupy_paged.kernels.varlen_wgmma import WgmmaTiles
+from cupy_paged.kernels.varlen_wgmma import WgmmaTiles, registered_tiles
 from _util import DTYPES, assert_close, assert_same_bits, poisoned, randn, scatter_paged, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -113,8 +113,8 @@ def test_wgmma_kernel_is_the_default_on_hopper(kernel, monkeypatch):
         run_case(kernel, 16, "bfloat16", head_dim, [5, 70], [9, 70], num_kv_heads=2, causal=True)
         (shape,) = {tiles for d, tiles in launched if d == head_dim}
         _, kernel_name = varlen_ops.specialization(np.float16, head_dim, shape)
-        if head_dim in varlen_ops.WGMMA_TILES:
-            assert shape == varlen_ops.WGMMA_TILES[head_dim] and kernel_name == varlen_ops.WGMMA_KERNEL
+        if head_dim in varlen_ops.WGMMA_TILES:  # contiguous K/V: the registered shape of that layout
+            assert shape == registered_tiles(head_dim, False) and kernel_name == varlen_ops.WGMMA_KERNEL
         else:
             assert shape == varlen_ops.TILES[head_dim] and kernel_name == varlen_ops.KERNEL
 

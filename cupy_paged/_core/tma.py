@@ -26,7 +26,7 @@ _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS = 0, 3, 3, 
 # contiguous K/V a whole key tile's 128 (kBlockN: a tile is then one copy a column block).
 BOX_COLUMNS = 64
 PAGED_BOX_ROWS, CONTIGUOUS_BOX_ROWS = 16, 128
-_MEMO_LIMIT = 64
+_MEMO_LIMIT = 256  # (K, V) address pairs: a model's layers' caches and then some
 
 
 @functools.cache
@@ -85,10 +85,15 @@ class KvMaps:
         if box_rows not in (PAGED_BOX_ROWS, CONTIGUOUS_BOX_ROWS):
             raise ValueError(f"box_rows must be {PAGED_BOX_ROWS} or {CONTIGUOUS_BOX_ROWS}, not {box_rows}")
         self._data_type = _DATA_TYPE[np.dtype(dtype)]
-        self._box = (BOX_COLUMNS, 1, box_rows)
         k_slot, k_head, v_slot, v_head = strides
-        self._layout = [((head_dim, heads, slots), (2 * k_head, 2 * k_slot)),
-                        ((head_dim, heads, slots), (2 * v_head, 2 * v_slot))]
+        # Every argument of the two encodings but the address, built once: a call whose K/V moved
+        # (a new allocation each call, as a framework's caching allocator hands out) only encodes.
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        shape = (u64 * 3)(head_dim, heads, slots)
+        box, ones = (u32 * 3)(BOX_COLUMNS, 1, box_rows), (u32 * 3)(1, 1, 1)
+        self._args = [(shape, (u64 * 2)(2 * k_head, 2 * k_slot), box, ones),
+                      (shape, (u64 * 2)(2 * v_head, 2 * v_slot), box, ones)]
+        self._out = (ctypes.c_uint64 * 16)()
         self._memo: dict = {}
 
     def maps(self, k_ptr: int, v_ptr: int) -> bytes:
@@ -97,24 +102,20 @@ class KvMaps:
         if both is None:
             if len(self._memo) >= _MEMO_LIMIT:
                 self._memo.clear()
-            both = self._memo[(k_ptr, v_ptr)] = (_encode(self._data_type, k_ptr, *self._layout[0], self._box)
-                                                 + _encode(self._data_type, v_ptr, *self._layout[1], self._box))
+            both = self._memo[(k_ptr, v_ptr)] = (_encode(self._out, self._data_type, k_ptr, *self._args[0])
+                                                 + _encode(self._out, self._data_type, v_ptr, *self._args[1]))
         return both
 
 
-def _encode(data_type: int, ptr: int, dims: tuple, strides: tuple, box: tuple) -> bytes:
-    """One 3-d map (sizes ``dims``, innermost first; byte ``strides`` of dims 1 and 2) whose copies
-    move ``box``, 128-byte swizzle, zeros outside the tensor."""
+def _encode(out, data_type: int, ptr: int, shape, strides, box, element_strides) -> bytes:
+    """One 3-d map into ``out`` (16 uint64), returned as bytes: sizes ``shape`` (innermost first),
+    byte ``strides`` of dims 1 and 2, copies of ``box``, 128-byte swizzle, zeros outside the tensor."""
     encode = _encoder()
     if encode is None:
         raise RuntimeError("the CUDA driver library has no cuTensorMapEncodeTiled (a CUDA 12 driver is needed)")
-    out = (ctypes.c_uint64 * 16)()
-    rank = len(dims)
-    result = encode(out, data_type, rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
-                    (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
-                    (ctypes.c_uint32 * rank)(1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B,
-                    _OOB_FILL_ZEROS)
+    result = encode(out, data_type, 3, ptr, shape, strides, box, element_strides, _INTERLEAVE_NONE, _SWIZZLE_128B,
+                    _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
     if result != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {result} (dims {dims}, byte strides "
-                           f"{strides}, address {ptr:#x})")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {result} (sizes {list(shape)}, byte "
+                           f"strides {list(strides)}, address {ptr:#x})")
     return bytes(out)

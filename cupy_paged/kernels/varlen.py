@@ -30,7 +30,7 @@ from .._core.compiler import KernelKey, get_function
 from .._core.errors import word
 from .._core.streams import handle, is_capturing
 from .._core import tma
-from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, persistent_fits, wgmma_available
+from .varlen_wgmma import WGMMA_TILES, WgmmaTiles, persistent_fits, registered_tiles, wgmma_available
 from .varlen_wgmma import kernel_key as wgmma_key
 from .varlen_wgmma import KERNEL as WGMMA_KERNEL
 from ._launch import Launcher, cuda_scalar, device_property, outputs, q_is_the_callers_dense_tensor, smem_row_bytes
@@ -117,10 +117,11 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
 _LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P" + "i"
 
 
-def default_tiles(head_dim: int, device: int | None = None) -> Tiles | WgmmaTiles:
-    """The registered shape of the kernel that ``device`` runs for ``head_dim``: wgmma's where it
-    serves the head dim on this GPU (compute capability 9.0), else mma.sync's."""
-    return WGMMA_TILES[head_dim] if wgmma_available(head_dim, device) else TILES[head_dim]
+def default_tiles(head_dim: int, device: int | None = None, paged: bool = False) -> Tiles | WgmmaTiles:
+    """The registered shape of the kernel that ``device`` runs for ``head_dim`` and K/V in a paged
+    cache or contiguous: wgmma's where it serves the head dim on this GPU (compute capability 9.0),
+    else mma.sync's."""
+    return registered_tiles(head_dim, paged) if wgmma_available(head_dim, device) else TILES[head_dim]
 
 
 class VarlenLaunch:
@@ -134,7 +135,7 @@ class VarlenLaunch:
         head_dim, num_heads = p.head_dim, p.num_heads
         self.device = device = p.q.device
         given = tiles is not None  # a named shape runs that kernel, short rows too
-        self.tiles = tiles = tiles or default_tiles(head_dim, device)
+        self.tiles = tiles = tiles or default_tiles(head_dim, device, p.block_table is not None)
         self.batch = p.batch
         # A persistent shape runs a grid of one CTA per SM over every query tile, for the calls it
         # takes (persistent_fits); the others run the same shape with one CTA per query tile.
@@ -146,8 +147,12 @@ class VarlenLaunch:
         self._per_tile = None  # (launcher, shared memory), made when a call's max_seqlen_q needs it
         self.head_dim = head_dim
         self._maps = _kv_maps(p, tiles)
-        if isinstance(tiles, WgmmaTiles) and tiles.tma and self._maps is None:
-            self.tiles = tiles = dataclasses.replace(tiles, tma=False)  # K/V no map describes: cp.async
+        if isinstance(tiles, WgmmaTiles) and tiles.tma and (self._maps is None or (not given and p.block_size == 8)):
+            # K/V no map describes: a named shape runs its cp.async twin, a registered one the registered
+            # cp.async shape, which also takes paged blocks of 8 keys (the TMA shape would copy every
+            # tile of those with its cp.async loader, without the registered one's block ids ahead).
+            self._maps = None
+            self.tiles = tiles = dataclasses.replace(tiles, tma=False) if given else WGMMA_TILES[head_dim]
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
         # The TMA shape takes the K and V tensor maps (256 bytes, 64-byte aligned) before the other
         # parameters, which puts them past the buffer's C layout: launched by parameter pointers.
