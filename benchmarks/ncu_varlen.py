@@ -21,9 +21,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_varlen  # noqa: E402
-from cupy_paged.kernels.varlen_wgmma import WGMMA_TILES, WgmmaTiles  # noqa: E402
+from cupy_paged.kernels.varlen_wgmma import WGMMA_TILES, WgmmaTiles, registered_tiles  # noqa: E402
 
-SHAPES = {"registered": WGMMA_TILES[128], "persistent": WgmmaTiles(128, 2, producer=True, persistent=True),
+# "registered": what a contiguous D = 128 call runs (the TMA loader with the softmax under P V since
+# v16b); "cp_async": the shape registered before it, which paged blocks of 8 keys still run.
+SHAPES = {"registered": registered_tiles(128, False), "cp_async": WGMMA_TILES[128],
+          "persistent": WgmmaTiles(128, 2, producer=True, persistent=True),
           # v12's schedule: a warpgroup's softmax of tile t under its own P V of tile t - 1 (lean producer)
           "overlap": WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True),
           "tma": WgmmaTiles(128, 2, producer=True, staged_store=True, tma=True),

@@ -39,7 +39,9 @@ RESULTS = HERE / "results" / "trace_varlen.json"
 COLUMNS = {name: i for i, name in enumerate(varlen_wgmma.TRACE_COLUMNS)}
 
 
-SHAPES = {"registered": varlen_wgmma.WGMMA_TILES[128],
+# The cp.async shapes only: a trace launch passes no tensor maps (the TMA shapes registered since v16b
+# are not traced).
+SHAPES = {"cp.async (registered before v16b)": varlen_wgmma.WGMMA_TILES[128],
           "v12 candidate (softmax under P V)": varlen_wgmma.WgmmaTiles(128, 2, producer=True, staged_store=True,
                                                                        pv_overlap=True)}
 
