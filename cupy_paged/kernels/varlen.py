@@ -4,9 +4,12 @@
 Two kernels compute the same thing: ``varlen_fwd_wgmma`` (Hopper's ``wgmma``, built for
 sm_90a, head dims in :data:`WGMMA_TILES`) runs on compute capability 9.0, ``varlen_fwd``
 (``mma.sync``, any sm_80+ GPU, every head dim) elsewhere.  One specialization per (dtype,
-head dim) each; tile shapes come from :data:`TILES` and :data:`WGMMA_TILES`.  Causal
-masking, sliding windows, softcap, ALiBi, the LSE output and paged K/V (any block size)
-are run-time arguments, so a fresh machine compiles at most one module per (dtype, head dim).
+head dim) each, and on Hopper one more where the K/V layout (contiguous or paged) takes the tensor-
+memory accelerator's loader (``varlen_wgmma.WGMMA_TMA_TILES``: its tensor maps are encoded per
+launch shape and K/V address, ``_core/tma.py``); tile shapes come from :data:`TILES`,
+:data:`WGMMA_TILES` and ``registered_tiles``.  Causal masking, sliding windows, softcap, ALiBi,
+the LSE output and paged K/V (any block size) are run-time arguments, so a fresh machine
+compiles at most two modules per (dtype, head dim).
 
 The kernel is chosen by the tile shape a launch is given: ``VarlenLaunch(p, tiles)`` and
 ``run(p, tiles)`` launch the mma.sync kernel for a :class:`Tiles` and the wgmma kernel for a
