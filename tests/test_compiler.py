@@ -283,3 +283,23 @@ def test_a_tma_shape_takes_its_maps_first_and_falls_back_where_none_fits():
         from cupy_paged.kernels.varlen import _kv_maps
 
         assert _kv_maps(None, tiles) is None
+
+
+def test_registered_wgmma_shapes_by_layout():
+    """Since v16b the registered wgmma shape depends on the K/V layout: D = 128 takes the TMA loader
+    with the softmax under P V for contiguous K/V and paged caches, D = 64 the TMA loader for paged
+    caches only, D = 256 and D = 64 contiguous the cp.async shapes; every registered shape is built
+    with the registry's keys (so `warm` and CI compile it)."""
+    from cupy_paged._core.types import BF16
+    from cupy_paged.kernels import registry, varlen_wgmma
+    from cupy_paged.kernels.varlen_wgmma import WGMMA_TILES, registered_tiles
+
+    for paged in (False, True):
+        assert registered_tiles(128, paged).label() == "wg128x128s2poxt"
+        assert registered_tiles(256, paged) == WGMMA_TILES[256]
+    assert registered_tiles(64, True).label() == "wg128x128s2pt"
+    assert registered_tiles(64, False) == WGMMA_TILES[64]
+    keys = set(registry.all_keys())
+    for head_dim in (64, 128, 256):
+        for paged in (False, True):
+            assert varlen_wgmma.kernel_key(BF16, head_dim, registered_tiles(head_dim, paged)) in keys

@@ -402,6 +402,29 @@ def _launch_of(tiles, head_dim, lengths):
     return varlen_ops.VarlenLaunch(p, tiles)
 
 
+def test_registered_launch_takes_its_layouts_shape(kernel):
+    """The registered (``tiles=None``) launch takes the shape of its K/V layout with its tensor maps:
+    at D = 128 the TMA shape for contiguous K/V and for paged blocks of 16 keys, the cp.async shape
+    (no maps) for paged blocks of 8 keys."""
+    import cupy
+
+    if kernel != "wgmma":
+        pytest.skip("the wgmma kernel's registration")
+    contiguous = _launch_of(None, 128, [300, 700])
+    assert contiguous.tiles == registered_tiles(128, False) and contiguous._maps is not None
+    rng = np.random.default_rng(5)
+    for block_size, tiles, maps in ((16, registered_tiles(128, True), True), (8, varlen_ops.WGMMA_TILES[128], False)):
+        lens = [300, 700]
+        cu, max_len = cu_seqlens_from_lengths(lens)
+        k = randn(rng, (int(cu[-1]), 2, 128), DTYPES["bfloat16"])
+        (k_cache, v_cache), table = scatter_paged(rng, [k, k], lens, block_size)
+        q = cupy.asarray(randn(rng, (int(cu[-1]), 4, 128), DTYPES["bfloat16"]))
+        p = prepare_varlen(q, cupy.asarray(k_cache), cupy.asarray(v_cache), cupy.asarray(cu), cupy.asarray(cu),
+                           max_len, max_len, None, True, (-1, -1), 0.0, None, cupy.asarray(table), False, None, False)
+        launch = varlen_ops.VarlenLaunch(p)
+        assert launch.tiles == tiles and (launch._maps is not None) == maps, block_size
+
+
 # ---- the compute-sanitizer subset: small, every path (contiguous, paged, holes, options)
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
