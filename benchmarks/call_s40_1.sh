@@ -2,7 +2,8 @@
 # on a quiet GPU: every issue's benchmark with v16b registered (bench_calls, bench_mixed, and bench_e2e
 # while fewer than E2E_BY seconds have passed).  Then, on any card, the varlen candidates' GPU tests that
 # the thirty-ninth session's call 2 did not reach (its shard's limit; their cubins are unchanged since
-# they last passed), and the ab_tma A/B again where time is left.
+# they last passed) with the registered launch's shape by layout (written after it), and the ab_tma A/B again
+# where time is left.
 CALL_LOGS=s40logs1 . benchmarks/call_lib.sh
 END=${END:-560}
 gpu_start
@@ -10,7 +11,7 @@ if on_h200; then
   issue_benchmarks ${E2E_BY:-330}
 fi
 shard_limit
-shard varlen_candidates $P tests/test_varlen_gpu.py -k "candidates"
+shard varlen_candidates $P tests/test_varlen_gpu.py -k "candidates or registered_launch"
 shards_done
 [ $SECONDS -lt $((END - 40)) ] && step ab_tma 35 python3 benchmarks/ab_tma.py --reps 20 --out $OUT/ab/ab_tma.json
 pack
