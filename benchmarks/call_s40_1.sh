@@ -12,6 +12,10 @@ if on_h200; then
 fi
 shard_limit
 shard varlen_candidates $P tests/test_varlen_gpu.py -k "candidates or registered_launch"
+# The TMA shapes' shared memory under racecheck and their barriers under synccheck (registered since
+# v16b, never run under either): the sanitize subset, contiguous and paged.
+CUPY_PAGED_SANITIZER=racecheck shard racecheck_varlen compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 $P tests/test_varlen_gpu.py -k "sanitize_contiguous or sanitize_paged"
+CUPY_PAGED_SANITIZER=synccheck shard synccheck_varlen compute-sanitizer --tool synccheck --report-api-errors no --error-exitcode 1 $P tests/test_varlen_gpu.py -k "sanitize_contiguous or sanitize_paged"
 shards_done
 [ $SECONDS -lt $((END - 40)) ] && step ab_tma 35 python3 benchmarks/ab_tma.py --reps 20 --out $OUT/ab/ab_tma.json
 pack
