@@ -10,6 +10,7 @@ gpu_start
 if on_h200; then
   issue_benchmarks ${E2E_BY:-330}
 fi
+step profile 40 python3 benchmarks/profile_host.py  # the host path's parts, the tensor maps' encoding among them
 shard_limit
 shard varlen_candidates $P tests/test_varlen_gpu.py -k "candidates or registered_launch"
 # The TMA shapes' shared memory under racecheck and their barriers under synccheck (registered since

@@ -172,6 +172,18 @@ def main() -> None:
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
         print(f"--- cProfile, {kind}, 3000 calls (tottime)")
         print("\n".join(text.getvalue().splitlines()[:40]))
+    # The varlen TMA shapes' tensor maps (v16b): a call whose K/V moved encodes two maps through the
+    # driver; one whose K/V stayed put finds them in the memo.
+    from cupy_paged._core import tma
+    from cupy_paged._core.types import BF16
+
+    if tma.available():
+        maps = tma.KvMaps(BF16, dim, kv_heads, (kv_heads * dim, dim, kv_heads * dim, dim), blocks * block,
+                          tma.CONTIGUOUS_BOX_ROWS)
+        base, moved = _arrays.data_ptr(kc), iter(range(1 << 40))
+        rows.append(("-", "tensor maps, K/V at new addresses (two encodings)",
+                     mean_us(lambda: maps.maps(base + 16 * next(moved), base), N)))
+        rows.append(("-", "tensor maps, K/V where they were (memo)", mean_us(lambda: maps.maps(base, base), N)))
     print("| kind | part | mean us |")
     print("| --- | --- | ---: |")
     for kind, name, us in rows:
