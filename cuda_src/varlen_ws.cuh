@@ -17,10 +17,11 @@
 // is free again once both warpgroups have computed their softmax of it (the loadable bytes of the
 // tile are read there), a V slot once both have waited for its P V.
 //
-// Memory ordering: the copies are generic-proxy writes and wgmma reads through the async proxy, so
-// a consumer fences the proxies after its wait on a full barrier (which acquires the copies) and
-// before it issues the products; the loadable bytes and hole flags are plain shared stores of the
-// producer, released by its ordinary arrival on the K barrier.
+// Memory ordering: cp.async copies are generic-proxy writes and wgmma reads through the async proxy,
+// so a consumer fences the proxies after its wait on a full barrier (which acquires the copies) and
+// before it issues the products (TMA copies, TMA = 1, are async-proxy writes: the fence is then
+// redundant and harmless); the loadable bytes and hole flags are plain shared stores of the producer,
+// released by its ordinary arrival on the K barrier.
 //
 // With PERSISTENT = 1 the grid has at most one CTA per SM and each CTA works through a list of
 // tasks (TaskList): the warpgroups go from one task to the next without meeting, the K/V ring
@@ -90,9 +91,10 @@ struct Barriers {
   __device__ __forceinline__ u32 k_free(int s) const { return base + 8 * (kQ + 2 * Tr::kStages + s); }
   __device__ __forceinline__ u32 v_free(int s) const { return base + 8 * (kQ + 3 * Tr::kStages + s); }
 
-  // Expected arrivals per phase: a copy arrival by each producer thread (and for K an ordinary
-  // one after its loadable bytes and hole flag); a free slot, one arrival by each consumer
-  // thread, after its own reads of the slot.
+  // Expected arrivals per phase: a copy arrival by each producer thread (with the TMA loader an
+  // ordinary arrival in its place, thread 0's arming the tile's bytes), and for K an ordinary one
+  // after its loadable bytes and hole flag; a free slot, one arrival by each consumer thread,
+  // after its own reads of the slot.
   __device__ __forceinline__ void init() const {
     cp::mbar_init(q_full(), Tr::kPersistent ? 129 : 128);  // persistent: and the task's arrival
     if (Tr::kPersistent) cp::mbar_init(q_free(), kConsumerThreads);
@@ -227,7 +229,8 @@ __device__ __forceinline__ void produce(const Task& t, u32 s_q, u32 s_kv, Barrie
 // it by their byte count.  Where the cp.async loader has every producer thread issue kBlockN *
 // kChunks / 128 copies a tile, a contiguous tile takes kChunks / 8 and a paged one kChunks / 8 from
 // each of kRuns threads.  A contiguous full tile has no hole: its producer threads write no
-// loadable byte and vote nothing.  A hole's box starts at the first slot past the cache, so it lands
+// loadable byte and vote nothing, but each warp still writes its hole flag (zero), which a partial
+// tile earlier in the same stage may have left set.  A hole's box starts at the first slot past the cache, so it lands
 // as zeros, as a hole's cp.async rows do.  Partial tiles (a sequence's last keys, a table row's last
 // columns) and blocks of 8 keys keep the cp.async loader (load_kv_tile).
 static_assert(!Tr::kPersistent, "the TMA loader runs one CTA per query tile");

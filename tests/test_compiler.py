@@ -303,3 +303,42 @@ def test_registered_wgmma_shapes_by_layout():
     for head_dim in (64, 128, 256):
         for paged in (False, True):
             assert varlen_wgmma.kernel_key(BF16, head_dim, registered_tiles(head_dim, paged)) in keys
+
+
+def test_tensor_maps_encoded_by_two_threads_at_once_are_each_their_own(monkeypatch):
+    """The driver's encoder releases the GIL: two threads encoding maps of one launch shape at once
+    must each get (and memoise) the map of their own address.  A stand-in encoder writes the address
+    into the map and sleeps between its two writes, so a shared output buffer would hand one thread the
+    other's map."""
+    import ctypes
+    import threading
+    import time
+
+    import numpy as np
+
+    from cupy_paged._core import tma
+    from cupy_paged._core.types import BF16
+
+    def encode(out, data_type, rank, ptr, *rest):
+        out[0] = ptr
+        time.sleep(0.01)
+        out[1] = ptr
+        return 0
+
+    monkeypatch.setattr(tma, "_encoder", lambda: encode)
+    maps = tma.KvMaps(BF16, 128, 8, (1024, 128, 1024, 128), 10_000, tma.CONTIGUOUS_BOX_ROWS)
+    results = {}
+
+    def run(base):
+        results[base] = maps.maps(base, base + 16)
+
+    threads = [threading.Thread(target=run, args=(base,)) for base in (1 << 20, 2 << 20, 3 << 20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for base, both in results.items():
+        words = np.frombuffer(both, np.uint64)
+        assert list(words[[0, 1, 16, 17]]) == [base, base, base + 16, base + 16]
+        assert maps.maps(base, base + 16) == both
+    assert ctypes.sizeof(ctypes.c_uint64 * 16) == tma.MAP_BYTES

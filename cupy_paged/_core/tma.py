@@ -93,7 +93,6 @@ class KvMaps:
         box, ones = (u32 * 3)(BOX_COLUMNS, 1, box_rows), (u32 * 3)(1, 1, 1)
         self._args = [(shape, (u64 * 2)(2 * k_head, 2 * k_slot), box, ones),
                       (shape, (u64 * 2)(2 * v_head, 2 * v_slot), box, ones)]
-        self._out = (ctypes.c_uint64 * 16)()
         self._memo: dict = {}
 
     def maps(self, k_ptr: int, v_ptr: int) -> bytes:
@@ -102,14 +101,16 @@ class KvMaps:
         if both is None:
             if len(self._memo) >= _MEMO_LIMIT:
                 self._memo.clear()
-            both = self._memo[(k_ptr, v_ptr)] = (_encode(self._out, self._data_type, k_ptr, *self._args[0])
-                                                 + _encode(self._out, self._data_type, v_ptr, *self._args[1]))
+            both = self._memo[(k_ptr, v_ptr)] = (_encode(self._data_type, k_ptr, *self._args[0])
+                                                 + _encode(self._data_type, v_ptr, *self._args[1]))
         return both
 
 
-def _encode(out, data_type: int, ptr: int, shape, strides, box, element_strides) -> bytes:
-    """One 3-d map into ``out`` (16 uint64), returned as bytes: sizes ``shape`` (innermost first),
-    byte ``strides`` of dims 1 and 2, copies of ``box``, 128-byte swizzle, zeros outside the tensor."""
+def _encode(data_type: int, ptr: int, shape, strides, box, element_strides) -> bytes:
+    """One 3-d map as bytes: sizes ``shape`` (innermost first), byte ``strides`` of dims 1 and 2,
+    copies of ``box``, 128-byte swizzle, zeros outside the tensor.  Its output buffer is its own (the
+    driver call releases the GIL: two threads encoding at once must not share one)."""
+    out = (ctypes.c_uint64 * 16)()
     encode = _encoder()
     if encode is None:
         raise RuntimeError("the CUDA driver library has no cuTensorMapEncodeTiled (a CUDA 12 driver is needed)")

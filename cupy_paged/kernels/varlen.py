@@ -140,6 +140,13 @@ class VarlenLaunch:
         given = tiles is not None  # a named shape runs that kernel, short rows too
         self.tiles = tiles = tiles or default_tiles(head_dim, device, p.block_table is not None)
         self.batch = p.batch
+        self._maps = _kv_maps(p, tiles)
+        if isinstance(tiles, WgmmaTiles) and tiles.tma and (self._maps is None or (not given and p.block_size == 8)):
+            # K/V no map describes: a named shape runs its cp.async twin, a registered one the registered
+            # cp.async shape, which also takes paged blocks of 8 keys (the TMA shape would copy every
+            # tile of those with its cp.async loader, without the registered one's block ids ahead).
+            self._maps = None
+            self.tiles = tiles = dataclasses.replace(tiles, tma=False) if given else WGMMA_TILES[head_dim]
         # A persistent shape runs a grid of one CTA per SM over every query tile, for the calls it
         # takes (persistent_fits); the others run the same shape with one CTA per query tile.
         self.persistent = isinstance(tiles, WgmmaTiles) and tiles.persistent
@@ -149,13 +156,6 @@ class VarlenLaunch:
         self._sms = device_property(device, "multiProcessorCount") if self.persistent else 0
         self._per_tile = None  # (launcher, shared memory), made when a call's max_seqlen_q needs it
         self.head_dim = head_dim
-        self._maps = _kv_maps(p, tiles)
-        if isinstance(tiles, WgmmaTiles) and tiles.tma and (self._maps is None or (not given and p.block_size == 8)):
-            # K/V no map describes: a named shape runs its cp.async twin, a registered one the registered
-            # cp.async shape, which also takes paged blocks of 8 keys (the TMA shape would copy every
-            # tile of those with its cp.async loader, without the registered one's block ids ahead).
-            self._maps = None
-            self.tiles = tiles = dataclasses.replace(tiles, tma=False) if given else WGMMA_TILES[head_dim]
         function, self.smem = _launch(device, p.q.dtype, head_dim, tiles)
         # The TMA shape takes the K and V tensor maps (256 bytes, 64-byte aligned) before the other
         # parameters, which puts them past the buffer's C layout: launched by parameter pointers.
@@ -289,7 +289,12 @@ def _kv_maps(p: VarlenProblem, tiles) -> "tma.KvMaps | None":
                for slot, head in ((k_slot, k_head), (v_slot, v_head))):
         return None
     box_rows = tma.CONTIGUOUS_BOX_ROWS if p.block_table is None else tma.PAGED_BOX_ROWS
-    return tma.KvMaps(p.k.dtype, p.head_dim, kv_heads, (k_slot, k_head, v_slot, v_head), slots, box_rows)
+    maps = tma.KvMaps(p.k.dtype, p.head_dim, kv_heads, (k_slot, k_head, v_slot, v_head), slots, box_rows)
+    try:  # the first call's K/V, encoded now: a map the driver rejects takes the cp.async shape instead
+        maps.maps(p.k.ptr, p.v.ptr)
+    except RuntimeError:
+        return None
+    return maps
 
 
 def problem_args(p: VarlenProblem) -> tuple:
