@@ -57,8 +57,10 @@ H, HKV = 32, 8
 RESULTS = ROOT / "benchmarks" / "results" / "varlen.json"
 # --sweep times these wgmma tile shapes (head dim -> shapes) on the same data as the registered
 # kernel (each also checked by tests/test_varlen_gpu.py's WGMMA_CANDIDATES): the defaults before
-# v11 (one-warpgroup CTAs at D=64, v9 at D=128) and the v12 candidate; earlier sweeps, with their
-# outcomes, are in NOTES_varlen.md.
+# v11 (one-warpgroup CTAs at D=64, v9 at D=128), the v12 candidate (the softmax under P V on the
+# cp.async producer) and the TMA shapes (v16b registers the last at D = 128 and the D = 64 one for
+# paged caches, so beside the registered path they time the other layout's choice); earlier
+# sweeps, with their outcomes, are in NOTES_varlen.md.
 WGMMA_SWEEP: dict[int, tuple[WgmmaTiles, ...]] = {
     64: (WgmmaTiles(64, 2, groups=1), WgmmaTiles(128, 2, producer=True, pv_overlap=True),
          WgmmaTiles(128, 2, producer=True, tma=True)),
