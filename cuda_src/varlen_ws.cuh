@@ -57,14 +57,9 @@ constexpr bool WS_LEAN = WS_LEAN_PRODUCER != 0;  // varlen_wgmma.cu: PV_OVERLAP 
 
 // A lean producer gives the consumers 24 more registers each: P stays live through the softmax
 // when it runs under P V (PV_OVERLAP), which at D = 128 needs 216 a thread to spill nothing.
-// With the TMA copying the full tiles the producer needs fewer still (WS_TMA_PRODUCER_REGISTERS,
-// a candidate's knob), and the consumers take what it frees.
-#ifndef WS_TMA_PRODUCER_REGISTERS
-#define WS_TMA_PRODUCER_REGISTERS 72
-#endif
-constexpr int kProducerRegisters = TMA && WS_LEAN ? WS_TMA_PRODUCER_REGISTERS : WS_LEAN ? 72 : 112;
-constexpr int kConsumerRegisters = TMA && WS_LEAN ? (65536 / 384 / 8 * 8 * 384 - 128 * kProducerRegisters) / 256 / 8 * 8
-                                   : WS_LEAN ? 216 : 192;
+// (The TMA loader's producer takes the same split: below 72 its cp.async loop for partial tiles
+// spills, NOTES_varlen.md v16.)
+constexpr int kProducerRegisters = WS_LEAN ? 72 : 112, kConsumerRegisters = WS_LEAN ? 216 : 192;
 // setmaxnreg only moves registers inside the CTA's launch allocation: kCtaThreads threads of the
 // count ptxas gives the kernel under __launch_bounds__(kCtaThreads, 1), the most that fits 64 Ki
 // registers in multiples of 8 (168 for 384 threads; tests/test_compiler.py checks that every

@@ -288,7 +288,8 @@ def test_a_tma_shape_takes_its_maps_first_and_falls_back_where_none_fits():
 def test_registered_wgmma_shapes_by_layout():
     """Since v16b the registered wgmma shape depends on the K/V layout: D = 128 takes the TMA loader
     with the softmax under P V for contiguous K/V and paged caches, D = 64 the TMA loader for paged
-    caches only, D = 256 and D = 64 contiguous the cp.async shapes; every registered shape is built
+    caches only, D = 256, D = 64 contiguous and paged blocks of 8 keys the cp.async shapes; every
+    registered shape is built
     with the registry's keys (so `warm` and CI compile it)."""
     from cupy_paged._core.types import BF16
     from cupy_paged.kernels import registry, varlen_wgmma
@@ -299,6 +300,8 @@ def test_registered_wgmma_shapes_by_layout():
         assert registered_tiles(256, paged) == WGMMA_TILES[256]
     assert registered_tiles(64, True).label() == "wg128x128s2pt"
     assert registered_tiles(64, False) == WGMMA_TILES[64]
+    for head_dim in (64, 128):  # paged blocks of 8 keys: smaller than a TMA box, the cp.async shape
+        assert registered_tiles(head_dim, True, 8) == WGMMA_TILES[head_dim]
     keys = set(registry.all_keys())
     for head_dim in (64, 128, 256):
         for paged in (False, True):

@@ -55,7 +55,7 @@ def available() -> bool:
 
 def kv_map_fits(dtype, head_dim: int, heads: int, head_stride: int, slots: int, slot_stride: int) -> bool:
     """Whether a K or V array of ``slots`` rows (``slot_stride`` elements apart) of ``heads`` kv
-    heads (``head_stride`` apart) of ``head_dim`` elements has a map :func:`kv_map` can encode:
+    heads (``head_stride`` apart) of ``head_dim`` elements has a map :class:`KvMaps` can encode:
     a 16-bit dtype, whole 64-element column blocks, strides of multiples of 16 bytes that nest
     (heads inside a row), and rows that int32 coordinates reach."""
     itemsize = 2

@@ -120,11 +120,13 @@ def _launch(device: int, dtype, head_dim: int, tiles: Tiles | WgmmaTiles):
 _LAYOUT = "9P" + "qqiqiq" + "iiiiii" + "ff" + "iiii" + "P" + "i"
 
 
-def default_tiles(head_dim: int, device: int | None = None, paged: bool = False) -> Tiles | WgmmaTiles:
+def default_tiles(head_dim: int, device: int | None = None, block_size: int | None = None) -> Tiles | WgmmaTiles:
     """The registered shape of the kernel that ``device`` runs for ``head_dim`` and K/V in a paged
-    cache or contiguous: wgmma's where it serves the head dim on this GPU (compute capability 9.0),
-    else mma.sync's."""
-    return registered_tiles(head_dim, paged) if wgmma_available(head_dim, device) else TILES[head_dim]
+    cache of ``block_size`` keys a block (None: contiguous): wgmma's where it serves the head dim on
+    this GPU (compute capability 9.0), else mma.sync's."""
+    if not wgmma_available(head_dim, device):
+        return TILES[head_dim]
+    return registered_tiles(head_dim, block_size is not None, block_size or 0)
 
 
 class VarlenLaunch:
@@ -138,14 +140,12 @@ class VarlenLaunch:
         head_dim, num_heads = p.head_dim, p.num_heads
         self.device = device = p.q.device
         given = tiles is not None  # a named shape runs that kernel, short rows too
-        self.tiles = tiles = tiles or default_tiles(head_dim, device, p.block_table is not None)
+        self.tiles = tiles = tiles or default_tiles(head_dim, device, p.block_size)
         self.batch = p.batch
         self._maps = _kv_maps(p, tiles)
-        if isinstance(tiles, WgmmaTiles) and tiles.tma and (self._maps is None or (not given and p.block_size == 8)):
+        if isinstance(tiles, WgmmaTiles) and tiles.tma and self._maps is None:
             # K/V no map describes: a named shape runs its cp.async twin, a registered one the registered
-            # cp.async shape, which also takes paged blocks of 8 keys (the TMA shape would copy every
-            # tile of those with its cp.async loader, without the registered one's block ids ahead).
-            self._maps = None
+            # cp.async shape.
             self.tiles = tiles = dataclasses.replace(tiles, tma=False) if given else WGMMA_TILES[head_dim]
         # A persistent shape runs a grid of one CTA per SM over every query tile, for the calls it
         # takes (persistent_fits); the others run the same shape with one CTA per query tile.

@@ -104,13 +104,18 @@ WGMMA_TILES = {
 # (contiguous K/V one 128-row box a column block, a paged cache 16-row boxes issued by each run's
 # first row; the softmax under P V: 1.10-1.15x the cp.async shape at causal 8 x 2048 / 8 x 4096 on
 # contiguous K/V on an H100) and D = 64 over a paged cache (1.10x).  The others keep WGMMA_TILES, as
-# do calls whose K/V no tensor map describes and paged blocks of 8 keys.
+# do paged caches of blocks smaller than the TMA's 16-row box and calls whose K/V no tensor map
+# describes (VarlenLaunch).
 _TMA_128 = WgmmaTiles(128, 2, producer=True, staged_store=True, pv_overlap=True, tma=True)
 WGMMA_TMA_TILES = {(128, False): _TMA_128, (128, True): _TMA_128, (64, True): WgmmaTiles(128, 2, producer=True, tma=True)}
+TMA_MIN_BLOCK = 16  # a paged box's rows (varlen_ws.cuh kBoxRows): smaller blocks copy every tile by cp.async
 
 
-def registered_tiles(head_dim: int, paged: bool) -> WgmmaTiles:
-    """The registered wgmma shape of ``head_dim`` for K/V in a paged cache or contiguous."""
+def registered_tiles(head_dim: int, paged: bool, block_size: int = TMA_MIN_BLOCK) -> WgmmaTiles:
+    """The registered wgmma shape of ``head_dim`` for K/V in a paged cache (of ``block_size`` keys a
+    block) or contiguous."""
+    if paged and block_size < TMA_MIN_BLOCK:
+        return WGMMA_TILES[head_dim]
     return WGMMA_TMA_TILES.get((head_dim, paged), WGMMA_TILES[head_dim])
 
 
@@ -140,7 +145,7 @@ def kernel_key(dtype, head_dim: int, tiles: WgmmaTiles | None = None, trace: boo
 def all_keys():
     return ([kernel_key(dtype, d) for dtype in KERNEL_DTYPES for d in WGMMA_TILES]
             + [kernel_key(dtype, d, tiles) for dtype in KERNEL_DTYPES
-               for d, tiles in sorted({(d, tiles) for (d, _), tiles in WGMMA_TMA_TILES.items()}, key=str)])
+               for d, tiles in dict.fromkeys((d, tiles) for (d, _), tiles in WGMMA_TMA_TILES.items())])
 
 
 def wgmma_available(head_dim: int, device: int | None = None) -> bool:
